@@ -1,0 +1,166 @@
+"""The configuration contract: defaults every config file starts from, and validation.
+
+Config files under ``configs/`` call :func:`default_config` and change only what
+differs. :func:`validate_config` runs before any data is read or anything is
+compiled, and names the offending key, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+# Model -> datasets it can train on.
+MODEL_DATASETS = {
+    "lenet5": ("mnist", "cifar10"),
+    "resnet18": ("cifar10", "mnist"),
+    "vgg19": ("cifar10", "mnist"),
+    "seq2seq": ("multi30k",),
+}
+DATASETS = ("mnist", "cifar10", "multi30k")
+# Every scheme of the papers; the ones this build trains with are IMPLEMENTED_SCHEMES.
+SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+IMPLEMENTED_SCHEMES = ("bsp",)
+COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
+IMPLEMENTED_COMPRESSORS = ("none",)
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key the framework reads, with its default."""
+  c = ml_collections.ConfigDict()
+  c.model = "lenet5"
+  # Extra constructor arguments of the model (e.g. emb_dim, hidden_dim, dropout for seq2seq).
+  c.model_args = ml_collections.ConfigDict()
+  c.dataset = "mnist"
+  c.data_dir = ""        # '' -> $GSSP_DATA_DIR -> prepared TFDS -> download (if data_download)
+  c.data_download = False
+  c.data_url = ""        # base URL for data_download; '' -> $GSSP_DATA_URL -> canonical mirrors
+  c.data = ml_collections.ConfigDict()
+  c.data.train_size = 0  # use only the first N training examples (0 = all)
+  c.data.test_size = 0   # evaluate on the first N test examples (0 = all)
+  c.data.augment = False  # random crop (4-pixel padding) + horizontal flip, in JAX
+  c.data.max_len = 0     # translation: truncate sentences to this many tokens (0 = no limit)
+  c.data.eval_batch_size = 500
+  c.seed = 0
+  c.num_workers = 4
+  c.batch_size = 32      # per worker
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "sgd"
+  c.optimizer.learning_rate = 0.05
+  c.optimizer.momentum = 0.9
+  c.optimizer.nesterov = False
+  c.optimizer.weight_decay = 5e-4
+  c.optimizer.schedule = "constant"
+  c.optimizer.warmup_epochs = 0.0
+  c.optimizer.grad_clip = 0.0  # global-norm clip of the applied gradient (0 = off)
+
+  c.sync = ml_collections.ConfigDict()
+  c.sync.scheme = "bsp"
+  c.compress = ml_collections.ConfigDict()
+  c.compress.name = "none"
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_epochs = 1.0
+  c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
+  c.train.target_accuracy = 0.0   # vision: time_to_target is the first eval reaching it (0 = none)
+  c.train.target_bleu = 0.0       # translation: likewise for BLEU
+  c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)
+  c.train.max_checkpoints = 2
+  c.train.log_every = 200         # updates between progress lines (chunk length cap)
+  c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)
+  return c
+
+
+def _fail(key: str, value, allowed: str) -> None:
+  raise ValueError(f"config.{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _choice(config, key: str, allowed) -> None:
+  value = _get(config, key)
+  if value not in allowed:
+    _fail(key, value, ", ".join(allowed))
+
+
+def _get(config, key: str):
+  node = config
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def _positive(config, key: str, kind=(int, float)) -> None:
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+    _fail(key, value, "a positive number" if kind != int else "a positive integer")
+
+
+def _non_negative(config, key: str) -> None:
+  value = _get(config, key)
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    _fail(key, value, "a number >= 0")
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first invalid key; runs before any compilation."""
+  _choice(config, "model", tuple(MODEL_DATASETS))
+  _choice(config, "dataset", DATASETS)
+  if config.dataset not in MODEL_DATASETS[config.model]:
+    _fail("dataset", config.dataset,
+          f"{', '.join(MODEL_DATASETS[config.model])} for model {config.model!r}")
+  _choice(config, "sync.scheme", SCHEMES)
+  if config.sync.scheme not in IMPLEMENTED_SCHEMES:
+    raise NotImplementedError(
+        f"config.sync.scheme={config.sync.scheme!r} is one of the planned schemes but not"
+        f" available in this build yet; available: {', '.join(IMPLEMENTED_SCHEMES)}")
+  _choice(config, "compress.name", COMPRESSORS)
+  if config.compress.name not in IMPLEMENTED_COMPRESSORS:
+    raise NotImplementedError(
+        f"config.compress.name={config.compress.name!r} is planned but not available in"
+        f" this build yet; available: {', '.join(IMPLEMENTED_COMPRESSORS)}")
+  _choice(config, "optimizer.name", OPTIMIZERS)
+  _choice(config, "optimizer.schedule", SCHEDULES)
+  if not isinstance(config.seed, int) or isinstance(config.seed, bool):
+    _fail("seed", config.seed, "an integer")
+  for key in ("num_workers", "batch_size", "data.eval_batch_size", "train.checkpoint_every",
+              "train.max_checkpoints", "train.log_every"):
+    _positive(config, key, int)
+  for key in ("optimizer.learning_rate", "train.num_epochs", "train.eval_every"):
+    _positive(config, key)
+  for key in ("optimizer.momentum", "optimizer.weight_decay", "optimizer.warmup_epochs",
+              "optimizer.grad_clip", "train.target_accuracy", "train.target_bleu",
+              "train.stop_after_updates", "data.train_size", "data.test_size", "data.max_len"):
+    _non_negative(config, key)
+  for key in ("data.train_size", "data.test_size", "data.max_len", "train.stop_after_updates"):
+    if not isinstance(_get(config, key), int):
+      _fail(key, _get(config, key), "an integer >= 0")
+  if config.optimizer.momentum >= 1:
+    _fail("optimizer.momentum", config.optimizer.momentum, "a number in [0, 1)")
+  if config.train.target_accuracy > 1:
+    _fail("train.target_accuracy", config.train.target_accuracy,
+          "a fraction in [0, 1] (0 = no target)")
+  if config.data.train_size and config.data.train_size < config.num_workers:
+    _fail("data.train_size", config.data.train_size,
+          f"0 (all) or at least num_workers={config.num_workers}")
+
+
+def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:
+  """Checks that need the dataset's size (still before any compilation)."""
+  shard = num_train // config.num_workers
+  if shard < 1:
+    _fail("num_workers", config.num_workers,
+          f"at most the number of training examples ({num_train})")
+  if config.batch_size > shard:
+    _fail("batch_size", config.batch_size,
+          f"at most the per-worker shard size {shard} (= {num_train} training examples //"
+          f" num_workers={config.num_workers})")
+
+
+def parse_arg(arg: str | None, allowed: tuple[str, ...] = ("smoke",)) -> set[str]:
+  """Parses a config file's ``:arg`` (comma-separated flags such as ``smoke``)."""
+  flags = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = sorted(flags - set(allowed))
+  if unknown:
+    raise ValueError(f"unknown config arg {unknown[0]!r}; allowed: {', '.join(allowed)}")
+  return flags

@@ -1,0 +1,194 @@
+"""What is trained: a model, its loss on one worker's batch, and its evaluation.
+
+A task turns a dataset and a model into three pure pieces the training step
+composes: ``init``, ``loss`` (train mode, one worker's batch) and ``evaluate``
+(test split). Data arrays are kept as dicts of arrays with a leading example
+axis, so a batch for ``W`` workers is a gather with ``[W, B]`` indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import sacrebleu
+
+from gssp_jax import data as data_lib
+from gssp_jax import models as models_lib
+
+Batch = dict[str, jax.Array]
+
+
+def _pad_to_batches(arrays: dict[str, np.ndarray], batch_size: int):
+  """Splits arrays into ``[(batch, mask)]`` of equal size, the last padded (mask False)."""
+  n = len(next(iter(arrays.values())))
+  nb = -(-n // batch_size)
+  pad = nb * batch_size - n
+  padded = {k: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+            for k, a in arrays.items()}
+  mask = np.arange(nb * batch_size) < n
+  sl = lambda i: slice(i * batch_size, (i + 1) * batch_size)
+  return [({k: a[sl(i)] for k, a in padded.items()}, mask[sl(i)]) for i in range(nb)]
+
+
+@dataclasses.dataclass
+class ClassificationTask:
+  """Image classification (LeNet-5, ResNet-18, VGG-19 on MNIST / CIFAR-10)."""
+  model: Any
+  dataset: data_lib.ImageDataset
+  augment: bool
+  eval_batch_size: int
+  train_size: int = 0
+  test_size: int = 0
+
+  def __post_init__(self):
+    ds = self.dataset
+    n_train = self.train_size or len(ds.train_labels)
+    n_test = self.test_size or len(ds.test_labels)
+    self.train = {"image": ds.train_images[:n_train], "label": ds.train_labels[:n_train]}
+    self.test = {"image": ds.test_images[:n_test], "label": ds.test_labels[:n_test]}
+    self._mean = np.asarray(ds.mean, np.float32)
+    self._std = np.asarray(ds.std, np.float32)
+    self._eval = jax.jit(self._eval_batch)
+    self._test_batches = None
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train["label"])
+
+  def _inputs(self, images):
+    return data_lib.normalize_images(images, self._mean, self._std)
+
+  def init(self, rng: jax.Array):
+    variables = self.model.init(rng, self._inputs(self.train["image"][:1]), train=False)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    return params, model_state
+
+  def loss(self, params, model_state, batch: Batch, rng: jax.Array):
+    """Mean cross-entropy on one worker's batch; returns (loss, new model_state)."""
+    images = batch["image"]
+    if self.augment:
+      images = data_lib.augment_crop_flip(rng, images)
+    variables = {"params": params, **model_state}
+    if model_state:  # BatchNorm: the step returns the new running statistics
+      logits, new_state = self.model.apply(variables, self._inputs(images), train=True,
+                                           mutable=list(model_state))
+    else:
+      logits, new_state = self.model.apply(variables, self._inputs(images), train=True), {}
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, dict(new_state)
+
+  def _eval_batch(self, params, model_state, batch, mask):
+    logits = self.model.apply({"params": params, **model_state},
+                              self._inputs(batch["image"]), train=False)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    correct = (jnp.argmax(logits, -1) == batch["label"]) & mask
+    return correct.sum(), jnp.where(mask, ce, 0).sum()
+
+  def evaluate(self, params, model_state) -> dict[str, float]:
+    if self._test_batches is None:
+      self._test_batches = jax.device_put(_pad_to_batches(self.test, self.eval_batch_size))
+    # A host loop over batches, not lax.scan: see step.make_chunk_runner on XLA:CPU loops.
+    sums = [self._eval(params, model_state, b, m) for b, m in self._test_batches]
+    n = len(self.test["label"])
+    correct = sum(int(c) for c, _ in sums)
+    loss = sum(float(l) for _, l in sums)
+    return {"test_accuracy": correct / n, "test_loss": loss / n}
+
+
+def _masked_ce(logits, targets, lengths):
+  """Token-mean cross-entropy over positions < lengths; returns (sum, count)."""
+  mask = jnp.arange(targets.shape[1])[None, :] < lengths[:, None]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return jnp.where(mask, ce, 0).sum(), mask.sum()
+
+
+@dataclasses.dataclass
+class TranslationTask:
+  """Multi30k de->en with the GRU Seq2Seq; evaluated by greedy-decoding BLEU (sacrebleu)."""
+  model: Any
+  dataset: data_lib.TranslationDataset
+  eval_batch_size: int
+  train_size: int = 0
+  test_size: int = 0
+
+  def __post_init__(self):
+    ds = self.dataset
+    n_train = self.train_size or len(ds.train.src)
+    n_test = self.test_size or len(ds.test.src)
+    self.train = {k: getattr(ds.train, k)[:n_train] for k in ("src", "src_len", "tgt", "tgt_len")}
+    self.test = {k: getattr(ds.test, k)[:n_test] for k in ("src", "src_len", "tgt", "tgt_len")}
+    self.references = list(ds.test_references[:n_test])
+    # Greedy decoding may run a few tokens past the longest reference.
+    self.max_decode_len = int(ds.test.tgt.shape[1]) + 5
+    self._eval = jax.jit(self._eval_batch)
+    self._test_batches = None
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train["src"])
+
+  def init(self, rng: jax.Array):
+    p_rng, d_rng = jax.random.split(rng)
+    t = self.train
+    variables = self.model.init({"params": p_rng, "dropout": d_rng}, t["src"][:1],
+                                t["src_len"][:1], t["tgt"][:1, :-1], train=False)
+    return variables["params"], {}
+
+  def loss(self, params, model_state, batch: Batch, rng: jax.Array):
+    """Token-mean cross-entropy with teacher forcing on one worker's batch."""
+    logits = self.model.apply({"params": params}, batch["src"], batch["src_len"],
+                              batch["tgt"][:, :-1], train=True, rngs={"dropout": rng})
+    total, count = _masked_ce(logits, batch["tgt"][:, 1:], batch["tgt_len"] - 1)
+    return total / jnp.maximum(count, 1), model_state
+
+  def _eval_batch(self, params, batch, mask):
+    logits = self.model.apply({"params": params}, batch["src"], batch["src_len"],
+                              batch["tgt"][:, :-1], train=False)
+    total, count = _masked_ce(logits, batch["tgt"][:, 1:],
+                              jnp.where(mask, batch["tgt_len"] - 1, 0))
+    tokens = self.model.apply({"params": params}, batch["src"], batch["src_len"],
+                              max_len=self.max_decode_len, bos_id=data_lib.BOS,
+                              eos_id=data_lib.EOS, method=type(self.model).greedy_decode)
+    return total, count, tokens
+
+  def evaluate(self, params, model_state) -> dict[str, float]:
+    del model_state
+    if self._test_batches is None:
+      self._test_batches = jax.device_put(_pad_to_batches(self.test, self.eval_batch_size))
+    outs = [self._eval(params, b, m) for b, m in self._test_batches]
+    total = sum(float(t) for t, _, _ in outs)
+    count = sum(int(c) for _, c, _ in outs)
+    tokens = np.concatenate([np.asarray(tok) for _, _, tok in outs])[: len(self.references)]
+    vocab = self.dataset.tgt_vocab
+    hyps = [" ".join(vocab.decode(row)) for row in tokens]
+    bleu = sacrebleu.corpus_bleu(hyps, [self.references]).score
+    loss = total / max(count, 1)
+    return {"bleu": bleu, "test_loss": loss, "test_perplexity": float(np.exp(min(loss, 50.0)))}
+
+
+def make_task(config: ml_collections.ConfigDict):
+  """Loads the dataset and builds the model for ``config`` (validated beforehand)."""
+  data_dir = config.data_dir or None
+  ds = data_lib.load_dataset(
+      config.dataset, data_dir, max_len=config.data.max_len or None,
+      allow_download=config.data_download, download_url=config.data_url or None)
+  model_args = dict(config.model_args)
+  if isinstance(ds, data_lib.TranslationDataset):
+    model = models_lib.create_model(config.model, src_vocab_size=len(ds.src_vocab),
+                                    tgt_vocab_size=len(ds.tgt_vocab), **model_args)
+    return TranslationTask(model, ds, config.data.eval_batch_size, config.data.train_size,
+                           config.data.test_size)
+  model = models_lib.create_model(config.model, num_classes=ds.num_classes, **model_args)
+  return ClassificationTask(model, ds, config.data.augment, config.data.eval_batch_size,
+                            config.data.train_size, config.data.test_size)
+
+
+TaskLike = ClassificationTask | TranslationTask
+LossFn = Callable[..., tuple[jax.Array, Any]]

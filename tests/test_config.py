@@ -1,0 +1,66 @@
+"""Config files and validation: bad values are rejected, naming the key, before compiling."""
+
+import importlib
+
+import pytest
+
+from gssp_jax import config as config_lib
+
+CONFIGS = ["mnist_lenet5", "cifar10_resnet18", "cifar10_vgg19", "multi30k_seq2seq"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("arg", [None, "smoke"])
+def test_shipped_configs_are_valid(name, arg):
+  config = importlib.import_module(f"configs.{name}").get_config(arg)
+  config_lib.validate_config(config)
+
+
+def test_unknown_config_arg_is_rejected():
+  with pytest.raises(ValueError, match="'fast'.*allowed: smoke"):
+    importlib.import_module("configs.mnist_lenet5").get_config("fast")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("model", "resnet50", "config.model='resnet50'.*lenet5, resnet18, vgg19, seq2seq"),
+    ("dataset", "imagenet", "config.dataset='imagenet'.*mnist, cifar10, multi30k"),
+    ("dataset", "multi30k", "config.dataset='multi30k'.*for model 'lenet5'"),
+    ("sync.scheme", "hogwild", "config.sync.scheme='hogwild'.*bsp, asp, ssp"),
+    ("compress.name", "zip", "config.compress.name='zip'"),
+    ("optimizer.name", "lamb", "config.optimizer.name='lamb'.*sgd, adam, adamw"),
+    ("num_workers", 0, "config.num_workers=0.*positive integer"),
+    ("num_workers", -3, "config.num_workers=-3"),
+    ("batch_size", -1, "config.batch_size=-1.*positive integer"),
+    ("batch_size", 2.5, "config.batch_size=2.5"),
+    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate=0.0"),
+    ("optimizer.momentum", 1.0, r"config.optimizer.momentum=1.0.*\[0, 1\)"),
+    ("train.num_epochs", -1.0, "config.train.num_epochs=-1.0"),
+    ("train.target_accuracy", 98.5, r"config.train.target_accuracy=98.5.*fraction"),
+    ("data.train_size", -5, "config.data.train_size=-5"),
+])
+def test_invalid_values_name_the_key(key, value, match):
+  config = config_lib.default_config()
+  node = config
+  *path, leaf = key.split(".")
+  for part in path:
+    node = node[part]
+  with config.ignore_type():
+    node[leaf] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate_config(config)
+
+
+def test_planned_schemes_say_they_are_not_available_yet():
+  config = config_lib.default_config()
+  config.sync.scheme = "gssp"
+  with pytest.raises(NotImplementedError, match="'gssp'.*available: bsp"):
+    config_lib.validate_config(config)
+
+
+def test_batch_larger_than_the_shard_is_rejected():
+  config = config_lib.default_config()
+  config.num_workers, config.batch_size = 4, 300
+  with pytest.raises(ValueError, match="config.batch_size=300.*shard size 250"):
+    config_lib.validate_sizes(config, num_train=1000)
+  with pytest.raises(ValueError, match="config.num_workers=4"):
+    config_lib.validate_sizes(config, num_train=3)

@@ -1,0 +1,38 @@
+"""Per-worker deterministic sharding."""
+
+import numpy as np
+import pytest
+
+from gssp_jax.data import sharding
+
+
+def test_shards_are_disjoint_and_cover_all_but_the_remainder():
+  shards = sharding.worker_shards(103, 4, seed=0)
+  assert shards.shape == (4, 25) and shards.dtype == np.int32
+  flat = shards.ravel()
+  assert len(np.unique(flat)) == flat.size  # disjoint
+  assert flat.min() >= 0 and flat.max() < 103
+
+
+def test_shards_depend_only_on_the_seed():
+  np.testing.assert_array_equal(sharding.worker_shards(100, 4, 3),
+                                sharding.worker_shards(100, 4, 3))
+  assert not np.array_equal(sharding.worker_shards(100, 4, 3), sharding.worker_shards(100, 4, 4))
+
+
+def test_each_epoch_reshuffles_within_the_workers_own_shard():
+  shards = sharding.worker_shards(1000, 4, seed=1)
+  e0 = sharding.epoch_order(shards, seed=1, epoch=0)
+  e1 = sharding.epoch_order(shards, seed=1, epoch=1)
+  for w in range(4):
+    assert set(e0[w]) == set(shards[w]) == set(e1[w])
+  assert not np.array_equal(e0, e1)
+  np.testing.assert_array_equal(e1, sharding.epoch_order(shards, seed=1, epoch=1))
+  # A worker's order is its own: it does not depend on how many epochs others ran.
+  np.testing.assert_array_equal(e1[2], sharding.worker_order(shards, 1, worker=2, epoch=1))
+
+
+@pytest.mark.parametrize("n,w", [(10, 0), (3, 4)])
+def test_bad_sizes_are_rejected(n, w):
+  with pytest.raises(ValueError, match="workers"):
+    sharding.worker_shards(n, w, 0)

@@ -1,0 +1,168 @@
+"""The training loop: the per-worker seam, BSP, smoke runs, exact resume, divergence."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gssp_jax import config as config_lib
+from gssp_jax import data as data_lib
+from gssp_jax import models as models_lib
+from gssp_jax.train import loop
+from gssp_jax.train import optim
+from gssp_jax.train import step as step_lib
+from gssp_jax.train import tasks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(name, data_dir, arg="smoke", **overrides):
+  config = importlib.import_module(f"configs.{name}").get_config(arg)
+  config.data_dir = data_dir
+  for key, value in overrides.items():
+    node = config
+    *path, leaf = key.split(".")
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def _lines(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _synthetic_task(num_examples=256, seed=0):
+  rng = np.random.default_rng(seed)
+  images = rng.integers(0, 256, (num_examples, 32, 32, 1), dtype=np.uint8)
+  labels = rng.integers(0, 10, num_examples).astype(np.int32)
+  ds = data_lib.ImageDataset("synthetic", images, labels, images[:16], labels[:16], 10,
+                             (0.5,), (0.25,))
+  return tasks.ClassificationTask(models_lib.create_model("lenet5", num_classes=10), ds,
+                                  augment=True, eval_batch_size=8)
+
+
+def test_fused_mean_gradient_equals_mean_of_per_worker_gradients():
+  task = _synthetic_task()
+  params, model_state = task.init(jax.random.PRNGKey(0))
+  idx = np.arange(4 * 16).reshape(4, 16)
+  batches = jax.tree.map(lambda a: jnp.asarray(a[idx]), task.train)
+  rngs = step_lib.worker_rngs(jax.random.PRNGKey(1), jnp.int32(3), 4)
+  stacked, _, losses_a = jax.jit(step_lib.worker_gradients, static_argnums=0)(
+      task.loss, params, model_state, batches, rngs)
+  fused, _, losses_b = jax.jit(step_lib.mean_worker_gradient, static_argnums=0)(
+      task.loss, params, model_state, batches, rngs)
+  assert jax.tree.leaves(stacked)[0].shape[0] == 4  # the leading worker axis
+  np.testing.assert_allclose(losses_a, losses_b, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(fused)):
+    np.testing.assert_allclose(a.mean(0), b, rtol=2e-4, atol=1e-6)
+
+
+def test_bsp_with_one_worker_is_plain_sgd():
+  task = _synthetic_task()
+  config = config_lib.default_config()
+  tx = optim.make_optimizer(config.optimizer, 10, 10)
+  state = step_lib.init_train_state(task, tx, seed=0)
+  order = np.arange(64, dtype=np.int32)[None, :]
+  run = step_lib.make_chunk_runner(step_lib.make_bsp_step(task.loss, tx, 1), 16)
+  new_state, losses = run(state, jax.device_put(task.train), jnp.asarray(order), 0, 4)
+  assert losses.shape == (4,) and np.all(np.isfinite(losses))
+
+  # The same four updates by hand: grad of the worker's loss, optax, apply.
+  state = step_lib.init_train_state(task, tx, seed=0)
+  params, opt_state = state.params, state.opt_state
+  for t in range(4):
+    batch = jax.tree.map(lambda a: jnp.asarray(a[order[0, t * 16:(t + 1) * 16]]), task.train)
+    rng = step_lib.worker_rngs(state.rng, jnp.int32(t), 1)[0]
+    grads, _ = jax.grad(task.loss, has_aux=True)(params, {}, batch, rng)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  assert int(new_state.step) == 4
+  for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mnist_lenet5", "cifar10_resnet18", "cifar10_vgg19",
+                                  "multi30k_seq2seq"])
+def test_smoke_configs_train_end_to_end(name, data_dir, tmp_path):
+  summary = loop.train_and_evaluate(_config(name, data_dir), str(tmp_path))
+  lines = _lines(tmp_path)
+  assert len(lines) >= 2
+  assert lines[-1]["train_loss"] < lines[0]["train_loss"], [m["train_loss"] for m in lines]
+  for key in ("epoch", "updates", "virtual_time", "wall_time", "train_loss", "bytes_pushed",
+              "bytes_pulled", "blocked_time", "staleness"):
+    assert key in lines[-1]
+  metric = "bleu" if name.startswith("multi30k") else "test_accuracy"
+  assert summary["metric"] == metric and metric in lines[-1]
+  assert summary["status"] == "done" and summary["final"] == lines[-1]
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["final"] == lines[-1]
+  if name == "mnist_lenet5":
+    assert lines[-1]["test_accuracy"] > 0.5  # chance is 0.1
+
+
+def _without_wall_time(lines):
+  return [{k: v for k, v in m.items() if k != "wall_time"} for m in lines]
+
+
+def test_resumed_run_is_bit_identical(data_dir, tmp_path):
+  overrides = {"train.eval_every": 0.5, "train.num_epochs": 2.0}
+  whole = tmp_path / "whole"
+  loop.train_and_evaluate(_config("mnist_lenet5", data_dir, **overrides), str(whole))
+
+  split = tmp_path / "split"
+  stopped = loop.train_and_evaluate(
+      _config("mnist_lenet5", data_dir, **{**overrides, "train.stop_after_updates": 11}),
+      str(split))
+  assert stopped["status"] == "stopped" and stopped["totals"]["updates"] == 11
+  # A crash after metrics were written past the checkpoint: the resumed run redoes them.
+  with open(split / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"updates": 10**6, "bogus": True}) + "\n")
+  resumed = loop.train_and_evaluate(_config("mnist_lenet5", data_dir, **overrides), str(split))
+  assert resumed["status"] == "done"
+  assert _without_wall_time(_lines(split)) == _without_wall_time(_lines(whole))
+
+
+def test_resuming_with_another_config_is_refused(data_dir, tmp_path):
+  loop.train_and_evaluate(
+      _config("mnist_lenet5", data_dir, **{"train.stop_after_updates": 2}), str(tmp_path))
+  with pytest.raises(ValueError, match="different config.*batch_size"):
+    loop.train_and_evaluate(_config("mnist_lenet5", data_dir, batch_size=16), str(tmp_path))
+
+
+def test_non_finite_loss_stops_with_a_clear_error(data_dir, tmp_path):
+  config = _config("mnist_lenet5", data_dir, **{"optimizer.learning_rate": 1e30,
+                                                "optimizer.schedule": "constant"})
+  with pytest.raises(FloatingPointError, match="non-finite training loss"):
+    loop.train_and_evaluate(config, str(tmp_path))
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["status"] == "diverged"
+
+
+def test_main_command_line(data_dir, tmp_path):
+  cmd = [sys.executable, "-m", "experiments.main", "--config=configs/mnist_lenet5.py:smoke",
+         f"--workdir={tmp_path}", f"--config.data_dir={data_dir}", "--config.num_workers=2",
+         "--config.train.num_epochs=1"]
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "final test_accuracy:" in out.stdout
+  assert "samples/s" in out.stderr  # the progress line
+  with open(tmp_path / "summary.json") as f:
+    assert json.load(f)["config"]["num_workers"] == 2
+
+
+def test_invalid_flag_value_fails_before_training(data_dir, tmp_path):
+  cmd = [sys.executable, "-m", "experiments.main", "--config=configs/mnist_lenet5.py:smoke",
+         f"--workdir={tmp_path}", "--config.sync.scheme=nope"]
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode != 0
+  assert "config.sync.scheme='nope'" in out.stderr
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
