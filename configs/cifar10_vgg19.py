@@ -3,7 +3,7 @@
   python -m experiments.main --config=configs/cifar10_vgg19.py --workdir=/tmp/c10_vgg19
 
 Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes about
-an hour, see README). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~1 min.
+33 min, see README). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~1 min.
 """
 
 from gssp_jax.config import default_config, parse_arg

@@ -2,7 +2,7 @@
 
   python -m experiments.main --config=configs/mnist_lenet5.py --workdir=/tmp/mnist_lenet5
 
-Full: 8 epochs, ~3 min on a 2-core CPU, ~99.0 % test accuracy (>= 98.5 %).
+Full: 8 epochs, ~1.5 min on a 2-core CPU, 99.1 % test accuracy (>= 98.5 % from epoch 3).
 `configs/mnist_lenet5.py:smoke`: 2,048 examples, ~10 s.
 """
 
