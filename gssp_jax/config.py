@@ -34,7 +34,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model_args = ml_collections.ConfigDict()
   c.dataset = "mnist"
   c.data_dir = ""        # '' -> $GSSP_DATA_DIR -> prepared TFDS -> download (if data_download)
-  c.data_download = False
+  # Download the canonical files (checksummed, into $GSSP_CACHE_DIR) when no local source has
+  # them; offline this fails within seconds with a message saying how to provide the files.
+  c.data_download = True
   c.data_url = ""        # base URL for data_download; '' -> $GSSP_DATA_URL -> canonical mirrors
   c.data = ml_collections.ConfigDict()
   c.data.train_size = 0  # use only the first N training examples (0 = all)

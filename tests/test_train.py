@@ -166,3 +166,23 @@ def test_invalid_flag_value_fails_before_training(data_dir, tmp_path):
   assert out.returncode != 0
   assert "config.sync.scheme='nope'" in out.stderr
   assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_no_data_and_no_network_fails_fast_saying_how_to_get_data(tmp_path, monkeypatch):
+  import socket
+  import time
+  with socket.socket() as s:  # a local port nobody listens on: a mirror that is down
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  monkeypatch.delenv("GSSP_DATA_DIR", raising=False)
+  monkeypatch.setenv("GSSP_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  config = _config("mnist_lenet5", "", data_url=f"http://127.0.0.1:{port}")
+  assert config.data_download  # on by default: with a network the main command gets its data
+  start = time.perf_counter()
+  with pytest.raises(data_lib.DataError) as err:
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert time.perf_counter() - start < 10
+  message = str(err.value)
+  assert "download: failed" in message and "GSSP_DATA_DIR" in message
+  assert "train-images-idx3-ubyte.gz" in message  # the expected layout

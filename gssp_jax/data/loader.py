@@ -64,14 +64,17 @@ def _expected_layout(name: str) -> str:
           "test/<class>/*.jpg)")
 
 
-def _not_found(name: str, root: pathlib.Path | None, cache_dir: pathlib.Path) -> DataError:
+def _not_found(name: str, root: pathlib.Path | None, cache_dir: pathlib.Path,
+               download_error: DataError | None = None) -> DataError:
   looked = (f"data directory {root}: none of the {name} files" if root else
             f"data directory: not set (neither data_dir nor ${paths.DATA_DIR_ENV})")
+  tried = (f"failed: {download_error}" if download_error else
+           "disabled (allow_download / data_download is False)")
   return DataError(
       f"No data found for dataset {name!r}. Looked at:\n"
       f"  - {looked}\n"
       f"  - {tfds_source.describe(name)}\n"
-      f"  - download: disabled (allow_download / data_download is False)\n"
+      f"  - download: {tried}\n"
       f"Provide the files in one of these ways:\n"
       f"  1. pass --config.data_dir=DIR or export {paths.DATA_DIR_ENV}=DIR, laid out as\n"
       f"     {_expected_layout(name)}\n"
@@ -133,7 +136,10 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
       return dataset
 
   if allow_download:
-    downloaded = download.download(name, cache, download_url)
+    try:
+      downloaded = download.download(name, cache, download_url)
+    except DataError as e:
+      raise _not_found(name, root, cache, download_error=e) from e
     dataset = _load_from_dir(name, downloaded, cache, max_len, min_freq)
     if dataset is None:  # download() fetched every file, so this means a bug in the plan
       raise DataError(f"downloaded {name} into {downloaded} but found no files there")
