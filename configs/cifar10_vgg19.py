@@ -1,36 +1,16 @@
-"""VGG-19 with BatchNorm on CIFAR-10, 4 synchronous (BSP) workers x batch 32, augmented.
+"""VGG-19 with BatchNorm on CIFAR-10: the ResNet-18 setting with the other model and lr 0.05.
 
   python -m experiments.main --config=configs/cifar10_vgg19.py --workdir=/tmp/c10_vgg19
 
 Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes about
-33 min, see README). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~1 min.
+33 min, see README). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~30 s.
 """
 
-from gssp_jax.config import default_config, parse_arg
+from configs import cifar10_resnet18
 
 
 def get_config(arg=None):
-  args = parse_arg(arg)
-  c = default_config()
+  c = cifar10_resnet18.get_config(arg)
   c.model = "vgg19"
-  c.dataset = "cifar10"
-  c.num_workers = 4
-  c.batch_size = 32
-  c.data.augment = True
-  c.optimizer.name = "sgd"
   c.optimizer.learning_rate = 0.05
-  c.optimizer.momentum = 0.9
-  c.optimizer.weight_decay = 5e-4
-  c.optimizer.schedule = "cosine"
-  c.train.num_epochs = 30.0
-  c.train.eval_every = 1.0
-  c.train.target_accuracy = 0.9
-  if "smoke" in args:
-    c.num_workers = 2
-    c.batch_size = 16
-    c.data.train_size = 256
-    c.data.test_size = 128
-    c.data.eval_batch_size = 64
-    c.optimizer.learning_rate = 0.05
-    c.train.num_epochs = 2.0
   return c
