@@ -145,7 +145,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   order_epoch, order = -1, None
   session_start, session_updates = time.perf_counter(), 0
   wall_base = meta["wall_time"]
-  status = "done"
+  status = "failed"  # until the loop says otherwise; the summary records why a run ended
 
   def save(u):
     meta["wall_time"] = wall_base + time.perf_counter() - session_start
@@ -187,8 +187,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "wall_time": wall_base + time.perf_counter() - session_start,
             "train_loss": meta["loss_sum"] / meta["loss_steps"],
             **results,
-            "bytes_pushed": updates * plan.num_workers * payload,
-            "bytes_pulled": updates * plan.num_workers * payload,
+            **_traffic(updates, plan, payload),
             "blocked_time": None,  # comes with the cluster simulator
             "staleness": {"mean": 0.0, "max": 0},  # BSP applies only fresh gradients
         }
@@ -201,15 +200,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if meta["num_evals"] % config.train.checkpoint_every == 0:
           save(updates)
       logging.info(line)
-    if updates < plan.total:
-      status = "stopped"
+    status = "done" if updates == plan.total else "stopped"
     save(updates)
+  except KeyboardInterrupt:
+    status = "interrupted"  # rerun the same command to resume from the last checkpoint
+    raise
   finally:
     checkpointer.close()
     summary = _summary(config, history, status, metric_name, target, payload,
                        wall_base + time.perf_counter() - session_start, updates, plan)
     _write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
+
+
+def _traffic(updates: int, plan: _Plan, payload: int) -> dict[str, int]:
+  """BSP: every worker pushes its gradient and pulls the parameters each round."""
+  return {"bytes_pushed": updates * plan.num_workers * payload,
+          "bytes_pulled": updates * plan.num_workers * payload}
 
 
 def _summary(config, history, status, metric_name, target, payload, wall_time, updates,
@@ -229,7 +236,6 @@ def _summary(config, history, status, metric_name, target, payload, wall_time, u
           "updates": updates,
           "samples": updates * plan.num_workers * plan.batch_size,
           "wall_time": wall_time,
-          "bytes_pushed": updates * plan.num_workers * payload,
-          "bytes_pulled": updates * plan.num_workers * payload,
+          **_traffic(updates, plan, payload),
       },
   }
