@@ -77,9 +77,9 @@ def measure(model_name: str, workers: int, batch: int, steps: int, repeats: int)
   holder = {"state": state}
 
   def framework():
-    s, losses = run(holder["state"], arrays, order, 0, steps)
+    s, metrics = run(holder["state"], arrays, order, 0, steps)
     holder["state"] = s
-    jax.block_until_ready(losses)
+    jax.block_until_ready(metrics)
 
   # Bare: jit(grad) + optax on the same number of samples per update.
   params, model_state = task.init(jax.random.PRNGKey(0))

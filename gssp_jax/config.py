@@ -21,7 +21,8 @@ DATASETS = ("mnist", "cifar10", "multi30k")
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
 IMPLEMENTED_SCHEMES = ("bsp",)
 COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
-IMPLEMENTED_COMPRESSORS = ("none",)
+IMPLEMENTED_COMPRESSORS = ("none", "topk", "dgc")  # gdtopk needs groups (GSSP)
+COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 
@@ -62,6 +63,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.sync.scheme = "bsp"
   c.compress = ml_collections.ConfigDict()
   c.compress.name = "none"
+  c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)
+  c.compress.scope = "tensor"      # top-k per tensor or over the whole model
+  c.compress.sample_ratio = 0.01   # dgc: fraction sampled to estimate the threshold
+  c.compress.error_feedback = True
 
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0
@@ -121,6 +126,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise NotImplementedError(
         f"config.compress.name={config.compress.name!r} is planned but not available in"
         f" this build yet; available: {', '.join(IMPLEMENTED_COMPRESSORS)}")
+  _choice(config, "compress.scope", COMPRESS_SCOPES)
+  for key in ("compress.ratio", "compress.sample_ratio"):
+    value = _get(config, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+      _fail(key, value, "a number in (0, 1]")
   _choice(config, "optimizer.name", OPTIMIZERS)
   _choice(config, "optimizer.schedule", SCHEDULES)
   if not isinstance(config.seed, int) or isinstance(config.seed, bool):

@@ -27,6 +27,9 @@ def test_unknown_config_arg_is_rejected():
     ("dataset", "multi30k", "config.dataset='multi30k'.*for model 'lenet5'"),
     ("sync.scheme", "hogwild", "config.sync.scheme='hogwild'.*bsp, asp, ssp"),
     ("compress.name", "zip", "config.compress.name='zip'"),
+    ("compress.ratio", 1.5, r"config.compress.ratio=1.5.*\(0, 1\]"),
+    ("compress.ratio", 0.0, r"config.compress.ratio=0.0.*\(0, 1\]"),
+    ("compress.scope", "layer", "config.compress.scope='layer'.*tensor, global"),
     ("optimizer.name", "lamb", "config.optimizer.name='lamb'.*sgd, adam, adamw"),
     ("num_workers", 0, "config.num_workers=0.*positive integer"),
     ("num_workers", -3, "config.num_workers=-3"),
@@ -54,6 +57,10 @@ def test_planned_schemes_say_they_are_not_available_yet():
   config = config_lib.default_config()
   config.sync.scheme = "gssp"
   with pytest.raises(NotImplementedError, match="'gssp'.*available: bsp"):
+    config_lib.validate_config(config)
+  config.sync.scheme = "bsp"
+  config.compress.name = "gdtopk"
+  with pytest.raises(NotImplementedError, match="'gdtopk'.*available: none, topk, dgc"):
     config_lib.validate_config(config)
 
 

@@ -73,8 +73,8 @@ def test_bsp_with_one_worker_is_plain_sgd():
   state = step_lib.init_train_state(task, tx, seed=0)
   order = np.arange(64, dtype=np.int32)[None, :]
   run = step_lib.make_chunk_runner(step_lib.make_bsp_step(task.loss, tx, 1), 16)
-  new_state, losses = run(state, jax.device_put(task.train), jnp.asarray(order), 0, 4)
-  assert losses.shape == (4,) and np.all(np.isfinite(losses))
+  new_state, metrics = run(state, jax.device_put(task.train), jnp.asarray(order), 0, 4)
+  assert metrics["loss"].shape == (4,) and np.all(np.isfinite(metrics["loss"]))
 
   # The same four updates by hand: grad of the worker's loss, optax, apply.
   state = step_lib.init_train_state(task, tx, seed=0)
@@ -186,3 +186,47 @@ def test_no_data_and_no_network_fails_fast_saying_how_to_get_data(tmp_path, monk
   message = str(err.value)
   assert "download: failed" in message and "GSSP_DATA_DIR" in message
   assert "train-images-idx3-ubyte.gz" in message  # the expected layout
+
+
+def _run_rounds(task, tx, compressor, rounds=3, workers=2, batch=16):
+  state = step_lib.init_train_state(task, tx, 0, compressor)
+  order = np.arange(workers * batch * rounds, dtype=np.int32).reshape(workers, -1)
+  run = step_lib.make_chunk_runner(step_lib.make_bsp_step(task.loss, tx, workers, compressor),
+                                   batch)
+  return run(state, jax.device_put(task.train), jnp.asarray(order), 0, rounds)
+
+
+def test_bsp_with_top_k_keeping_everything_equals_uncompressed_bsp():
+  from gssp_jax import compress
+  task = _synthetic_task()
+  tx = optim.make_optimizer(config_lib.default_config().optimizer, 10, 10)
+  plain, plain_metrics = _run_rounds(task, tx, None)
+  topk, topk_metrics = _run_rounds(task, tx, compress.topk(2, ratio=1.0))
+  for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(topk.params)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+  # Dense pushes either way: 61,706 float32 gradients per worker per round.
+  np.testing.assert_array_equal(plain_metrics["push_bytes"], np.full((3, 2), 61706 * 4))
+  np.testing.assert_array_equal(topk_metrics["push_bytes"], plain_metrics["push_bytes"])
+
+
+def test_bsp_with_top_k_trains_and_pushes_fewer_bytes(data_dir, tmp_path):
+  config = _config("mnist_lenet5", data_dir, **{"compress.name": "topk", "compress.ratio": 0.05})
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  lines = _lines(tmp_path)
+  assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+  assert lines[-1]["test_accuracy"] > 0.3
+  dense = summary["totals"]["updates"] * config.num_workers * 61706 * 4
+  assert summary["totals"]["bytes_pulled"] == dense
+  # ceil(0.05 * n) values + int32 indices per tensor, per worker, per round.
+  leaves = [150, 6, 2400, 16, 48000, 120, 10080, 84, 840, 10]
+  per_push = sum(min(-(-n * 5 // 100) * 8, n * 4) for n in leaves)
+  assert summary["totals"]["bytes_pushed"] == summary["totals"]["updates"] * 4 * per_push
+
+
+def test_bsp_with_dgc_trains_and_pushes_fewer_bytes(data_dir, tmp_path):
+  config = _config("mnist_lenet5", data_dir, **{"compress.name": "dgc", "compress.ratio": 0.05,
+                                                "compress.sample_ratio": 0.2})
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  lines = _lines(tmp_path)
+  assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+  assert 0 < summary["totals"]["bytes_pushed"] < summary["totals"]["bytes_pulled"] / 4

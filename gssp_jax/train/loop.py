@@ -9,7 +9,6 @@ but ``wall_time``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
 from gssp_jax.train import checkpoint as ckpt_lib
@@ -29,10 +29,6 @@ from gssp_jax.train import tasks
 # Keys that may change between a run and its resumption.
 _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
                    "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
-
-
-def tree_bytes(tree) -> int:
-  return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -104,6 +100,17 @@ class _Plan:
     return u % self.eval_interval == 0 or u == self.total
 
 
+def make_compressor(config: ml_collections.ConfigDict):
+  """The workers' gradient compressor named by ``config.compress`` (None for ``none``)."""
+  c = config.compress
+  kwargs = {
+      "topk": dict(ratio=c.ratio, scope=c.scope, error_feedback=c.error_feedback),
+      "dgc": dict(ratio=c.ratio, sample_ratio=c.sample_ratio, error_feedback=c.error_feedback,
+                  seed=config.seed),
+  }.get(c.name, {})
+  return compress.make_compressor(c.name, config.num_workers, **kwargs)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
   config_lib.validate_config(config)
@@ -117,15 +124,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   plan = _Plan(config, task.num_train)
   tx = optim.make_optimizer(config.optimizer, plan.steps_per_epoch, plan.total)
-  state = step_lib.init_train_state(task, tx, config.seed)
-  payload = tree_bytes(state.params) + tree_bytes(state.model_state)
+  compressor = make_compressor(config)
+  state = step_lib.init_train_state(task, tx, config.seed, compressor)
+  # Every round each worker pulls the parameters and the BatchNorm statistics.
+  pull_payload = step_lib.tree_bytes(state.params) + step_lib.tree_bytes(state.model_state)
   logging.info("%s on %s: %d params, %d workers x batch %d, %d updates/epoch, %d updates",
                config.model, config.dataset, sum(x.size for x in jax.tree.leaves(state.params)),
                plan.num_workers, plan.batch_size, plan.steps_per_epoch, plan.total)
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        config.train.max_checkpoints)
-  meta = {"wall_time": 0.0, "loss_sum": 0.0, "loss_steps": 0, "num_evals": 0}
+  meta = {"wall_time": 0.0, "loss_sum": 0.0, "loss_steps": 0, "num_evals": 0, "bytes_pushed": 0}
   latest = checkpointer.latest_step()
   if latest is not None:
     state, meta = checkpointer.restore(latest, state)
@@ -138,7 +147,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
 
   run_chunk = step_lib.make_chunk_runner(
-      step_lib.make_bsp_step(task.loss, tx, plan.num_workers), plan.batch_size)
+      step_lib.make_bsp_step(task.loss, tx, plan.num_workers, compressor), plan.batch_size)
   arrays = jax.device_put(task.train)
   metric_name = "bleu" if isinstance(task, tasks.TranslationTask) else "test_accuracy"
   target = config.train.target_bleu if metric_name == "bleu" else config.train.target_accuracy
@@ -158,8 +167,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         order = jax.device_put(sharding.epoch_order(plan.shards, config.seed, epoch))
         order_epoch = epoch
       n = plan.next_boundary(updates) - updates
-      state, losses = run_chunk(state, arrays, order, updates - epoch * plan.steps_per_epoch, n)
-      losses = np.asarray(losses, np.float64)
+      state, metrics = run_chunk(state, arrays, order, updates - epoch * plan.steps_per_epoch, n)
+      losses = np.asarray(metrics["loss"], np.float64)
       if not np.all(np.isfinite(losses)):
         status = "diverged"
         raise FloatingPointError(
@@ -171,6 +180,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       for value in losses:  # one at a time, so the sum does not depend on chunking
         meta["loss_sum"] += float(value)
       meta["loss_steps"] += n
+      meta["bytes_pushed"] += int(np.asarray(metrics["push_bytes"], np.int64).sum())
       loss = float(losses.mean())
       elapsed = time.perf_counter() - session_start
       rate = session_updates / max(elapsed, 1e-9)
@@ -187,7 +197,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "wall_time": wall_base + time.perf_counter() - session_start,
             "train_loss": meta["loss_sum"] / meta["loss_steps"],
             **results,
-            **_traffic(updates, plan, payload),
+            **_traffic(updates, plan, meta, pull_payload),
             "blocked_time": None,  # comes with the cluster simulator
             "staleness": {"mean": 0.0, "max": 0},  # BSP applies only fresh gradients
         }
@@ -207,20 +217,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise
   finally:
     checkpointer.close()
-    summary = _summary(config, history, status, metric_name, target, payload,
-                       wall_base + time.perf_counter() - session_start, updates, plan)
+    summary = _summary(config, history, status, metric_name, target,
+                       wall_base + time.perf_counter() - session_start, updates, plan,
+                       _traffic(updates, plan, meta, pull_payload))
     _write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
 
 
-def _traffic(updates: int, plan: _Plan, payload: int) -> dict[str, int]:
-  """BSP: every worker pushes its gradient and pulls the parameters each round."""
-  return {"bytes_pushed": updates * plan.num_workers * payload,
-          "bytes_pulled": updates * plan.num_workers * payload}
+def _traffic(updates: int, plan: _Plan, meta: dict, pull_payload: int) -> dict[str, int]:
+  """Exact bytes so far: pushes as the workers sent them; every worker pulls every round."""
+  return {"bytes_pushed": meta["bytes_pushed"],
+          "bytes_pulled": updates * plan.num_workers * pull_payload}
 
 
-def _summary(config, history, status, metric_name, target, payload, wall_time, updates,
-             plan) -> dict[str, Any]:
+def _summary(config, history, status, metric_name, target, wall_time, updates, plan,
+             traffic) -> dict[str, Any]:
   reached = next((m for m in history if target and m.get(metric_name, 0) >= target), None)
   return {
       "config": json.loads(config.to_json()),
@@ -236,6 +247,6 @@ def _summary(config, history, status, metric_name, target, payload, wall_time, u
           "updates": updates,
           "samples": updates * plan.num_workers * plan.batch_size,
           "wall_time": wall_time,
-          **_traffic(updates, plan, payload),
+          **traffic,
       },
   }

@@ -31,14 +31,23 @@ class TrainState(flax.struct.PyTreeNode):
   model_state: Any         # e.g. {"batch_stats": ...}; {} for models without BatchNorm
   opt_state: Any
   rng: jax.Array           # uint32 [2], the run's base key; step keys are folded in
+  compress_state: Any = ()  # the workers' compressor state (error feedback), () without one
 
 
-def init_train_state(task, tx: optax.GradientTransformation, seed: int) -> TrainState:
+def init_train_state(task, tx: optax.GradientTransformation, seed: int,
+                     compressor: optax.GradientTransformationExtraArgs | None = None
+                     ) -> TrainState:
   rng = jax.random.PRNGKey(seed)
   init_rng, train_rng = jax.random.split(rng)
   params, model_state = task.init(init_rng)
   return TrainState(step=jnp.int32(0), params=params, model_state=model_state,
-                    opt_state=tx.init(params), rng=train_rng)
+                    opt_state=tx.init(params), rng=train_rng,
+                    compress_state=compressor.init(params) if compressor else ())
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree's arrays (what sending it densely costs)."""
+  return int(sum(x.dtype.itemsize * x.size for x in jax.tree.leaves(tree)))
 
 
 def worker_rngs(base: jax.Array, step: jax.Array, num_workers: int) -> jax.Array:
@@ -86,13 +95,33 @@ def bsp_server_update(tx: optax.GradientTransformation, state: TrainState, grads
                        model_state=model_state, opt_state=opt_state)
 
 
-def make_bsp_step(loss_fn: Callable, tx: optax.GradientTransformation, num_workers: int):
-  """(state, batches [W, B, ...]) -> (state, mean loss): one synchronous round."""
+def make_bsp_step(loss_fn: Callable, tx: optax.GradientTransformation, num_workers: int,
+                  compressor: optax.GradientTransformationExtraArgs | None = None):
+  """(state, batches [W, B, ...]) -> (state, round metrics): one synchronous round.
+
+  Without a compressor the mean gradient comes from one fused backward pass;
+  with one, every worker's gradient is compressed (with its own error-feedback
+  memory) before the server averages what was sent. Round metrics: ``loss``
+  (mean over workers) and ``push_bytes`` ([W] int32, exact bytes each worker
+  sent: its gradient payload plus its BatchNorm statistics).
+  """
   def step(state: TrainState, batches):
     rngs = worker_rngs(state.rng, state.step, num_workers)
-    grads, worker_states, losses = mean_worker_gradient(
-        loss_fn, state.params, state.model_state, batches, rngs)
-    return bsp_server_update(tx, state, grads, worker_states), losses.mean()
+    stats_bytes = tree_bytes(state.model_state)
+    if compressor is None:
+      grads, worker_states, losses = mean_worker_gradient(
+          loss_fn, state.params, state.model_state, batches, rngs)
+      push = jnp.full((num_workers,), tree_bytes(state.params) + stats_bytes, jnp.int32)
+      compress_state = state.compress_state
+    else:
+      worker_grads, worker_states, losses = worker_gradients(
+          loss_fn, state.params, state.model_state, batches, rngs)
+      sent, compress_state = compressor.update(worker_grads, state.compress_state, state.params)
+      grads = jax.tree.map(lambda g: g.mean(0), sent)
+      push = compress_state.last_bytes + stats_bytes
+    state = bsp_server_update(tx, state, grads, worker_states)
+    return state.replace(compress_state=compress_state), {"loss": losses.mean(),
+                                                          "push_bytes": push}
   return step
 
 
@@ -101,8 +130,8 @@ def make_chunk_runner(step_fn: Callable, batch_size: int):
 
   ``order`` is ``[W, S]`` example indices (each worker's shard in this epoch's
   order); round ``t`` gives worker ``w`` the examples ``order[w, t*B:(t+1)*B]``,
-  gathered on the device from the training arrays. Only the rounds' losses
-  (``[num_steps]`` float32) come back to the host, once per chunk.
+  gathered on the device from the training arrays. Only the rounds' metrics
+  (each stacked to ``[num_steps, ...]``) come back to the host, once per chunk.
 
   Why a host loop of jitted steps and not one ``lax.scan``: XLA:CPU (jax 0.10.2)
   runs convolutions inside a while-loop body on a much slower path (jax issue
@@ -118,9 +147,9 @@ def make_chunk_runner(step_fn: Callable, batch_size: int):
   one_round = jax.jit(one_round, donate_argnums=(0,))
 
   def run(state, arrays, order, start: int, num_steps: int):
-    losses = []
+    metrics = []
     for t in range(start, start + num_steps):
-      state, loss = one_round(state, arrays, order, np.int32(t))
-      losses.append(loss)
-    return state, jnp.stack(losses)
+      state, m = one_round(state, arrays, order, np.int32(t))
+      metrics.append(m)
+    return state, jax.tree.map(lambda *xs: jnp.stack(xs), *metrics)
   return run

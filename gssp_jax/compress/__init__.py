@@ -1,0 +1,39 @@
+"""Gradient compressors with per-worker error feedback: top-k, DGC and GDTopK.
+
+Each sits in front of the aggregation step,
+``optax.chain(topk(W, ...), <aggregator>, optax.sgd(...))``, takes gradients
+with a leading worker axis and returns the dense *sent* gradients.
+"""
+
+from __future__ import annotations
+
+from gssp_jax.compress.dgc import dgc
+from gssp_jax.compress.gdtopk import gdtopk
+from gssp_jax.compress.gdtopk import gdtopk_continuous_ratios
+from gssp_jax.compress.gdtopk import gdtopk_group_ratios
+from gssp_jax.compress.gdtopk import worker_ratios
+from gssp_jax.compress.topk import push_bytes
+from gssp_jax.compress.topk import residual_norm
+from gssp_jax.compress.topk import topk
+from gssp_jax.compress.topk import TopKState
+
+COMPRESSORS = {"topk": topk, "dgc": dgc, "gdtopk": gdtopk}
+
+
+def make_compressor(name: str, num_workers: int, **kwargs):
+  """Builds the compressor ``name`` ("none" gives None: no compression step).
+
+  Raises:
+    ValueError: for an unknown name, naming it and the allowed ones.
+  """
+  if name == "none":
+    return None
+  if name not in COMPRESSORS:
+    raise ValueError(f"unknown compressor {name!r}; allowed: none, {', '.join(COMPRESSORS)}")
+  return COMPRESSORS[name](num_workers, **kwargs)
+
+
+__all__ = [
+    "COMPRESSORS", "TopKState", "dgc", "gdtopk", "gdtopk_continuous_ratios", "gdtopk_group_ratios",
+    "make_compressor", "push_bytes", "residual_norm", "topk", "worker_ratios",
+]
