@@ -3,8 +3,10 @@
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
 from gssp_jax import models as models_lib
@@ -169,8 +172,6 @@ def test_invalid_flag_value_fails_before_training(data_dir, tmp_path):
 
 
 def test_no_data_and_no_network_fails_fast_saying_how_to_get_data(tmp_path, monkeypatch):
-  import socket
-  import time
   with socket.socket() as s:  # a local port nobody listens on: a mirror that is down
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -197,7 +198,6 @@ def _run_rounds(task, tx, compressor, rounds=3, workers=2, batch=16):
 
 
 def test_bsp_with_top_k_keeping_everything_equals_uncompressed_bsp():
-  from gssp_jax import compress
   task = _synthetic_task()
   tx = optim.make_optimizer(config_lib.default_config().optimizer, 10, 10)
   plain, plain_metrics = _run_rounds(task, tx, None)

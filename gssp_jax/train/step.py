@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gssp_jax import compress
+
 
 class TrainState(flax.struct.PyTreeNode):
   """Everything the server holds; a pytree, so it checkpoints and scans as a whole."""
@@ -118,7 +120,7 @@ def make_bsp_step(loss_fn: Callable, tx: optax.GradientTransformation, num_worke
           loss_fn, state.params, state.model_state, batches, rngs)
       sent, compress_state = compressor.update(worker_grads, state.compress_state, state.params)
       grads = jax.tree.map(lambda g: g.mean(0), sent)
-      push = compress_state.last_bytes + stats_bytes
+      push = compress.push_bytes(compress_state) + stats_bytes
     state = bsp_server_update(tx, state, grads, worker_states)
     return state.replace(compress_state=compress_state), {"loss": losses.mean(),
                                                           "push_bytes": push}
