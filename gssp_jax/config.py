@@ -17,11 +17,13 @@ MODEL_DATASETS = {
     "seq2seq": ("multi30k",),
 }
 DATASETS = ("mnist", "cifar10", "multi30k")
-# Every scheme of the papers; the ones this build trains with are IMPLEMENTED_SCHEMES.
+# Every scheme of the papers.
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
-IMPLEMENTED_SCHEMES = ("bsp",)
+# Every scheme's transform and protocol exist (gssp_jax.sync); the training loop runs BSP
+# until the simulator (which replays the other schemes' timelines) lands.
+TRAINABLE_SCHEMES = ("bsp",)
 COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
-IMPLEMENTED_COMPRESSORS = ("none", "topk", "dgc")  # gdtopk needs groups (GSSP)
+TRAINABLE_COMPRESSORS = ("none", "topk", "dgc")  # gdtopk takes per-group ratios: GSSP
 COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -61,6 +63,19 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.sync = ml_collections.ConfigDict()
   c.sync.scheme = "bsp"
+  c.sync.staleness = 3                # ssp, gssp (inside a group): clocks ahead of the slowest
+  c.sync.staleness_range = (3, 15)    # dssp: (s_L, s_U)
+  c.sync.num_groups = 4               # gssp groups
+  c.sync.grouping = "speed"           # speed | kmeans | round_robin | contiguous
+  c.sync.inter_group = "peer"         # gssp exchange: peer | global
+  c.sync.forward_every = 0            # gssp: pushes per forward (0 = the group's size)
+  c.sync.num_nodes = 4                # inhad: machines workers aggregate on
+  c.sync.inhad_threshold = 0          # inhad: iteration numbers per server update (0 = W)
+  c.sync.group_size = 2               # dssync: workers per averaging group
+  c.sync.casp = ml_collections.ConfigDict()
+  c.sync.casp.max_communities = 4     # the agent picks k in 1..max_communities
+  c.sync.casp.reconfigure_every = 64  # community pushes between the agent's decisions
+  c.sync.casp.traffic_penalty = 0.01  # reward = progress/time - penalty * pushes/time
   c.compress = ml_collections.ConfigDict()
   c.compress.name = "none"
   c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)
@@ -117,15 +132,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _fail("dataset", config.dataset,
           f"{', '.join(MODEL_DATASETS[config.model])} for model {config.model!r}")
   _choice(config, "sync.scheme", SCHEMES)
-  if config.sync.scheme not in IMPLEMENTED_SCHEMES:
-    raise NotImplementedError(
-        f"config.sync.scheme={config.sync.scheme!r} is one of the planned schemes but not"
-        f" available in this build yet; available: {', '.join(IMPLEMENTED_SCHEMES)}")
   _choice(config, "compress.name", COMPRESSORS)
-  if config.compress.name not in IMPLEMENTED_COMPRESSORS:
-    raise NotImplementedError(
-        f"config.compress.name={config.compress.name!r} is planned but not available in"
-        f" this build yet; available: {', '.join(IMPLEMENTED_COMPRESSORS)}")
   _choice(config, "compress.scope", COMPRESS_SCOPES)
   for key in ("compress.ratio", "compress.sample_ratio"):
     value = _get(config, key)
@@ -155,6 +162,37 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.data.train_size and config.data.train_size < config.num_workers:
     _fail("data.train_size", config.data.train_size,
           f"0 (all) or at least num_workers={config.num_workers}")
+  validate_sync(config)
+
+
+def validate_sync(config: ml_collections.ConfigDict) -> None:
+  """Builds the scheme named by ``config.sync`` (host-only, no compilation) to check it.
+
+  Raises:
+    ValueError: naming the ``config.sync`` key's value and what is allowed.
+  """
+  from gssp_jax import sync  # pylint: disable=g-import-not-at-top  (keeps config import light)
+  if config.compress.name == "gdtopk" and config.sync.scheme != "gssp":
+    _fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
+          "per GSSP group); use topk or dgc otherwise")
+  try:
+    sync.scheme_from_config(config)
+  except ValueError as e:
+    raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+
+
+def check_trainable(config: ml_collections.ConfigDict) -> None:
+  """Raises NotImplementedError if the training loop cannot run this scheme/compressor yet."""
+  if config.sync.scheme not in TRAINABLE_SCHEMES:
+    raise NotImplementedError(
+        f"config.sync.scheme={config.sync.scheme!r}: its transform and protocol exist "
+        "(gssp_jax.sync; see the README), but training with it needs the cluster simulator, "
+        f"which is not in this build yet; trainable now: {', '.join(TRAINABLE_SCHEMES)}")
+  if config.compress.name not in TRAINABLE_COMPRESSORS:
+    raise NotImplementedError(
+        f"config.compress.name={config.compress.name!r} trains only with sync.scheme='gssp', "
+        "which needs the cluster simulator (not in this build yet); trainable now: "
+        f"{', '.join(TRAINABLE_COMPRESSORS)}")
 
 
 def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:

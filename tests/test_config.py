@@ -53,14 +53,44 @@ def test_invalid_values_name_the_key(key, value, match):
     config_lib.validate_config(config)
 
 
-def test_planned_schemes_say_they_are_not_available_yet():
+def test_every_scheme_validates_and_builds_from_config():
+  for scheme in config_lib.SCHEMES:
+    config = config_lib.default_config()
+    config.sync.scheme = scheme
+    config.compress.name = "gdtopk" if scheme == "gssp" else "none"
+    config_lib.validate_config(config)
+
+
+def test_untrainable_schemes_say_so_before_anything_runs():
   config = config_lib.default_config()
   config.sync.scheme = "gssp"
-  with pytest.raises(NotImplementedError, match="'gssp'.*available: bsp"):
-    config_lib.validate_config(config)
-  config.sync.scheme = "bsp"
-  config.compress.name = "gdtopk"
-  with pytest.raises(NotImplementedError, match="'gdtopk'.*available: none, topk, dgc"):
+  config_lib.validate_config(config)
+  with pytest.raises(NotImplementedError, match="'gssp'.*simulator.*trainable now: bsp"):
+    config_lib.check_trainable(config)
+  config.sync.scheme, config.compress.name = "bsp", "topk"
+  config_lib.check_trainable(config)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"sync.scheme": "gssp", "num_workers": 16, "sync.num_groups": 3},
+     r"config.sync \(scheme 'gssp'\): num_groups=3 does not divide num_workers=16"),
+    ({"sync.scheme": "ssp", "sync.staleness": -1}, r"ssp staleness=-1 is invalid"),
+    ({"sync.scheme": "dssp", "sync.staleness_range": (5, 2)}, r"s_L=5 > s_U=2"),
+    ({"sync.scheme": "gssp", "sync.inter_group": "ring"}, r"inter_group='ring'"),
+    ({"sync.scheme": "dssync", "sync.group_size": 3}, r"group_size=3 is invalid"),
+    ({"sync.scheme": "gsp"}, r"config.sync.scheme='gsp' is invalid; allowed: bsp, asp"),
+    ({"compress.name": "gdtopk"}, r"gdtopk only with sync.scheme='gssp'"),
+])
+def test_bad_sync_settings_name_the_value(changes, match):
+  config = config_lib.default_config()
+  with config.ignore_type():
+    for key, value in changes.items():
+      node = config
+      *path, leaf = key.split(".")
+      for part in path:
+        node = node[part]
+      node[leaf] = value
+  with pytest.raises(ValueError, match=match):
     config_lib.validate_config(config)
 
 

@@ -107,6 +107,7 @@ def make_compressor(config: ml_collections.ConfigDict):
       "topk": dict(ratio=c.ratio, scope=c.scope, error_feedback=c.error_feedback),
       "dgc": dict(ratio=c.ratio, sample_ratio=c.sample_ratio, error_feedback=c.error_feedback,
                   seed=config.seed),
+      "gdtopk": dict(error_feedback=c.error_feedback),
   }.get(c.name, {})
   return compress.make_compressor(c.name, config.num_workers, **kwargs)
 
@@ -114,6 +115,7 @@ def make_compressor(config: ml_collections.ConfigDict):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
   config_lib.validate_config(config)
+  config_lib.check_trainable(config)
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   if os.path.exists(config_path):

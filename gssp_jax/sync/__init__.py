@@ -1,0 +1,51 @@
+"""Sync schemes: device transforms, host protocols, rounds that connect them, and a registry.
+
+``transforms``: optax-style ``GradientTransformationExtraArgs`` from per-worker
+gradients ``[W, ...]`` to per-replica updates ``[R, ...]`` with explicit
+staleness state. ``protocols``: plain-Python state machines deciding who waits
+and when servers apply or forward. ``rounds``: the fixed-shape record of one
+event and ``apply_round``, the pure step an executor replays. ``timeline``: a
+discrete-event run of a protocol over given times. ``registry``: config names
+to (transform, protocol).
+"""
+
+from gssp_jax.sync.grouping import make_groups
+from gssp_jax.sync.protocols.base import Message
+from gssp_jax.sync.protocols.base import Protocol
+from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync.protocols.casp import ActorCritic
+from gssp_jax.sync.protocols.casp import CASPProtocol
+from gssp_jax.sync.protocols.dssync import dssync_partition
+from gssp_jax.sync.protocols.dssync import DSSyncProtocol
+from gssp_jax.sync.protocols.gssp import GSSPProtocol
+from gssp_jax.sync.protocols.inhad import InHADProtocol
+from gssp_jax.sync.protocols.ssp import ASPProtocol
+from gssp_jax.sync.protocols.ssp import BSPProtocol
+from gssp_jax.sync.protocols.ssp import DSSPProtocol
+from gssp_jax.sync.protocols.ssp import SSPProtocol
+from gssp_jax.sync.registry import build_scheme
+from gssp_jax.sync.registry import Scheme
+from gssp_jax.sync.registry import scheme_from_config
+from gssp_jax.sync.registry import SCHEMES
+from gssp_jax.sync.rounds import apply_round
+from gssp_jax.sync.rounds import Round
+from gssp_jax.sync.rounds import round_args
+from gssp_jax.sync.rounds import stack_rounds
+from gssp_jax.sync.timeline import run_timeline
+from gssp_jax.sync.timeline import Timeline
+from gssp_jax.sync.transforms import asp
+from gssp_jax.sync.transforms import bsp
+from gssp_jax.sync.transforms import casp
+from gssp_jax.sync.transforms import clocks
+from gssp_jax.sync.transforms import dssp
+from gssp_jax.sync.transforms import dssync
+from gssp_jax.sync.transforms import find_sync_state
+from gssp_jax.sync.transforms import GSSPState
+from gssp_jax.sync.transforms import gssp
+from gssp_jax.sync.transforms import inhad
+from gssp_jax.sync.transforms import InHADState
+from gssp_jax.sync.transforms import replicated
+from gssp_jax.sync.transforms import ServerState
+from gssp_jax.sync.transforms import ssp
+from gssp_jax.sync.transforms import staleness
+from gssp_jax.sync.transforms import versions

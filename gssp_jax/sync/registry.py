@@ -1,0 +1,136 @@
+"""The scheme registry: a config's ``sync.*`` names a transform and a protocol that belong together."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import optax
+
+from gssp_jax.sync import grouping
+from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import Protocol
+from gssp_jax.sync.protocols.casp import CASPProtocol
+from gssp_jax.sync.protocols.dssync import DSSyncProtocol
+from gssp_jax.sync.protocols.gssp import GSSPProtocol
+from gssp_jax.sync.protocols.inhad import InHADProtocol
+from gssp_jax.sync.protocols.ssp import ASPProtocol
+from gssp_jax.sync.protocols.ssp import BSPProtocol
+from gssp_jax.sync.protocols.ssp import DSSPProtocol
+from gssp_jax.sync.protocols.ssp import SSPProtocol
+
+SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  """A sync scheme ready to run.
+
+  Attributes:
+    name: the registry name.
+    transform: the device half (worker gradients -> replica updates).
+    make_protocol: builds a fresh host half (protocols are stateful).
+    num_workers: W.
+    num_replicas: R, the leading axis of the replicas' weights.
+    groups: ``[W]`` the exchange group of each worker (GSSP groups, InHAD
+      nodes, CASP/DS-Sync: all 0); GDTopK takes its ratios per group.
+  """
+  name: str
+  transform: optax.GradientTransformationExtraArgs
+  make_protocol: Callable[[], Protocol]
+  num_workers: int
+  num_replicas: int
+  groups: np.ndarray
+
+  def chain(self, optimizer: optax.GradientTransformation,
+            compressor: optax.GradientTransformationExtraArgs | None = None
+            ) -> optax.GradientTransformationExtraArgs:
+    """``optax.chain([compressor,] transform, replicated(optimizer, R))``."""
+    parts = ([compressor] if compressor is not None else []) + [
+        self.transform, transforms.replicated(optimizer, self.num_replicas)]
+    return optax.chain(*parts)
+
+
+def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
+                 staleness_range=(3, 15), num_groups: int = 4, grouping_method: str = "speed",
+                 inter_group: str = "peer", forward_every: int | None = None,
+                 num_nodes: int = 4, inhad_threshold: int | None = None,
+                 group_size: int = 2, casp_max_communities: int = 4,
+                 casp_reconfigure_every: int = 64, casp_traffic_penalty: float = 0.01,
+                 worker_times=None, seed: int = 0, scale: float | None = None) -> Scheme:
+  """Builds scheme ``name`` for ``num_workers``; every argument is checked here, before any JAX.
+
+  ``worker_times`` ([W] iteration times or slowdown factors) feeds the speed
+  groupings; without it all workers count as equally fast.
+
+  Raises:
+    ValueError: an unknown name or an invalid argument, naming the value and
+      what is allowed.
+  """
+  if name not in SCHEMES:
+    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(SCHEMES)}")
+  W = transforms.check_int(name, "num_workers", num_workers, 1)
+  zeros = np.zeros([W], np.int32)
+  if name == "bsp":
+    return Scheme(name, transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1, zeros)
+  if name == "asp":
+    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, zeros)
+  if name == "ssp":
+    s = transforms.check_int("ssp", "staleness", staleness, 0)
+    return Scheme(name, transforms.ssp(W, s, scale=scale), lambda: SSPProtocol(W, s), W, 1,
+                  zeros)
+  if name == "dssp":
+    rng = transforms.check_staleness_range("dssp", staleness_range)
+    return Scheme(name, transforms.dssp(W, rng, scale=scale), lambda: DSSPProtocol(W, rng), W, 1,
+                  zeros)
+  if name == "gssp":
+    groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
+    s = transforms.check_int("gssp", "staleness", staleness, 0)
+    tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
+    probe = GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
+    return Scheme(name, tx, lambda: GSSPProtocol(W, groups, s, inter_group=inter_group,
+                                                 forward_every=forward_every),
+                  W, probe.num_replicas, groups)
+  if name == "inhad":
+    nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
+    tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
+    InHADProtocol(W, nodes, inhad_threshold)   # validates
+    return Scheme(name, tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes)
+  if name == "dssync":
+    DSSyncProtocol(W, group_size, seed)      # validates
+    return Scheme(name, transforms.dssync(W), lambda: DSSyncProtocol(W, group_size, seed), W, W,
+                  zeros)
+  kwargs = dict(max_communities=casp_max_communities, reconfigure_every=casp_reconfigure_every,
+                traffic_penalty=casp_traffic_penalty, seed=seed)
+  CASPProtocol(W, **kwargs)                  # validates
+  return Scheme(name, transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **kwargs), W, 1,
+                zeros)
+
+
+def scheme_from_config(config, worker_times=None) -> Scheme:
+  """Builds ``config.sync.scheme`` with the ``config.sync.*`` settings."""
+  s = config.sync
+  opt = lambda key, default: s.get(key, default)
+  forward_every = opt("forward_every", 0)
+  threshold = opt("inhad_threshold", 0)
+  casp = opt("casp", None)
+  return build_scheme(
+      s.scheme, config.num_workers, staleness=opt("staleness", 3),
+      staleness_range=tuple(opt("staleness_range", (3, 15))), num_groups=opt("num_groups", 4),
+      grouping_method=opt("grouping", "speed"), inter_group=opt("inter_group", "peer"),
+      forward_every=forward_every or None, num_nodes=opt("num_nodes", 4),
+      inhad_threshold=threshold or None, group_size=opt("group_size", 2),
+      casp_max_communities=casp.max_communities if casp else 4,
+      casp_reconfigure_every=casp.reconfigure_every if casp else 64,
+      casp_traffic_penalty=casp.traffic_penalty if casp else 0.01,
+      worker_times=worker_times, seed=config.get("seed", 0))
+
+
+def scheme_names() -> tuple[str, ...]:
+  return SCHEMES
+
+
+def describe(scheme: Scheme) -> dict[str, Any]:
+  return dict(name=scheme.name, num_workers=scheme.num_workers, num_replicas=scheme.num_replicas,
+              groups=scheme.groups.tolist())

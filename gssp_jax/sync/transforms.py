@@ -1,0 +1,498 @@
+"""Device side of every sync scheme: optax transforms from per-worker gradients to replica updates.
+
+``update(worker_grads, state, params, **extra)`` takes gradients stacked on a
+leading worker axis (``[W, ...]``, each computed on the parameters that worker
+pulled) and returns updates with a leading **replica** axis ``[R, ...]``: one
+slice per server replica (the server; group servers and a global server; or,
+for DS-Sync, every worker's own copy). Chain an optimizer behind it with
+:func:`replicated`, which gives every replica its own optimizer state and steps
+only the replicas that apply this round::
+
+    tx = optax.chain(topk(W), ssp(W, 3), replicated(optax.sgd(0.1, 0.9), 1))
+
+What happens in a round is decided on the host by the scheme's protocol
+(``gssp_jax.sync.protocols``) and arrives as keyword-only extra args, so the
+transform never branches in Python on arrays and never recompiles:
+
+* ``arrived`` ``[W]`` bool: workers whose gradient reaches its replica now
+  (default: all).
+* ``groups`` ``[W]`` int32: the replica (GSSP group, InHAD node) each worker
+  talks to this round (default: the static assignment of the factory).
+* ``pulls`` ``[W]`` bool: workers that pull after this round (default:
+  ``arrived``); recorded to measure staleness.
+* ``applies`` ``[R]`` bool: replicas that take an optimizer step (default:
+  derived from the other masks).
+* ``forward``/``deliver`` ``[G]`` bool (GSSP), ``aggregate`` ``[]`` bool
+  (InHAD), ``adopt`` ``[R]`` int32 (GSSP global: the source replica a replica
+  copies, -1 for none).
+
+``init`` takes ONE replica's parameters (no replica axis); ``update`` takes the
+replicas' parameters ``[R, ...]`` (only the optimizer behind uses them).
+Unknown extra args are ignored. Staleness of an applied gradient is the number
+of updates its replica applied between the worker's pull and the gradient's
+application; ``state.staleness`` holds it for each worker's latest one.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+_INT32_MAX = np.iinfo(np.int32).max
+INTER_GROUP = ("peer", "global")
+
+
+class ServerState(NamedTuple):
+  """Staleness state of schemes without buffers (BSP, ASP, SSP, DSSP, CASP, DS-Sync).
+
+  Attributes:
+    clock: ``[W]`` int32 gradients of each worker applied so far (saturating).
+    read: ``[W]`` int32 version of its replica each worker last pulled.
+    staleness: ``[W]`` int32 staleness of each worker's latest applied
+      gradient; -1 before its first.
+    version: ``[R]`` int32 updates applied by each replica (saturating).
+  """
+  clock: jax.Array
+  read: jax.Array
+  staleness: jax.Array
+  version: jax.Array
+
+
+class GSSPState(NamedTuple):
+  """GSSP: ``ServerState`` fields plus the inter-group exchange buffers.
+
+  Attributes:
+    pending: pytree of ``[G, ...]`` float32, each group's sum of scaled pushes
+      since its last forward.
+    outbox: pytree of ``[G, ...]`` float32, forwards sent but not yet delivered.
+    since_forward: ``[G]`` int32 pushes each group received since its last forward.
+  """
+  clock: jax.Array
+  read: jax.Array
+  staleness: jax.Array
+  version: jax.Array
+  pending: Any
+  outbox: Any
+  since_forward: jax.Array
+
+
+class InHADState(NamedTuple):
+  """InHAD: ``ServerState`` fields plus the node aggregates the server pulls.
+
+  Attributes:
+    node_acc: pytree of ``[N, ...]`` float32, each node's sum of scaled gradients
+      not yet pulled by the server.
+    waiting: ``[W]`` bool, the worker has a gradient in its node's aggregate.
+    pending_read: ``[W]`` int32 version the worker's oldest waiting gradient was
+      computed on (its staleness is measured from it when the server applies).
+    count: ``[]`` int32 iteration numbers the server counted since its last update.
+  """
+  clock: jax.Array
+  read: jax.Array
+  staleness: jax.Array
+  version: jax.Array
+  node_acc: Any
+  waiting: jax.Array
+  pending_read: jax.Array
+  count: jax.Array
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def check_int(scheme: str, name: str, value: Any, minimum: int) -> int:
+  """Returns ``value`` as int if it is an int >= minimum; else ValueError naming it."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"{scheme} {name}={value!r} is invalid; allowed: an int >= {minimum}")
+  return int(value)
+
+
+def check_scale(scheme: str, scale: Any) -> float:
+  if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+      or not np.isfinite(float(scale)) or float(scale) <= 0):
+    raise ValueError(f"{scheme} scale={scale!r} is invalid; allowed: a positive finite number")
+  return float(scale)
+
+
+def check_assignment(scheme: str, name: str, ids: Sequence[int], num_workers: int,
+                     num_ids: int) -> np.ndarray:
+  """Validates a static worker -> replica/group assignment of length W with ids in range."""
+  arr = np.asarray(ids)
+  if (arr.shape != (num_workers,) or not np.issubdtype(arr.dtype, np.integer)
+      or np.any(arr < 0) or np.any(arr >= num_ids)):
+    raise ValueError(f"{scheme} {name}={list(np.ravel(ids))!r} is invalid; allowed: "
+                     f"{num_workers} ints in range({num_ids})")
+  return arr.astype(np.int32)
+
+
+def equal_groups(scheme: str, num_workers: int, num_groups: int) -> np.ndarray:
+  """Contiguous equal groups ``[0]*m + [1]*m + ...``; the groups must divide the workers."""
+  if num_workers % num_groups:
+    raise ValueError(f"{scheme} num_groups={num_groups} does not divide num_workers="
+                     f"{num_workers}; allowed: a divisor of {num_workers} for equal groups, "
+                     "or pass an explicit assignment")
+  return np.repeat(np.arange(num_groups, dtype=np.int32), num_workers // num_groups)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _saturating_add(x: jax.Array, inc: jax.Array) -> jax.Array:
+  inc = inc.astype(jnp.int32)
+  return jnp.where(x > _INT32_MAX - inc, _INT32_MAX, x + inc).astype(jnp.int32)
+
+
+def _mask(value, shape, dtype, default):
+  if value is None:
+    return jnp.full(shape, default, dtype)
+  return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+
+
+def route_sum(grads, arrived: jax.Array, route: jax.Array, num_out: int, scale: float):
+  """``out[r] = scale * sum of grads[w] with arrived[w] and route[w] == r``; leaves ``[num_out, ...]``."""
+  onehot = (route[:, None] == jnp.arange(num_out)[None, :]) & arrived[:, None]
+  weights = onehot.astype(jnp.float32) * jnp.float32(scale)   # [W, R]
+
+  def one(g):
+    flat = g.reshape(g.shape[0], -1).astype(jnp.float32)
+    return (weights.T @ flat).reshape((num_out,) + g.shape[1:])
+  return jax.tree.map(one, grads)
+
+
+def _init_clocks(num_workers: int, num_replicas: int) -> dict:
+  return dict(clock=jnp.zeros([num_workers], jnp.int32), read=jnp.zeros([num_workers], jnp.int32),
+              staleness=jnp.full([num_workers], -1, jnp.int32),
+              version=jnp.zeros([num_replicas], jnp.int32))
+
+
+def _account(state, *, arrived, route, pulls, applies, bumps=None):
+  """Clock, staleness and version bookkeeping of one round.
+
+  ``arrived`` workers' gradients are applied now by replica ``route[w]``: their
+  staleness is the replica's version before this round minus what they read.
+  Replicas in ``applies`` (and ``bumps``, e.g. adopted weights) advance their
+  version; then ``pulls`` workers read the new version of their replica.
+  """
+  staleness = jnp.where(arrived, state.version[route] - state.read, state.staleness)
+  clock = _saturating_add(state.clock, arrived)
+  inc = applies.astype(jnp.int32) + (0 if bumps is None else bumps.astype(jnp.int32))
+  version = _saturating_add(state.version, inc)
+  read = jnp.where(pulls, version[route], state.read)
+  return dict(clock=clock, read=read, staleness=staleness.astype(jnp.int32), version=version)
+
+
+def _zeros_like_stacked(params, n: int):
+  return jax.tree.map(lambda p: jnp.zeros((n, *jnp.shape(p)), jnp.float32), params)
+
+
+# ---------------------------------------------------------------- server schemes
+
+
+def server_sync(num_workers: int, *, num_replicas: int = 1, assignment=None, scale: float | None = None,
+                name: str = "server") -> optax.GradientTransformationExtraArgs:
+  """Applies every arrived gradient at once at its replica, scaled: the core of most schemes.
+
+  Args:
+    num_workers: W.
+    num_replicas: R; each worker routes to ``assignment[w]`` (default all to 0).
+    assignment: static ``[W]`` replica ids, overridden per round by ``groups``.
+    scale: factor on every worker gradient; default ``1 / W`` (a full round of
+      W pushes then moves as far as one BSP step).
+    name: the scheme's name, for error messages.
+  """
+  num_workers = check_int(name, "num_workers", num_workers, 1)
+  num_replicas = check_int(name, "num_replicas", num_replicas, 1)
+  scale = check_scale(name, 1.0 / num_workers if scale is None else scale)
+  static_route = (np.zeros([num_workers], np.int32) if assignment is None
+                  else check_assignment(name, "assignment", assignment, num_workers, num_replicas))
+
+  def init(params):
+    del params
+    return ServerState(**_init_clocks(num_workers, num_replicas))
+
+  def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
+             **extra):
+    del params, extra
+    arrived = _mask(arrived, [num_workers], bool, True)
+    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
+    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    if applies is None:
+      applies = jnp.zeros([num_replicas], bool).at[route].max(arrived)
+    applies = _mask(applies, [num_replicas], bool, True)
+    out = route_sum(updates, arrived, route, num_replicas, scale)
+    out = jax.tree.map(lambda u: jnp.where(applies.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0.0),
+                       out)
+    return out, ServerState(**_account(state, arrived=arrived, route=route, pulls=pulls,
+                                       applies=applies))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def bsp(num_workers: int, *, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """BSP: a round is every worker's gradient; the server applies their scaled sum (the mean)."""
+  return server_sync(num_workers, scale=scale, name="bsp")
+
+
+def asp(num_workers: int, *, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """ASP: each arrived gradient is applied at once; the protocol never blocks anyone."""
+  return server_sync(num_workers, scale=scale, name="asp")
+
+
+def ssp(num_workers: int, staleness: int = 3, *,
+        scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """SSP(s): ASP's server; the protocol keeps every worker within ``s`` clocks of the slowest."""
+  check_int("ssp", "staleness", staleness, 0)
+  return server_sync(num_workers, scale=scale, name="ssp")
+
+
+def check_staleness_range(scheme: str, staleness_range) -> tuple[int, int]:
+  try:
+    low, high = staleness_range
+  except (TypeError, ValueError):
+    raise ValueError(f"{scheme} staleness_range={staleness_range!r} is invalid; "
+                     "allowed: a pair (s_L, s_U) of ints with 0 <= s_L <= s_U") from None
+  low = check_int(scheme, "s_L", low, 0)
+  high = check_int(scheme, "s_U", high, 0)
+  if low > high:
+    raise ValueError(f"{scheme} staleness_range=({low}, {high}) is invalid: s_L={low} > "
+                     f"s_U={high}; allowed: 0 <= s_L <= s_U")
+  return low, high
+
+
+def dssp(num_workers: int, staleness_range=(3, 15), *,
+         scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """DSSP([s_L, s_U]): SSP's server; the protocol picks each threshold in ``[s_L, s_U]``."""
+  check_staleness_range("dssp", staleness_range)
+  return server_sync(num_workers, scale=scale, name="dssp")
+
+
+def casp(num_workers: int, *, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """CASP: a round is one community's gradients, applied as one scaled sum."""
+  return server_sync(num_workers, scale=scale, name="casp")
+
+
+def dssync(num_workers: int, *, scale: float = 1.0) -> optax.GradientTransformationExtraArgs:
+  """DS-Sync: no server; every worker applies its own gradient to its own replica (R = W).
+
+  Averaging inside the round's groups is a parameter operation done after the
+  optimizer step (``rounds.apply_round`` with the ``average`` field).
+  """
+  return server_sync(num_workers, num_replicas=num_workers,
+                     assignment=np.arange(num_workers), scale=scale, name="dssync")
+
+
+# ---------------------------------------------------------------- GSSP
+
+
+def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
+         assignment=None, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """GSSP: SSP inside groups at group servers, asynchronous exchange between groups.
+
+  Replicas: the ``G`` group servers, plus a global server at index ``G`` when
+  ``inter_group="global"``. A worker's scaled gradient is applied at once by
+  its group server and added to the group's ``pending`` sum. ``forward[g]``
+  moves that sum to ``outbox[g]``; ``deliver[g]`` applies it (peer: at every
+  other group server; global: at the global server) and empties the outbox.
+  Delivery happens before a forward of the same round, so a protocol delivers
+  a zero-delay forward in the next round. ``adopt[r] = G`` (global) makes group
+  server ``r`` copy the global weights (done by ``rounds.apply_round``; here it
+  only advances the version).
+
+  Args:
+    num_workers: W.
+    num_groups: G >= 1.
+    inter_group: ``"peer"`` or ``"global"``.
+    assignment: static ``[W]`` group ids; default equal contiguous groups
+      (the protocol groups workers by speed and passes ``groups``).
+    scale: factor on every worker gradient, default ``1 / W``.
+  """
+  num_workers = check_int("gssp", "num_workers", num_workers, 1)
+  num_groups = check_int("gssp", "num_groups", num_groups, 1)
+  if inter_group not in INTER_GROUP:
+    raise ValueError(f"gssp inter_group={inter_group!r} is invalid; allowed: "
+                     f"{', '.join(INTER_GROUP)}")
+  if num_groups > num_workers:
+    raise ValueError(f"gssp num_groups={num_groups} is invalid; allowed: at most num_workers="
+                     f"{num_workers}")
+  static_route = (equal_groups("gssp", num_workers, num_groups) if assignment is None
+                  else check_assignment("gssp", "assignment", assignment, num_workers, num_groups))
+  scale = check_scale("gssp", 1.0 / num_workers if scale is None else scale)
+  is_global = inter_group == "global"
+  num_replicas = num_groups + int(is_global)
+
+  def init(params):
+    return GSSPState(**_init_clocks(num_workers, num_replicas),
+                     pending=_zeros_like_stacked(params, num_groups),
+                     outbox=_zeros_like_stacked(params, num_groups),
+                     since_forward=jnp.zeros([num_groups], jnp.int32))
+
+  def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
+             forward=None, deliver=None, adopt=None, **extra):
+    del params, extra
+    arrived = _mask(arrived, [num_workers], bool, True)
+    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
+    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    forward = _mask(forward, [num_groups], bool, False)
+    deliver = _mask(deliver, [num_groups], bool, False)
+    adopt = _mask(adopt, [num_replicas], jnp.int32, -1)
+    contrib = route_sum(updates, arrived, route, num_groups, scale)         # [G, ...]
+    sent = jax.tree.map(lambda o: jnp.where(_col(deliver, o), o, 0.0), state.outbox)
+    if is_global:
+      incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True)]),
+                              contrib, sent)
+      derived = jnp.concatenate([jnp.zeros([num_groups], bool).at[route].max(arrived),
+                                 jnp.any(deliver)[None]])
+    else:  # Every group server applies the other groups' delivered sums.
+      incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+      got_peer = (jnp.sum(deliver) - deliver.astype(jnp.int32)) > 0
+      derived = jnp.zeros([num_groups], bool).at[route].max(arrived) | got_peer
+    applies = derived if applies is None else _mask(applies, [num_replicas], bool, True)
+    out = jax.tree.map(lambda u: jnp.where(_col(applies, u), u, 0.0), incoming)
+
+    pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
+    outbox = jax.tree.map(lambda o: jnp.where(_col(deliver, o), 0.0, o), state.outbox)
+    outbox = jax.tree.map(lambda o, p: jnp.where(_col(forward, o), o + p, o), outbox, pending)
+    pending = jax.tree.map(lambda p: jnp.where(_col(forward, p), 0.0, p), pending)
+    arrivals = jnp.zeros([num_groups], jnp.int32).at[route].add(arrived.astype(jnp.int32))
+    since = jnp.where(forward, 0, _saturating_add(state.since_forward, arrivals))
+    clocks = _account(state, arrived=arrived, route=route, pulls=pulls, applies=applies,
+                      bumps=adopt >= 0)
+    return out, GSSPState(**clocks, pending=pending, outbox=outbox, since_forward=since)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _col(mask: jax.Array, like: jax.Array) -> jax.Array:
+  """Broadcasts a ``[N]`` mask against a ``[N, ...]`` leaf."""
+  return mask.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+# ---------------------------------------------------------------- InHAD
+
+
+def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
+          scale: float | None = None) -> optax.GradientTransformationExtraArgs:
+  """InHAD: workers add gradients to their node's aggregate; the server pulls them on ``aggregate``.
+
+  Each arrived worker's scaled gradient joins its node's aggregate (nothing is
+  applied). When the protocol's iteration-number count passes its threshold it
+  sets ``aggregate``: the server applies the sum of every node aggregate as one
+  update and the aggregates empty.
+
+  Args:
+    num_workers: W.
+    num_nodes: N, the machines workers aggregate on.
+    assignment: static ``[W]`` node ids; default equal contiguous nodes.
+    scale: factor on every worker gradient, default ``1 / W``.
+  """
+  num_workers = check_int("inhad", "num_workers", num_workers, 1)
+  num_nodes = check_int("inhad", "num_nodes", num_nodes, 1)
+  static_route = (equal_groups("inhad", num_workers, num_nodes) if assignment is None
+                  else check_assignment("inhad", "assignment", assignment, num_workers, num_nodes))
+  scale = check_scale("inhad", 1.0 / num_workers if scale is None else scale)
+
+  def init(params):
+    return InHADState(**_init_clocks(num_workers, 1), node_acc=_zeros_like_stacked(params, num_nodes),
+                      waiting=jnp.zeros([num_workers], bool),
+                      pending_read=jnp.zeros([num_workers], jnp.int32),
+                      count=jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
+             aggregate=None, **extra):
+    del params, extra
+    arrived = _mask(arrived, [num_workers], bool, True)
+    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
+    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    aggregate = jnp.asarray(True if aggregate is None else aggregate, bool)
+    applies = aggregate[None] if applies is None else _mask(applies, [1], bool, True)
+    acc = jax.tree.map(lambda a, c: a + c, state.node_acc,
+                       route_sum(updates, arrived, route, num_nodes, scale))
+    out = jax.tree.map(lambda a: jnp.where(applies[0], a.sum(0, keepdims=True), 0.0), acc)
+    acc = jax.tree.map(lambda a: jnp.where(applies[0], 0.0, a), acc)
+    # A gradient waits in its node's aggregate; its staleness counts from the
+    # version it was computed on, even if its worker has pulled since.
+    pending_read = jnp.where(arrived & ~state.waiting, state.read, state.pending_read)
+    waiting = state.waiting | arrived
+    applied = waiting & applies[0]   # every gradient in the aggregates is applied now
+    server = jnp.zeros_like(route)
+    clocks = _account(state._replace(read=pending_read), arrived=applied, route=server,
+                      pulls=jnp.zeros_like(pulls), applies=applies)
+    clocks["read"] = jnp.where(pulls, clocks["version"][0], state.read)
+    count = jnp.where(applies[0], 0, _saturating_add(state.count, jnp.sum(arrived)))
+    return out, InHADState(**clocks, node_acc=acc, waiting=waiting & ~applies[0],
+                           pending_read=pending_read, count=count.astype(jnp.int32))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------- replica optimizer
+
+
+class ReplicatedState(NamedTuple):
+  """``inner``: the inner optimizer's state with a leading ``[R]`` axis on every leaf."""
+  inner: Any
+
+
+def replicated(inner: optax.GradientTransformation,
+               num_replicas: int) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` independently on every replica; only replicas in ``applies`` step.
+
+  Parameters and updates carry a leading ``[R]`` axis. A replica outside
+  ``applies`` keeps its optimizer state and gets a zero update, so momentum
+  and Adam's counters move only when that server really applies something, as
+  a real parameter server's would. Without ``applies`` every replica steps.
+  """
+  num_replicas = check_int("replicated", "num_replicas", num_replicas, 1)
+
+  def init(params):
+    # Like every transform of a sync chain, init takes ONE replica's parameters
+    # (no replica axis): all replicas start from the same weights.
+    stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (num_replicas, *jnp.shape(p))), params)
+    return ReplicatedState(inner=jax.vmap(inner.init)(stacked))
+
+  def update(updates, state, params=None, *, applies=None, **extra):
+    del extra  # The inner optimizer sees one replica; round masks are not its business.
+    applies = _mask(applies, [num_replicas], bool, True)
+    if params is None:
+      new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
+    else:
+      new_updates, new_inner = jax.vmap(inner.update)(updates, state.inner, params)
+    keep = lambda new, old: jnp.where(_col(applies, new), new, old)
+    new_inner = jax.tree.map(keep, new_inner, state.inner)
+    new_updates = jax.tree.map(lambda u: jnp.where(_col(applies, u), u, jnp.zeros_like(u)),
+                               new_updates)
+    return new_updates, ReplicatedState(inner=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ---------------------------------------------------------------- accessors
+
+
+def staleness(state) -> jax.Array:
+  """``[W]`` int32 staleness of each worker's latest applied gradient (-1: none yet)."""
+  return state.staleness
+
+
+def clocks(state) -> jax.Array:
+  """``[W]`` int32 gradients applied per worker."""
+  return state.clock
+
+
+def versions(state) -> jax.Array:
+  """``[R]`` int32 updates applied per replica."""
+  return state.version
+
+
+def find_sync_state(chain_state):
+  """The sync state inside an ``optax.chain`` state (the first with a ``staleness`` field)."""
+  for s in (chain_state if isinstance(chain_state, tuple) and not hasattr(chain_state, "_fields")
+            else (chain_state,)):
+    if hasattr(s, "staleness") and hasattr(s, "version"):
+      return s
+  raise ValueError("no sync state (ServerState, GSSPState or InHADState) in this chain state")

@@ -1,0 +1,651 @@
+"""Sync schemes: transform conformance, equivalences, two-worker golden values, protocols, bad args."""
+
+import ast
+import itertools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from gssp_jax import compress
+from gssp_jax import sync
+from gssp_jax.sync import replay
+from gssp_jax.sync import rounds as rounds_lib
+
+SPEEDS4 = [1.0, 1.37, 1.91, 2.53]   # no two workers push at the same instant early on
+KW4 = dict(num_groups=2, num_nodes=2, casp_reconfigure_every=4, casp_max_communities=2)
+PARAMS = {"w": jnp.arange(6, dtype=jnp.float32).reshape(3, 2) / 10, "b": jnp.ones([2])}
+
+
+def _scheme(name, num_workers=4, speeds=SPEEDS4, **kw):
+  kw = {**KW4, **kw} if num_workers == 4 else kw
+  return sync.build_scheme(name, num_workers, worker_times=speeds, **kw)
+
+
+def _timeline(protocol, speeds, max_pushes, message_delay=0.0):
+  return sync.run_timeline(protocol, lambda w, k: speeds[w], max_pushes=max_pushes,
+                           message_delay=lambda m: message_delay)
+
+
+def _worker_grads(seed):
+  key = jax.random.key(seed)
+  return jax.tree.map(lambda p: jax.random.normal(key, (4, *p.shape)), PARAMS)
+
+
+def _replica_params(num_replicas):
+  return jax.tree.map(lambda p: jnp.broadcast_to(p, (num_replicas, *p.shape)), PARAMS)
+
+
+def _close(a, b, tol=1e-5):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol,
+                                                       atol=tol), a, b)
+
+
+def _equal(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+# ---------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("name", sync.SCHEMES)
+class TestConformance:
+  """Every scheme's transform, chained with a compressor and a momentum optimizer."""
+
+  def _setup(self, name):
+    scheme = _scheme(name)
+    tx = scheme.chain(optax.sgd(0.1, momentum=0.9), compress.topk(4, 0.5))
+    rounds = _timeline(scheme.make_protocol(), SPEEDS4, 32, message_delay=0.4).rounds[:6]
+    assert rounds, name
+    return scheme, tx, rounds
+
+  def test_ignores_unknown_extra_args(self, name):
+    scheme, tx, rounds = self._setup(name)
+    state = tx.init(PARAMS)
+    params = _replica_params(scheme.num_replicas)
+    args = rounds_lib.round_args(rounds[0])
+    _equal(tx.update(_worker_grads(0), state, params, **args),
+           tx.update(_worker_grads(0), state, params, **args, not_a_field=3, other=None))
+
+  def test_jit_without_recompilation(self, name):
+    scheme, tx, rounds = self._setup(name)
+    traces = []
+
+    @jax.jit
+    def update(grads, state, params, args):
+      traces.append(1)
+      return tx.update(grads, state, params, **args)
+    state = tx.init(PARAMS)
+    params = _replica_params(scheme.num_replicas)
+    for i, rnd in enumerate(rounds[:3]):
+      updates, state = update(_worker_grads(i), state, params, rounds_lib.round_args(rnd))
+    assert len(traces) == 1
+    # Jitted equals eager.
+    eager = tx.update(_worker_grads(9), state, params, **rounds_lib.round_args(rounds[-1]))
+    _close(update(_worker_grads(9), state, params, rounds_lib.round_args(rounds[-1])), eager)
+
+  def test_stable_dtypes_and_shapes_under_scan(self, name):
+    scheme, tx, rounds = self._setup(name)
+    state0 = tx.init(PARAMS)
+    params0 = _replica_params(scheme.num_replicas)
+    stacked = {k: v for k, v in rounds_lib.stack_rounds(rounds).items() if k != "time"}
+    grads = jax.tree.map(lambda *g: jnp.stack(g), *[_worker_grads(i) for i in range(len(rounds))])
+
+    def body(carry, xs):
+      params, state = carry
+      g, args = xs
+      updates, state = tx.update(g, state, params, **args)
+      return (optax.apply_updates(params, updates), state), None
+    (params, state), _ = jax.lax.scan(body, (params0, state0), (grads, stacked))
+    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)
+    assert spec(state) == spec(state0)
+    assert spec(params) == spec(params0)
+    # The scan agrees with a host loop of the same rounds.
+    p, s = params0, state0
+    for i, rnd in enumerate(rounds):
+      u, s = tx.update(_worker_grads(i), s, p, **rounds_lib.round_args(rnd))
+      p = optax.apply_updates(p, u)
+    _close(params, p)
+    _equal(sync.find_sync_state(state).version, sync.find_sync_state(s).version)
+
+  def test_orbax_round_trip(self, name, tmp_path):
+    scheme, tx, rounds = self._setup(name)
+    params = _replica_params(scheme.num_replicas)
+    _, state = tx.update(_worker_grads(0), tx.init(PARAMS), params,
+                         **rounds_lib.round_args(rounds[0]))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "state", state)
+    ckptr.wait_until_finished()
+    restored = ckptr.restore(tmp_path / "state", tx.init(PARAMS))
+    _equal(restored, state)
+    args = rounds_lib.round_args(rounds[1])
+    _equal(tx.update(_worker_grads(1), restored, params, **args),
+           tx.update(_worker_grads(1), state, params, **args))
+
+  def test_state_has_explicit_staleness(self, name):
+    scheme, tx, rounds = self._setup(name)
+    state = sync.find_sync_state(tx.init(PARAMS))
+    assert sync.staleness(state).shape == (4,) and sync.staleness(state).dtype == jnp.int32
+    assert sync.clocks(state).dtype == jnp.int32
+    assert sync.versions(state).shape == (scheme.num_replicas,)
+
+
+# ---------------------------------------------------------------- equivalences
+
+A = jnp.array([[2.0, 0.5], [0.5, 1.0]])
+TARGETS4 = jnp.array([[1.0, -1.0], [2.0, 0.0], [0.0, 3.0], [-1.0, 1.0]])
+
+
+def _quad_grad(targets):
+  """Worker w minimises 0.5 * |A x - t_w|^2; its gradient is A^T (A x - t_w)."""
+  def grad_fn(worker_params, index):
+    del index
+    x = worker_params["x"]
+    return {"x": jnp.einsum("ji,wj->wi", A, jnp.einsum("ij,wj->wi", A, x) - targets)}
+  return grad_fn
+
+
+def _run(scheme_tx, protocol, num_replicas, speeds, max_pushes, targets, opt, message_delay=0.0):
+  tl = _timeline(protocol, speeds, max_pushes, message_delay)
+  tx = optax.chain(scheme_tx, sync.replicated(opt, num_replicas))
+  state = replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, _quad_grad(targets),
+                        num_replicas=num_replicas, num_workers=len(speeds))
+  return tl, state
+
+
+def test_ssp_staleness_zero_equals_bsp_protocol_level():
+  """Staggered pushes, SGD: SSP(0) applies each push separately yet ends where BSP does."""
+  opt = optax.sgd(0.05)
+  _, bsp = _run(sync.bsp(4), sync.BSPProtocol(4), 1, SPEEDS4, 24, TARGETS4, opt)
+  tl, ssp = _run(sync.ssp(4, 0), sync.SSPProtocol(4, 0), 1, SPEEDS4, 24, TARGETS4, opt)
+  assert len(tl.rounds) == 24   # one round per push, not one per clock
+  _close(ssp.replica_params, bsp.replica_params)
+
+
+def test_ssp_staleness_zero_equals_bsp_transform_level_with_momentum():
+  """When a round carries every worker's push, SSP's transform is BSP's, momentum included."""
+  opt = optax.sgd(0.05, momentum=0.9)
+  tl = _timeline(sync.BSPProtocol(4), SPEEDS4, 20)
+  results = []
+  for tx in (sync.bsp(4), sync.ssp(4, 0)):
+    chain = optax.chain(tx, sync.replicated(opt, 1))
+    results.append(replay.replay(chain, {"x": jnp.zeros([2])}, tl.rounds, _quad_grad(TARGETS4),
+                                 num_replicas=1, num_workers=4).replica_params)
+  _equal(*results)
+
+
+@pytest.mark.parametrize("name", sync.SCHEMES)
+def test_one_worker_equals_plain_optimizer(name):
+  opt = optax.sgd(0.1, momentum=0.9)
+  kw = dict(num_groups=1, num_nodes=1, group_size=1, casp_max_communities=1,
+            casp_reconfigure_every=3, inhad_threshold=1)
+  scheme = sync.build_scheme(name, 1, **kw)
+  target = TARGETS4[:1]
+  _, state = _run(scheme.transform, scheme.make_protocol(), scheme.num_replicas, [1.0], 15,
+                  target, opt, message_delay=0.3)
+  x, opt_state = {"x": jnp.zeros([2])}, opt.init({"x": jnp.zeros([2])})
+  for _ in range(15):
+    g = jax.tree.map(lambda v: v[0], _quad_grad(target)({"x": x["x"][None]}, 0))
+    u, opt_state = opt.update(g, opt_state, x)
+    x = optax.apply_updates(x, u)
+  for r in range(scheme.num_replicas):   # GSSP-global's server holds the same weights
+    _close(jax.tree.map(lambda v: v[r], state.replica_params), x)
+
+
+@pytest.mark.parametrize("inter_group", ["peer"])
+def test_gssp_one_group_equals_ssp(inter_group):
+  opt = optax.sgd(0.05, momentum=0.9)
+  groups = np.zeros([4], np.int32)
+  tl_g, gssp = _run(sync.gssp(4, 1, inter_group=inter_group),
+                    sync.GSSPProtocol(4, groups, 2, inter_group=inter_group), 1, SPEEDS4, 30,
+                    TARGETS4, opt, message_delay=0.2)
+  tl_s, ssp = _run(sync.ssp(4, 2), sync.SSPProtocol(4, 2), 1, SPEEDS4, 30, TARGETS4, opt)
+  _close(gssp.replica_params, ssp.replica_params)
+  assert [p[:2] for p in tl_g.pushes] == [p[:2] for p in tl_s.pushes]
+  _equal(sync.find_sync_state(gssp.tx_state).staleness, sync.find_sync_state(ssp.tx_state).staleness)
+
+
+def test_gssp_one_worker_per_group_no_delay_is_asp():
+  """Each push is applied at its group server and, with no delay, at every other one next."""
+  opt = optax.sgd(0.05, momentum=0.9)
+  runs = {}
+  for name, tx, protocol, num_replicas in [
+      ("gssp", sync.gssp(4, 4), sync.GSSPProtocol(4, np.arange(4), 0), 4),
+      ("asp", sync.asp(4), sync.ASPProtocol(4), 1)]:
+    tl = _timeline(protocol, SPEEDS4, 30)
+    seen = []
+    chain = optax.chain(tx, sync.replicated(opt, num_replicas))
+    replay.replay(chain, {"x": jnp.zeros([2])}, tl.rounds, _quad_grad(TARGETS4),
+                  num_replicas=num_replicas, num_workers=4,
+                  on_round=lambda i, s: seen.append(np.asarray(s.replica_params["x"])))
+    runs[name] = (tl, seen)
+  (tl_g, gssp), (tl_a, asp) = runs["gssp"], runs["asp"]
+  assert [p[:2] for p in tl_g.pushes] == [p[:2] for p in tl_a.pushes]
+  # GSSP's rounds come in pairs: the push at its group, then the zero-delay delivery to
+  # the others. After each delivery every group server holds ASP's weights.
+  assert len(gssp) == 2 * len(asp) - 1   # the last push's delivery is still queued
+  for i, x_asp in enumerate(asp[:-1]):
+    assert tl_g.rounds[2 * i + 1].deliver.any()
+    np.testing.assert_allclose(gssp[2 * i + 1], np.broadcast_to(x_asp, (4, 2)), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_topk_keeping_everything_is_identity_in_front_of_gssp():
+  scheme = _scheme("gssp")
+  rounds = _timeline(scheme.make_protocol(), SPEEDS4, 10, 0.3).rounds
+  params = _replica_params(scheme.num_replicas)
+  outs = []
+  for chain in (scheme.chain(optax.sgd(0.1, momentum=0.9)),
+                scheme.chain(optax.sgd(0.1, momentum=0.9), compress.topk(4, 1.0))):
+    state, p = chain.init(PARAMS), params
+    for i, rnd in enumerate(rounds):
+      u, state = chain.update(_worker_grads(i), state, p, **rounds_lib.round_args(rnd))
+      p = optax.apply_updates(p, u)
+    outs.append(p)
+  _equal(*outs)
+
+
+def test_gssp_forwards_conserve_gradient_mass():
+  """Whatever is in flight, pending + outbox + delivered = everything pushed (scaled)."""
+  scheme = _scheme("gssp")
+  tx = scheme.transform
+  state = tx.init(PARAMS)
+  rounds = _timeline(scheme.make_protocol(), SPEEDS4, 14, 0.7).rounds
+  pushed = jax.tree.map(jnp.zeros_like, PARAMS)
+  delivered = jax.tree.map(jnp.zeros_like, PARAMS)
+  for i, rnd in enumerate(rounds):
+    g = _worker_grads(i)
+    args = rounds_lib.round_args(rnd)
+    outbox = state.outbox
+    _, state = tx.update(g, state, None, **args)
+    arrived = jnp.asarray(rnd.arrived)
+    pushed = jax.tree.map(lambda s, x: s + jnp.tensordot(arrived.astype(jnp.float32), x, 1) / 4,
+                          pushed, g)
+    delivered = jax.tree.map(lambda d, o: d + (o * jnp.asarray(rnd.deliver)
+                                               .reshape((-1,) + (1,) * (o.ndim - 1))).sum(0),
+                             delivered, outbox)
+  total = jax.tree.map(lambda p, o, d: p.sum(0) + o.sum(0) + d, state.pending, state.outbox,
+                       delivered)
+  _close(total, pushed)
+  assert any(r.deliver.any() for r in rounds)
+
+
+def test_dssync_one_group_of_everyone_equals_bsp_with_momentum():
+  opt = optax.sgd(0.05, momentum=0.9)
+  _, ds = _run(sync.dssync(4), sync.DSSyncProtocol(4, 4), 4, SPEEDS4, 24, TARGETS4, opt)
+  _, bsp = _run(sync.bsp(4), sync.BSPProtocol(4), 1, SPEEDS4, 24, TARGETS4, opt)
+  for r in range(4):
+    _close(jax.tree.map(lambda v: v[r], ds.replica_params),
+           jax.tree.map(lambda v: v[0], bsp.replica_params))
+
+
+def test_gssp_with_gdtopk_from_config_trains_lenet_rounds():
+  """``sync.scheme=gssp`` + ``compress.name=gdtopk`` from a config, on LeNet-5 gradients."""
+  from gssp_jax import config as config_lib
+  from gssp_jax import models
+  from gssp_jax.train import loop
+  config = config_lib.default_config()
+  config.num_workers, config.sync.scheme, config.compress.name = 8, "gssp", "gdtopk"
+  config.sync.num_groups, config.sync.staleness = 2, 1
+  config_lib.validate_config(config)
+  speeds = np.array([3.0, 1.0, 3.0, 1.0, 1.0, 3.0, 1.0, 3.0])
+  scheme = sync.scheme_from_config(config, worker_times=speeds)
+  assert scheme.groups.tolist() == [1, 0, 1, 0, 0, 1, 0, 1]   # grouped by speed, 0 fastest
+  ranks = sync.grouping.group_speed_rank(scheme.groups, speeds)
+  ratios = compress.worker_ratios(compress.gdtopk_group_ratios(3, ranks), scheme.groups)
+  tx = scheme.chain(optax.sgd(0.05, momentum=0.9), loop.make_compressor(config))
+  model = models.create_model("lenet5", num_classes=10)
+  images = jax.random.normal(jax.random.key(0), (8, 4, 32, 32, 1))
+  labels = jax.random.randint(jax.random.key(1), (8, 4), 0, 10)
+  params = model.init(jax.random.key(2), images[0])["params"]
+
+  def grad_fn(worker_params, index):
+    def loss(p, x, y):
+      logits = model.apply({"params": p}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return jax.vmap(jax.grad(loss))(worker_params, images, labels)
+  tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: speeds[w], max_pushes=24,
+                         message_delay=lambda m: 0.5)
+  bytes_seen = []
+  state = replay.replay(tx, params, tl.rounds, grad_fn, num_replicas=scheme.num_replicas,
+                        num_workers=8, extra_args={"ratios": ratios},
+                        on_round=lambda i, s: bytes_seen.append(
+                            np.asarray(compress.push_bytes(s.tx_state[0]))))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.replica_params))
+  pushed = np.max(np.stack(bytes_seen), axis=0)
+  # The slow group sends a denser (so larger) payload than the fast group.
+  assert pushed[speeds == 3.0].min() > pushed[speeds == 1.0].max() > 0
+  assert int(sync.find_sync_state(state.tx_state).clock.sum()) == 24
+
+
+# ---------------------------------------------------------------- golden values
+# Two workers, scalar x, worker w minimises 0.5 (x - c_w)^2 with c = (1, 3), so
+# its gradient is x_read - c_w. Every gradient is scaled by 1/W = 1/2 and plain
+# SGD has lr 0.5, so an applied gradient g moves x by -g/4. Worker 0 takes 1 s
+# per iteration, worker 1 takes 2 s; at equal times the event scheduled first
+# (worker 1's push, scheduled at t=0) goes first. Server messages take 0.5 s.
+
+C2 = jnp.array([1.0, 3.0])
+
+
+def _golden(tx, protocol, num_replicas, max_pushes):
+  tl = _timeline(protocol, [1.0, 2.0], max_pushes, message_delay=0.5)
+  seen = []
+  chain = optax.chain(tx, sync.replicated(optax.sgd(0.5), num_replicas))
+  replay.replay(chain, {"x": jnp.zeros([])}, tl.rounds, lambda wp, i: {"x": wp["x"] - C2},
+                num_replicas=num_replicas, num_workers=2,
+                on_round=lambda i, s: seen.append(np.asarray(s.replica_params["x"]).tolist()))
+  return tl, seen
+
+
+def test_golden_bsp():
+  # t=2: both read 0: g = (-1, -3), x = 0 + (1 + 3)/4 = 1.
+  # t=4: g = (0, -2), x = 1 + 2/4 = 1.5.   t=6: g = (0.5, -1.5), x = 1.5 + 1/4 = 1.75.
+  _, xs = _golden(sync.bsp(2), sync.BSPProtocol(2), 1, 6)
+  assert xs == [[1.0], [1.5], [1.75]]
+
+
+def test_golden_asp():
+  # t=1 w0 on 0: g=-1, x=0.25.  t=2 w1 on 0: g=-3, x=1.0.  t=2 w0 on 0.25: g=-0.75,
+  # x=1.1875.  t=3 w0 on 1.1875: g=0.1875, x=1.140625.  t=4 w1 on 1.0: g=-2, x=1.640625.
+  # t=4 w0 on 1.140625: g=0.140625, x=1.60546875.
+  tl, xs = _golden(sync.asp(2), sync.ASPProtocol(2), 1, 6)
+  assert xs == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.60546875]]
+  assert tl.blocked_time.tolist() == [0.0, 0.0]
+
+
+def test_golden_ssp():
+  # SSP(1) as ASP until t=3: w0 has pushed 3, w1 1 -> w0 is 2 ahead and waits
+  # (x=1.140625, w0 does not pull). t=4 w1 on 1.0: g=-2, x=1.640625; w0 is released
+  # and pulls it. t=5 w0 on 1.640625: g=0.640625, x=1.48046875; w0 is 2 ahead again.
+  tl, xs = _golden(sync.ssp(2, 1), sync.SSPProtocol(2, 1), 1, 6)
+  assert xs == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.48046875]]
+  assert [np.flatnonzero(r.pulls).tolist() for r in tl.rounds] == [[0], [1], [0], [], [0, 1], []]
+  assert tl.blocked_time.tolist() == [1.0, 0.0]
+
+
+def test_golden_dssp():
+  # DSSP([2, 4]) runs as ASP to t=4 (w0 at most 2 ahead): x as in test_golden_asp.
+  # t=5: w0 would be 3 ahead. It is the fastest; w1's pushes at 2 and 4 predict its next
+  # at 6, w0's at 4 and 5 an iteration of 1 s: r = floor((6 - 5) / 1) = 1 extra, so w0
+  # goes on (threshold 3). w0 on 1.60546875: g=0.60546875, x=1.4541015625.
+  # t=6 w1 on 1.640625: g=-1.359375, x=1.7939453125; w0 on 1.4541015625:
+  # g=0.4541015625, x=1.680419921875. t=7: w0 4 ahead > 3: waits.
+  tl, xs = _golden(sync.dssp(2, (2, 4)), sync.DSSPProtocol(2, (2, 4)), 1, 10)
+  assert xs[:10] == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.60546875],
+                     [1.4541015625], [1.7939453125], [1.680419921875], [1.51031494140625]]
+  assert tl.rounds[6].pulls.tolist() == [True, False]      # granted: SSP(2) would block here
+  assert tl.rounds[9].pulls.tolist() == [False, False]
+
+
+def test_golden_gssp_peer():
+  # One worker per group (s=0 never binds), forward every push, delivered 0.5 s later.
+  # t=1 w0 on 0: g=-1, x0=0.25.  t=1.5 g0's sum -0.5 reaches group 1: x1=0.25.
+  # t=2 w1 on 0: g=-3, x1=1.0;  w0 on 0.25: g=-0.75, x0=0.4375.
+  # t=2.5 deliveries: x0=0.4375+0.75=1.1875 (w1's), x1=1.0+0.1875=1.1875 (w0's).
+  tl, xs = _golden(sync.gssp(2, 2), sync.GSSPProtocol(2, [0, 1], 0), 2, 4)
+  assert xs[:6] == [[0.25, 0.0], [0.25, 0.25], [0.25, 1.0], [0.4375, 1.0], [1.1875, 1.0],
+                    [1.1875, 1.1875]]
+
+
+def test_golden_gssp_global():
+  # Replicas (group 0, group 1, global). t=1 w0: x0=0.25, forward. t=1.5 global applies
+  # it: xg=0.25, and returns its weights (arrive t=2).  t=2 w1 on 0: x1=0.75; w0 on 0.25:
+  # g=-0.75, x0=0.4375 (not forwarded: one forward in flight); then group 0 adopts
+  # xg: x0=0.25 and forwards the waiting -0.375.  t=2.5 global applies w1's -1.5 then
+  # w0's -0.375: xg=1.0, then 1.1875.
+  tl, xs = _golden(sync.gssp(2, 2, inter_group="global"),
+                   sync.GSSPProtocol(2, [0, 1], 3, inter_group="global"), 3, 4)
+  assert xs[:7] == [[0.25, 0.0, 0.0], [0.25, 0.0, 0.25], [0.25, 0.75, 0.25],
+                    [0.4375, 0.75, 0.25], [0.25, 0.75, 0.25], [0.25, 0.75, 1.0],
+                    [0.25, 0.75, 1.1875]]
+
+
+def test_golden_inhad():
+  # One node, threshold 3 iteration numbers. t=1 w0 on 0: g=-1; t=2 w1 on 0: g=-3;
+  # t=2 w0 on 0: g=-1 -> 3 counted: x = 0 + (1 + 3 + 1)/4 = 1.25.
+  # t=3 w0 on 1.25: 0.25; t=4 w1 on 0 (pulled at t=2, before the update): -3;
+  # t=4 w0 on 1.25: 0.25 -> x = 1.25 + 2.5/4 = 1.875; w1's gradient was 1 stale.
+  tl, xs = _golden(sync.inhad(2, 1), sync.InHADProtocol(2, [0, 0], 3), 1, 6)
+  assert xs == [[0.0], [0.0], [1.25], [1.25], [1.25], [1.875]]
+
+
+def test_golden_dssync():
+  # Groups of 2 = everyone: each applies its own gradient unscaled (lr 0.5), then the
+  # pair averages. t=2: x0 = 0+0.5, x1 = 0+1.5 -> both 1.0.  t=4: x0 = 1.0, x1 = 1.0+1.0
+  # -> 1.5.  t=6: x0 = 1.5-0.25, x1 = 1.5+0.75 -> 1.75.
+  _, xs = _golden(sync.dssync(2), sync.DSSyncProtocol(2, 2), 2, 6)
+  assert xs == [[1.0, 1.0], [1.5, 1.5], [1.75, 1.75]]
+
+
+def test_golden_casp_two_communities():
+  # Two communities of one worker each push asynchronously: exactly ASP's values.
+  protocol = sync.CASPProtocol(2, max_communities=2, initial_communities=2, reconfigure_every=100)
+  _, xs = _golden(sync.casp(2), protocol, 1, 6)
+  assert xs == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.60546875]]
+
+
+def test_golden_casp_one_community():
+  protocol = sync.CASPProtocol(2, max_communities=2, initial_communities=1, reconfigure_every=100)
+  _, xs = _golden(sync.casp(2), protocol, 1, 6)
+  assert xs == [[1.0], [1.5], [1.75]]
+
+
+# ---------------------------------------------------------------- protocols on timelines
+
+
+def _jittered(speeds, seed=0):
+  rng = np.random.default_rng(seed)
+  table = rng.lognormal(0.0, 0.3, size=(len(speeds), 500)) * np.asarray(speeds)[:, None]
+  return lambda w, k: float(table[w, k])
+
+
+def _walk(timeline, num_workers):
+  """Yields (event, clock before it) in processing order."""
+  clock = np.zeros([num_workers], np.int64)
+  for kind, time, who in timeline.events:
+    yield kind, time, who, clock.copy()
+    if kind == "push":
+      clock[who] += 1
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_ssp_never_runs_more_than_s_ahead(s):
+  speeds = [1.0, 1.5, 2.0, 3.0, 1.0, 5.0]
+  tl = sync.run_timeline(sync.SSPProtocol(6, s), _jittered(speeds), max_pushes=300)
+  worst = max(c[w] - c.min() for kind, _, w, c in _walk(tl, 6) if kind == "start")
+  assert worst <= s
+  assert worst == s   # the bound is reached: fast workers do run ahead
+  assert tl.blocked_time[0] > 0   # ... and then wait for the slowest
+
+
+def test_asp_never_blocks():
+  tl = sync.run_timeline(sync.ASPProtocol(4), _jittered([1, 2, 4, 8]), max_pushes=200)
+  assert tl.blocked_time.tolist() == [0.0] * 4
+
+
+def test_bsp_round_takes_the_slowest_worker():
+  tl = sync.run_timeline(sync.BSPProtocol(4), lambda w, k: [1.0, 1.5, 2.0, 3.0][w],
+                         max_pushes=40, push_delay=lambda w: 0.25, pull_delay=lambda w: 0.5)
+  times = [r.time for r in tl.rounds]
+  # slowest compute 3 + push 0.25 = first round; every later one adds pull 0.5 + 3 + 0.25.
+  assert times == pytest.approx([3.25 + 3.75 * i for i in range(10)])
+
+
+def test_dssp_threshold_in_range_and_grants_only_the_fastest():
+  low, high = 1, 4
+  speeds = [1.0, 1.2, 3.0, 3.1]
+  protocol = sync.DSSPProtocol(4, (low, high))
+  tl = sync.run_timeline(protocol, _jittered(speeds, 1), max_pushes=400)
+  assert all(low <= t <= high for _, _, t in protocol.thresholds)
+  granted = 0
+  for kind, _, w, c in _walk(tl, 4):
+    if kind == "start" and c[w] - c.min() > low:
+      granted += 1
+      assert c[w] == c.max()           # only the fastest runs beyond s_L ...
+      assert c[w] - c.min() <= high    # ... and never beyond s_U
+  assert granted > 0                   # the controller did grant extra iterations
+
+
+def test_gssp_blocks_only_within_a_group():
+  groups = np.array([0, 0, 1, 1])
+  def run(slow_factor):
+    speeds = [1.0, 1.3, 2.0, 2.0 * slow_factor]
+    return sync.run_timeline(sync.GSSPProtocol(4, groups, 1), _jittered(speeds, 2),
+                             max_pushes=300, message_delay=lambda m: 0.1)
+  base, slow = run(1.0), run(10.0)
+  # Group 0's whole history is the same whether group 1 has a 10x straggler or not.
+  first = lambda tl: [(t, w) for t, w, _ in tl.pushes if groups[w] == 0][:100]
+  assert first(base) == first(slow)
+  for tl in (base, slow):
+    for kind, _, w, c in _walk(tl, 4):
+      if kind == "start":
+        mine = groups == groups[w]
+        assert c[w] - c[mine].min() <= 1   # SSP(1) holds inside the group
+  assert slow.blocked_time[3] == 0.0 and slow.blocked_time[2] > 0
+
+
+def test_gssp_forwards_every_group_size_pushes():
+  protocol = sync.GSSPProtocol(4, [0, 0, 1, 1], 3)
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 1.0, 2.0, 2.0][w], max_pushes=40,
+                         message_delay=lambda m: 0.1)
+  forwards = sum(int(r.forward.sum()) for r in tl.rounds)
+  delivers = sum(int(r.deliver.sum()) for r in tl.rounds)
+  assert forwards == 20 and delivers in (19, 20)   # every 2 pushes; the last may be in flight
+
+
+@pytest.mark.parametrize("num_workers,group_size", [(16, 4), (16, 2), (12, 3), (8, 8), (6, 2)])
+def test_dssync_partitions_disjoint_and_connected_over_a_period(num_workers, group_size):
+  for seed, period in itertools.product(range(3), range(5)):
+    edges = set()
+    for it in (2 * period, 2 * period + 1):
+      ids = sync.dssync_partition(num_workers, group_size, it, seed)
+      assert np.bincount(ids).tolist() == [group_size] * (num_workers // group_size)
+      for g in range(num_workers // group_size):
+        members = np.flatnonzero(ids == g)
+        edges |= {(int(a), int(b)) for a in members for b in members}
+    seen, frontier = {0}, [0]
+    while frontier:
+      a = frontier.pop()
+      for x, y in edges:
+        if x == a and y not in seen:
+          seen.add(y)
+          frontier.append(y)
+    assert seen == set(range(num_workers))
+  # It does shuffle: consecutive periods differ.
+  assert not np.array_equal(sync.dssync_partition(16, 4, 0, 0), sync.dssync_partition(16, 4, 2, 0))
+
+
+def test_dssync_waits_only_for_its_group():
+  protocol = sync.DSSyncProtocol(4, 2, seed=0)
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 1.0, 1.0, 10.0][w], max_pushes=60)
+  for rnd in tl.rounds:
+    members = np.flatnonzero(rnd.arrived)
+    assert len(members) == 2 and len(set(rnd.average[members].tolist())) == 1
+    assert (rnd.pulls == rnd.arrived).all()
+  # Groups shuffle, so the straggler slows everyone down, but only through the
+  # groups it is in: a fast worker is not blocked the whole time.
+  assert max(tl.blocked_time[:3]) < 0.95 * tl.end_time
+
+
+def test_gdtopk_gives_the_slowest_group_the_densest_ratio():
+  speeds = [1.0] * 4 + [1.5] * 4 + [2.0] * 4 + [3.0] * 4
+  groups = sync.make_groups("speed", 16, 4, np.random.default_rng(0).permutation(speeds))
+  times = np.random.default_rng(0).permutation(speeds)
+  ranks = sync.grouping.group_speed_rank(groups, times)
+  for epoch in (2, 3, 6):   # epoch 1 sends everything (b ** 0 = 1) in every group
+    ratios = compress.worker_ratios(compress.gdtopk_group_ratios(epoch, ranks), groups)
+    slowest = times == 3.0
+    assert ratios[slowest].min() >= ratios.max() - 1e-9
+    assert ratios[slowest].min() > ratios[times == 1.0].max()
+
+
+def test_inhad_updates_every_threshold_and_never_blocks():
+  protocol = sync.InHADProtocol(4, [0, 0, 1, 1], threshold=6)
+  tl = sync.run_timeline(protocol, _jittered([1, 2, 3, 4]), max_pushes=60)
+  assert sum(bool(r.aggregate) for r in tl.rounds) == 10
+  assert tl.blocked_time.tolist() == [0.0] * 4
+
+
+def test_casp_communities_are_synchronous_and_speed_sorted():
+  speeds = [3.0, 1.0, 2.0, 1.1, 2.9, 1.9, 1.05, 3.1]
+  protocol = sync.CASPProtocol(8, max_communities=4, reconfigure_every=8, seed=1)
+  tl = sync.run_timeline(protocol, lambda w, k: speeds[w], max_pushes=600)
+  assert len(protocol.history) > 5
+  assert all(1 <= k <= 4 for _, k in protocol.history)
+  for rnd in tl.rounds:
+    members = np.flatnonzero(rnd.arrived)
+    # Every community push carries whole communities of speed-contiguous workers.
+    order = np.argsort(speeds)
+    pos = sorted(np.flatnonzero(np.isin(order, members)).tolist())
+    assert pos == list(range(pos[0], pos[0] + len(pos)))
+
+
+def test_actor_critic_learns_the_better_action():
+  agent = sync.ActorCritic(3, 2, seed=0, actor_lr=0.5)
+  features = np.array([1.0, 0.0])
+  for _ in range(300):
+    a = agent.act(features)
+    agent.learn(1.0 if a == 2 else 0.0)
+  assert agent.probabilities(features)[2] > 0.9
+
+
+def test_protocols_are_deterministic():
+  for name in sync.SCHEMES:
+    a = _timeline(_scheme(name).make_protocol(), SPEEDS4, 50, 0.3)
+    b = _timeline(_scheme(name).make_protocol(), SPEEDS4, 50, 0.3)
+    assert a.events == b.events
+    _equal(rounds_lib.stack_rounds(a.rounds), rounds_lib.stack_rounds(b.rounds))
+
+
+def test_protocols_use_no_jax():
+  """The host half imports no JAX (the real runtime's coordinator runs it without devices)."""
+  root = pathlib.Path(sync.__file__).parent
+  for path in list((root / "protocols").glob("*.py")) + [root / "timeline.py",
+                                                         root / "grouping.py"]:
+    tree = ast.parse(path.read_text())
+    mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not any(m and (m == "jax" or m.startswith(("jax.", "optax", "flax"))) for m in mods), path
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: sync.ssp(4, -1), r"ssp staleness=-1 is invalid; allowed: an int >= 0"),
+    (lambda: sync.SSPProtocol(4, -2), r"staleness=-2 is invalid"),
+    (lambda: sync.dssp(4, (5, 2)), r"s_L=5 > s_U=2"),
+    (lambda: sync.DSSPProtocol(4, (3, 1)), r"s_L=3 > s_U=1"),
+    (lambda: sync.dssp(4, 3), r"staleness_range=3 is invalid"),
+    (lambda: sync.gssp(16, 3), r"num_groups=3 does not divide num_workers=16"),
+    (lambda: sync.build_scheme("gssp", 16, num_groups=3),
+     r"num_groups=3 does not divide num_workers=16"),
+    (lambda: sync.build_scheme("gssp", 4, num_groups=2, inter_group="ring"),
+     r"inter_group='ring' is invalid; allowed: peer, global"),
+    (lambda: sync.build_scheme("gsp", 4), r"scheme='gsp' is invalid; allowed: bsp, asp"),
+    (lambda: sync.build_scheme("gssp", 4, num_groups=2, grouping_method="random"),
+     r"grouping='random' is invalid"),
+    (lambda: sync.DSSyncProtocol(8, 3), r"group_size=3 is invalid for num_workers=8"),
+    (lambda: sync.InHADProtocol(4, [0, 0, 1, 1], threshold=0), r"threshold=0 is invalid"),
+    (lambda: sync.CASPProtocol(4, max_communities=5), r"max_communities=5 is invalid"),
+    (lambda: sync.GSSPProtocol(4, [0, 0, 2, 2], 1), r"every id in 0..2 used"),
+    (lambda: sync.make_groups("speed", 4, 2, [1.0, 0.0, 2.0, 1.0]), r"positive finite"),
+    (lambda: compress.topk(4, 1.5), r"ratio=1.5 is invalid; allowed: a number in \(0, 1\]"),
+    (lambda: compress.topk(4, 0.0), r"ratio=0.0 is invalid"),
+])
+def test_bad_arguments_rejected(build, match):
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_kmeans_grouping_separates_speed_classes():
+  times = [1.0, 1.1, 5.0, 5.2, 1.05, 9.0]
+  groups = sync.make_groups("kmeans", 6, 3, times)
+  assert groups.tolist() == [0, 0, 1, 1, 0, 2]
+  assert sync.make_groups("speed", 4, 2, [3.0, 1.0, 2.0, 4.0]).tolist() == [1, 0, 0, 1]
+  assert sync.make_groups("round_robin", 4, 2).tolist() == [0, 1, 0, 1]
