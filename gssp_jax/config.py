@@ -19,11 +19,7 @@ MODEL_DATASETS = {
 DATASETS = ("mnist", "cifar10", "multi30k")
 # Every scheme of the papers.
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
-# Every scheme's transform and protocol exist (gssp_jax.sync); the training loop runs BSP
-# until the simulator (which replays the other schemes' timelines) lands.
-TRAINABLE_SCHEMES = ("bsp",)
 COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
-TRAINABLE_COMPRESSORS = ("none", "topk", "dgc")  # gdtopk takes per-group ratios: GSSP
 COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -76,6 +72,24 @@ def default_config() -> ml_collections.ConfigDict:
   c.sync.casp.max_communities = 4     # the agent picks k in 1..max_communities
   c.sync.casp.reconfigure_every = 64  # community pushes between the agent's decisions
   c.sync.casp.traffic_penalty = 0.01  # reward = progress/time - penalty * pushes/time
+  # The simulated cluster (gssp_jax.sim). profile 'none': BSP trains in the plain loop (no
+  # virtual time); any other scheme runs in the simulator on a homogeneous cluster.
+  c.cluster = ml_collections.ConfigDict()
+  c.cluster.profile = "none"          # none | homogeneous | tiers | lognormal | trace
+  c.cluster.speeds = ()               # per-worker slowdown factors (1 = base, 2 = twice as slow)
+  c.cluster.tiers = (1.0, 1.5, 2.0, 3.0)  # 'tiers': workers split evenly over these factors
+  c.cluster.sigma = 0.5               # 'lognormal': factors exp(sigma * N(0, 1)), seeded
+  c.cluster.trace_file = ""           # 'trace': CSV, one row per iteration, one column per worker
+  c.cluster.base_time = 0.05          # seconds per iteration at factor 1
+  c.cluster.calibrate = False         # measure the real step time here and use it as base_time
+  c.cluster.jitter = 0.0              # sigma of per-iteration log-normal noise
+  c.cluster.straggler_prob = 0.0      # per-iteration chance a transient straggle starts
+  c.cluster.straggler_slowdown = 5.0
+  c.cluster.straggler_duration = 10   # iterations a straggle lasts
+  c.cluster.bandwidth = 1.25e9        # bytes/s of each worker's link (10 Gb/s); or one per worker
+  c.cluster.latency = 1e-4            # seconds per message on a worker link; or one per worker
+  c.cluster.server_bandwidth = 1.25e9  # between servers (GSSP forwards, global weights)
+  c.cluster.server_latency = 1e-4
   c.compress = ml_collections.ConfigDict()
   c.compress.name = "none"
   c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)
@@ -93,6 +107,30 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.log_every = 200         # updates between progress lines (chunk length cap)
   c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)
   return c
+
+
+def override(config: ml_collections.ConfigDict, changes: dict, *,
+             check_types: bool = True) -> ml_collections.ConfigDict:
+  """Sets dotted keys in place (``{"sync.scheme": "gssp"}``), as ``--config.key=value`` does.
+
+  Raises:
+    KeyError: a key that the config does not have, naming it.
+  """
+  for key, value in changes.items():
+    node = config
+    *path, leaf = key.split(".")
+    for part in path:
+      if part not in node:
+        raise KeyError(f"config has no key {key!r} (no {part!r} under it)")
+      node = node[part]
+    if leaf not in node:
+      raise KeyError(f"config has no key {key!r}")
+    if check_types:
+      node[leaf] = value
+    else:
+      with node.ignore_type():
+        node[leaf] = value
+  return config
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -163,6 +201,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _fail("data.train_size", config.data.train_size,
           f"0 (all) or at least num_workers={config.num_workers}")
   validate_sync(config)
+  from gssp_jax.sim import cluster  # pylint: disable=g-import-not-at-top
+  cluster.cluster_from_config(config, base_time=1.0 if config.cluster.calibrate else None)
 
 
 def validate_sync(config: ml_collections.ConfigDict) -> None:
@@ -181,18 +221,9 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
 
 
-def check_trainable(config: ml_collections.ConfigDict) -> None:
-  """Raises NotImplementedError if the training loop cannot run this scheme/compressor yet."""
-  if config.sync.scheme not in TRAINABLE_SCHEMES:
-    raise NotImplementedError(
-        f"config.sync.scheme={config.sync.scheme!r}: its transform and protocol exist "
-        "(gssp_jax.sync; see the README), but training with it needs the cluster simulator, "
-        f"which is not in this build yet; trainable now: {', '.join(TRAINABLE_SCHEMES)}")
-  if config.compress.name not in TRAINABLE_COMPRESSORS:
-    raise NotImplementedError(
-        f"config.compress.name={config.compress.name!r} trains only with sync.scheme='gssp', "
-        "which needs the cluster simulator (not in this build yet); trainable now: "
-        f"{', '.join(TRAINABLE_COMPRESSORS)}")
+def uses_simulator(config: ml_collections.ConfigDict) -> bool:
+  """BSP without a cluster profile trains in the plain loop; everything else is simulated."""
+  return config.sync.scheme != "bsp" or config.cluster.profile != "none"
 
 
 def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:

@@ -61,14 +61,13 @@ def test_every_scheme_validates_and_builds_from_config():
     config_lib.validate_config(config)
 
 
-def test_untrainable_schemes_say_so_before_anything_runs():
+def test_which_runs_use_the_simulator():
   config = config_lib.default_config()
-  config.sync.scheme = "gssp"
-  config_lib.validate_config(config)
-  with pytest.raises(NotImplementedError, match="'gssp'.*simulator.*trainable now: bsp"):
-    config_lib.check_trainable(config)
-  config.sync.scheme, config.compress.name = "bsp", "topk"
-  config_lib.check_trainable(config)
+  assert not config_lib.uses_simulator(config)          # BSP, no cluster: the plain loop
+  config.cluster.profile = "tiers"
+  assert config_lib.uses_simulator(config)              # BSP on a simulated cluster
+  config.cluster.profile, config.sync.scheme = "none", "gssp"
+  assert config_lib.uses_simulator(config)              # other schemes: always simulated
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -82,14 +81,7 @@ def test_untrainable_schemes_say_so_before_anything_runs():
     ({"compress.name": "gdtopk"}, r"gdtopk only with sync.scheme='gssp'"),
 ])
 def test_bad_sync_settings_name_the_value(changes, match):
-  config = config_lib.default_config()
-  with config.ignore_type():
-    for key, value in changes.items():
-      node = config
-      *path, leaf = key.split(".")
-      for part in path:
-        node = node[part]
-      node[leaf] = value
+  config = config_lib.override(config_lib.default_config(), changes, check_types=False)
   with pytest.raises(ValueError, match=match):
     config_lib.validate_config(config)
 
@@ -101,3 +93,13 @@ def test_batch_larger_than_the_shard_is_rejected():
     config_lib.validate_sizes(config, num_train=1000)
   with pytest.raises(ValueError, match="config.num_workers=4"):
     config_lib.validate_sizes(config, num_train=3)
+
+
+def test_override_sets_dotted_keys_and_names_unknown_ones():
+  config = config_lib.override(config_lib.default_config(),
+                               {"sync.scheme": "gssp", "cluster.tiers": (1.0, 2.0)})
+  assert config.sync.scheme == "gssp" and config.cluster.tiers == (1.0, 2.0)
+  with pytest.raises(KeyError, match="'sync.stalenes'"):
+    config_lib.override(config, {"sync.stalenes": 2})
+  with pytest.raises(KeyError, match="'clustr.speeds'"):
+    config_lib.override(config, {"clustr.speeds": (1.0,)})

@@ -29,13 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _config(name, data_dir, arg="smoke", **overrides):
   config = importlib.import_module(f"configs.{name}").get_config(arg)
   config.data_dir = data_dir
-  for key, value in overrides.items():
-    node = config
-    *path, leaf = key.split(".")
-    for part in path:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return config_lib.override(config, overrides)
 
 
 def _lines(workdir):

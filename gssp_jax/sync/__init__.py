@@ -33,6 +33,8 @@ from gssp_jax.sync.rounds import round_args
 from gssp_jax.sync.rounds import stack_rounds
 from gssp_jax.sync.timeline import run_timeline
 from gssp_jax.sync.timeline import Timeline
+from gssp_jax.sync.timeline import TimelineEngine
+from gssp_jax.sync import accounting
 from gssp_jax.sync.transforms import asp
 from gssp_jax.sync.transforms import bsp
 from gssp_jax.sync.transforms import casp

@@ -4,6 +4,8 @@ This is the gradient-free half of a simulation: it produces the rounds, in
 order, that an executor replays with real gradients (``rounds.apply_round``).
 The cluster model (speeds, jitter, stragglers, bandwidth) only supplies the
 callables; protocols never see times other than event timestamps.
+:class:`TimelineEngine` runs event by event (the simulator interleaves it with
+the executor and checkpoints it); :func:`run_timeline` runs it to the end.
 """
 
 from __future__ import annotations
@@ -39,64 +41,102 @@ class Timeline:
   events: list
 
 
+class TimelineEngine:
+  """The event loop: a heap of (time, sequence, kind, payload), processed one at a time.
+
+  Events at the same time are processed in the order they were scheduled, so a
+  run is deterministic. Host state only (``state_dict`` pickles it for exact
+  resumption); the time callables are supplied again on restore.
+
+  Args:
+    protocol: a fresh protocol.
+    compute_time: ``(worker, iteration) -> seconds`` of one local iteration.
+    push_delay: ``(worker, iteration) -> seconds`` from the end of compute to arrival.
+    pull_delay: ``worker -> seconds`` from release to the next start (weights' transfer).
+    message_delay: ``message -> seconds`` for server-to-server messages.
+    record: keep ``starts``/``pushes``/``events`` lists (tests, small runs).
+  """
+
+  def __init__(self, protocol: Protocol, compute_time: Callable[[int, int], float], *,
+               push_delay: Callable[[int, int], float] = lambda w, k: 0.0,
+               pull_delay: Callable[[int], float] = lambda w: 0.0,
+               message_delay: Callable[[Message], float] = lambda m: 0.0,
+               record: bool = True):
+    self.protocol = protocol
+    self.compute_time, self.push_delay = compute_time, push_delay
+    self.pull_delay, self.message_delay = pull_delay, message_delay
+    self.record = record
+    W = protocol.num_workers
+    self.queue: list = []
+    self.seq = 0
+    self.iteration = np.zeros([W], np.int64)
+    self.pushed_at = np.zeros([W])
+    self.blocked_time = np.zeros([W])
+    self.num_pushes = 0
+    self.now = 0.0
+    self.starts, self.pushes, self.events = [], [], []
+    for w in range(W):
+      self._schedule(0.0, "start", w)
+
+  def _schedule(self, time, kind, payload):
+    heapq.heappush(self.queue, (float(time), self.seq, kind, payload))
+    self.seq += 1
+
+  def _react(self, reaction, time):
+    for w in reaction.release:
+      self.blocked_time[w] += time - self.pushed_at[w]
+      self._schedule(time + self.pull_delay(w), "start", w)
+    for m in reaction.messages:
+      self._schedule(time + self.message_delay(m), "message", m)
+    return reaction.rounds
+
+  def step(self) -> list:
+    """Processes the next event; returns the rounds it produced (often none)."""
+    if not self.queue:
+      raise RuntimeError(f"{self.protocol.name} timeline has no pending event: every worker "
+                         "waits and no message is in flight (a protocol deadlock)")
+    self.now, _, kind, payload = heapq.heappop(self.queue)
+    if self.record:
+      self.events.append((kind, self.now, payload))
+    if kind == "start":
+      w = payload
+      k = int(self.iteration[w])
+      if self.record:
+        self.starts.append((self.now, w, k))
+      self._schedule(self.now + self.compute_time(w, k) + self.push_delay(w, k), "push", w)
+      return []
+    if kind == "push":
+      w = payload
+      if self.record:
+        self.pushes.append((self.now, w, int(self.iteration[w])))
+      self.iteration[w] += 1
+      self.pushed_at[w] = self.now
+      self.num_pushes += 1
+      return self._react(self.protocol.on_push(w, self.now), self.now)
+    return self._react(self.protocol.on_message(payload, self.now), self.now)
+
+  def state_dict(self) -> dict:
+    return {k: getattr(self, k) for k in ("protocol", "queue", "seq", "iteration", "pushed_at",
+                                         "blocked_time", "num_pushes", "now")}
+
+  def load_state_dict(self, state: dict) -> None:
+    for k, v in state.items():
+      setattr(self, k, v)
+
+
 def run_timeline(protocol: Protocol, compute_time: Callable[[int, int], float], *,
                  max_pushes: int, push_delay: Callable[[int], float] = lambda w: 0.0,
                  pull_delay: Callable[[int], float] = lambda w: 0.0,
                  message_delay: Callable[[Message], float] = lambda m: 0.0) -> Timeline:
   """Runs ``protocol`` until ``max_pushes`` pushes have reached the servers.
 
-  Args:
-    protocol: a fresh protocol.
-    compute_time: ``(worker, iteration) -> seconds`` of one local iteration.
-    max_pushes: total pushes (over all workers) to simulate.
-    push_delay: ``worker -> seconds`` from the end of compute to arrival.
-    pull_delay: ``worker -> seconds`` from release to the start of the next
-      iteration (the weights' transfer).
-    message_delay: ``message -> seconds`` for server-to-server messages.
-
-  Events at the same time are processed in the order they were scheduled, so
-  the run is deterministic.
+  ``push_delay`` here takes only the worker (see :class:`TimelineEngine` for
+  the per-iteration form the simulator uses).
   """
-  queue: list = []
-  seq = 0
-
-  def schedule(time, kind, payload):
-    nonlocal seq
-    heapq.heappush(queue, (float(time), seq, kind, payload))
-    seq += 1
-
-  W = protocol.num_workers
-  iteration = np.zeros([W], np.int64)
-  pushed_at = np.zeros([W])
-  blocked_time = np.zeros([W])
-  rounds, starts, pushes, events = [], [], [], []
-  for w in range(W):
-    schedule(0.0, "start", w)
-  num_pushes, now = 0, 0.0
-
-  def react(reaction, time):
-    rounds.extend(reaction.rounds)
-    for w in reaction.release:
-      blocked_time[w] += time - pushed_at[w]
-      schedule(time + pull_delay(w), "start", w)
-    for m in reaction.messages:
-      schedule(time + message_delay(m), "message", m)
-
-  while queue and num_pushes < max_pushes:
-    now, _, kind, payload = heapq.heappop(queue)
-    events.append((kind, now, payload))
-    if kind == "start":
-      w = payload
-      starts.append((now, w, int(iteration[w])))
-      schedule(now + compute_time(w, int(iteration[w])) + push_delay(w), "push", w)
-    elif kind == "push":
-      w = payload
-      pushes.append((now, w, int(iteration[w])))
-      iteration[w] += 1
-      pushed_at[w] = now
-      num_pushes += 1
-      react(protocol.on_push(w, now), now)
-    else:
-      react(protocol.on_message(payload, now), now)
-  return Timeline(rounds=rounds, starts=starts, pushes=pushes, blocked_time=blocked_time,
-                  end_time=now, events=events)
+  engine = TimelineEngine(protocol, compute_time, push_delay=lambda w, k: push_delay(w),
+                          pull_delay=pull_delay, message_delay=message_delay)
+  rounds = []
+  while engine.queue and engine.num_pushes < max_pushes:
+    rounds.extend(engine.step())
+  return Timeline(rounds=rounds, starts=engine.starts, pushes=engine.pushes,
+                  blocked_time=engine.blocked_time, end_time=engine.now, events=engine.events)

@@ -115,7 +115,9 @@ def make_compressor(config: ml_collections.ConfigDict):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
   config_lib.validate_config(config)
-  config_lib.check_trainable(config)
+  if config_lib.uses_simulator(config):
+    from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
+    return simulate.simulate_and_evaluate(config, workdir)
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   if os.path.exists(config_path):

@@ -24,9 +24,15 @@ def learning_rate_schedule(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
-                   total_steps: int) -> optax.GradientTransformation:
-  """SGD with momentum and PyTorch-style L2 weight decay, or Adam / AdamW."""
-  lr = learning_rate_schedule(cfg, steps_per_epoch, total_steps)
+                   total_steps: int, *, unit_learning_rate: bool = False
+                   ) -> optax.GradientTransformation:
+  """SGD with momentum and PyTorch-style L2 weight decay, or Adam / AdamW.
+
+  With ``unit_learning_rate`` the learning rate is 1 and the caller scales the
+  updates by the schedule itself (the simulator does, from training progress,
+  because an asynchronous server's step count is not the run's progress).
+  """
+  lr = 1.0 if unit_learning_rate else learning_rate_schedule(cfg, steps_per_epoch, total_steps)
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
@@ -44,3 +50,13 @@ def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
   else:
     raise ValueError(f"optimizer.name={cfg.name!r}; allowed: sgd, adam, adamw")
   return optax.chain(*parts)
+
+
+def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
+  """Multiplies updates by the keyword-only extra arg ``learning_rate`` (default 1)."""
+  def update(updates, state, params=None, *, learning_rate=None, **extra):
+    del params, extra
+    if learning_rate is None:
+      return updates, state
+    return optax.tree.scale(learning_rate, updates), state
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)

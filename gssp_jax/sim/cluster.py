@@ -1,0 +1,188 @@
+"""The heterogeneous-cluster model: per-worker iteration times and link delays, seeded and pure.
+
+``compute_time(w, k)`` is a pure function of (seed, worker, iteration), so a
+resumed simulation sees the same cluster as an uninterrupted one:
+
+    base_time * speed[w] * exp(jitter * z[w, k]) * (straggler_slowdown if straggling)
+
+where ``z`` is standard normal and a worker straggles for
+``straggler_duration`` iterations after a start drawn with
+``straggler_prob`` per iteration. Communication is ``latency + bytes /
+bandwidth`` per push and pull, with bytes from the real payload.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import math
+import os
+
+import numpy as np
+
+PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
+_BLOCK = 1024   # iterations drawn at once per worker
+
+
+def _fail(key, value, allowed):
+  raise ValueError(f"config.cluster.{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _positive(key, value):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      math.isfinite(value) and value > 0):
+    _fail(key, value, "a positive finite number")
+  return float(value)
+
+
+def _non_negative(key, value):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      math.isfinite(value) and value >= 0):
+    _fail(key, value, "a finite number >= 0")
+  return float(value)
+
+
+def read_trace(path: str, num_workers: int) -> np.ndarray:
+  """``[T, W]`` iteration times from a CSV (one row per iteration, one column per worker)."""
+  if not os.path.exists(path):
+    _fail("trace_file", path, "an existing CSV file of per-worker iteration times")
+  with open(path) as f:
+    rows = [r for r in csv.reader(f) if r and not r[0].lstrip().startswith("#")]
+  try:
+    table = np.array([[float(x) for x in r] for r in rows], np.float64)
+  except ValueError:
+    table = np.array([[float(x) for x in r] for r in rows[1:]], np.float64)  # header row
+  if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] != num_workers:
+    _fail("trace_file", path, f"a CSV with {num_workers} columns (one per worker, "
+          f"num_workers={num_workers}); got shape {tuple(table.shape)}")
+  if not np.all(np.isfinite(table)) or np.any(table <= 0):
+    _fail("trace_file", path, "positive finite iteration times")
+  return table
+
+
+@dataclasses.dataclass
+class Cluster:
+  """Seeded per-worker compute times and link delays.
+
+  Attributes:
+    speeds: ``[W]`` slowdown factors (1 = base, 2 = twice as slow).
+    base_time: seconds per iteration at speed 1.
+    jitter: sigma of the per-iteration log-normal noise.
+    straggler_prob, straggler_slowdown, straggler_duration: transient stragglers.
+    bandwidth, latency: ``[W]`` each worker's link (bytes/s, s) for pushes and pulls.
+    server_bandwidth, server_latency: links between servers (GSSP forwards).
+    trace: ``[T, W]`` iteration times replacing the model (cycled), or None.
+    seed: the draws' seed.
+  """
+  speeds: np.ndarray
+  base_time: float = 0.05
+  jitter: float = 0.0
+  straggler_prob: float = 0.0
+  straggler_slowdown: float = 5.0
+  straggler_duration: int = 10
+  bandwidth: np.ndarray | None = None
+  latency: np.ndarray | None = None
+  server_bandwidth: float = 1.25e9
+  server_latency: float = 1e-4
+  trace: np.ndarray | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    self.speeds = np.asarray(self.speeds, np.float64)
+    W = self.speeds.size
+    self.bandwidth = np.broadcast_to(np.asarray(
+        1.25e9 if self.bandwidth is None else self.bandwidth, np.float64), (W,)).copy()
+    self.latency = np.broadcast_to(np.asarray(
+        1e-4 if self.latency is None else self.latency, np.float64), (W,)).copy()
+
+  @property
+  def num_workers(self) -> int:
+    return self.speeds.size
+
+  @functools.lru_cache(maxsize=4096)
+  def _block(self, worker: int, block: int) -> np.ndarray:
+    """Multiplicative noise of iterations ``[block*B, (block+1)*B)`` of ``worker``."""
+    n = _BLOCK
+    z = np.random.default_rng([self.seed, 1, worker, block]).standard_normal(n)
+    factor = np.exp(self.jitter * z) if self.jitter else np.ones(n)
+    if self.straggler_prob > 0:
+      d = self.straggler_duration
+      # Uniform draws of iterations [block*n - (d-1), (block+1)*n): a straggling
+      # episode starts where a draw is below straggler_prob and covers d iterations.
+      prev = (np.random.default_rng([self.seed, 2, worker, block - 1]).random(n)[n - d + 1:]
+              if block > 0 else np.ones(d - 1))
+      u = np.concatenate([prev[:d - 1], np.random.default_rng([self.seed, 2, worker, block]).random(n)])
+      window = np.convolve((u < self.straggler_prob).astype(np.int64), np.ones(d, np.int64),
+                           "valid")
+      factor = np.where(window > 0, factor * self.straggler_slowdown, factor)
+    return factor
+
+  def compute_time(self, worker: int, iteration: int) -> float:
+    if self.trace is not None:
+      return float(self.trace[iteration % self.trace.shape[0], worker])
+    block, offset = divmod(int(iteration), _BLOCK)
+    return float(self.base_time * self.speeds[worker] * self._block(int(worker), block)[offset])
+
+  def link_time(self, worker: int, num_bytes: int) -> float:
+    return float(self.latency[worker] + num_bytes / self.bandwidth[worker])
+
+  def server_time(self, num_bytes: int) -> float:
+    return float(self.server_latency + num_bytes / self.server_bandwidth)
+
+  def __hash__(self):   # lru_cache on a method needs a hashable self
+    return id(self)
+
+
+def cluster_speeds(cfg, num_workers: int, seed: int) -> np.ndarray:
+  """``[W]`` slowdown factors of ``config.cluster``'s profile (``speeds`` overrides)."""
+  if len(cfg.speeds):
+    speeds = np.asarray(cfg.speeds, np.float64)
+    if speeds.shape != (num_workers,) or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+      _fail("speeds", tuple(cfg.speeds), f"{num_workers} positive finite slowdown factors "
+            f"(one per worker, num_workers={num_workers})")
+    return speeds
+  if cfg.profile in ("none", "homogeneous", "trace"):
+    return np.ones([num_workers])
+  if cfg.profile == "tiers":
+    tiers = np.asarray(cfg.tiers, np.float64)
+    if tiers.ndim != 1 or tiers.size == 0 or np.any(~np.isfinite(tiers)) or np.any(tiers <= 0):
+      _fail("tiers", tuple(cfg.tiers), "a non-empty tuple of positive slowdown factors")
+    if num_workers % tiers.size:
+      _fail("tiers", tuple(cfg.tiers), f"as many tiers as divide num_workers={num_workers}")
+    return np.repeat(tiers, num_workers // tiers.size)
+  sigma = _non_negative("sigma", cfg.sigma)
+  return np.exp(sigma * np.random.default_rng([seed, 3]).standard_normal(num_workers))
+
+
+def cluster_from_config(config, base_time: float | None = None) -> Cluster:
+  """Builds and validates ``config.cluster`` (``base_time`` overrides, e.g. from calibration)."""
+  cfg = config.cluster
+  if cfg.profile not in PROFILES:
+    _fail("profile", cfg.profile, ", ".join(PROFILES))
+  W = config.num_workers
+  speeds = cluster_speeds(cfg, W, config.seed)
+  bandwidth = np.asarray(cfg.bandwidth if np.ndim(cfg.bandwidth) == 0 or len(cfg.bandwidth)
+                         else 1.25e9, np.float64)
+  for key, arr in (("bandwidth", bandwidth), ("latency", np.asarray(cfg.latency, np.float64))):
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.size != W):
+      _fail(key, cfg[key], f"a number or {W} numbers (one per worker)")
+    if key == "bandwidth" and (np.any(~np.isfinite(arr)) or np.any(arr <= 0)):
+      _fail(key, cfg[key], "positive finite bytes per second (0 would never deliver)")
+    if key == "latency" and (np.any(~np.isfinite(arr)) or np.any(arr < 0)):
+      _fail(key, cfg[key], "finite seconds >= 0")
+  duration = cfg.straggler_duration
+  if isinstance(duration, bool) or not isinstance(duration, int) or duration < 1:
+    _fail("straggler_duration", duration, "an int >= 1 (iterations)")
+  prob = _non_negative("straggler_prob", cfg.straggler_prob)
+  if prob > 1:
+    _fail("straggler_prob", prob, "a probability in [0, 1]")
+  return Cluster(
+      speeds=speeds,
+      base_time=_positive("base_time", base_time if base_time is not None else cfg.base_time),
+      jitter=_non_negative("jitter", cfg.jitter), straggler_prob=prob,
+      straggler_slowdown=_positive("straggler_slowdown", cfg.straggler_slowdown),
+      straggler_duration=duration, bandwidth=bandwidth, latency=np.asarray(cfg.latency),
+      server_bandwidth=_positive("server_bandwidth", cfg.server_bandwidth),
+      server_latency=_non_negative("server_latency", cfg.server_latency),
+      trace=read_trace(cfg.trace_file, W) if cfg.profile == "trace" else None, seed=config.seed)

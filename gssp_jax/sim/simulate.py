@@ -1,0 +1,321 @@
+"""``simulate_and_evaluate(config, workdir)``: any scheme on a simulated heterogeneous cluster.
+
+The host runs the scheme's protocol over the cluster model event by event
+(``sync.TimelineEngine``); every round it produces is applied on the device at
+once (``executor.make_round_fn``) and every worker that pulls gets its next
+gradient computed on the weights it pulled (``executor.make_job_fn``). Virtual
+time is the engine's clock; nothing about it depends on wall time, so the same
+config and seed give the same metrics bit for bit (but ``wall_time``), and a
+run resumed from a checkpoint (device state + the pickled host state) continues
+exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from gssp_jax import compress
+from gssp_jax import sync
+from gssp_jax.data import sharding
+from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import executor
+from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import loop as loop_lib
+from gssp_jax.train import optim
+from gssp_jax.train import step as step_lib
+from gssp_jax.train import tasks
+
+
+def dense_push_bytes(params) -> list[int]:
+  return [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+
+
+def topk_push_bytes(sizes: list[int], ratio: float, value_bytes: int = 4, index_bytes: int = 4,
+                    scope: str = "tensor") -> int:
+  """Exact bytes of a per-tensor (or global) top-k push at ``ratio`` (as compress.topk counts)."""
+  def one(n):
+    k = min(n, max(0, math.ceil(np.float32(ratio) * np.float32(n) * np.float32(1 - 1e-6))))
+    return min(k * (value_bytes + index_bytes), n * value_bytes)
+  return one(sum(sizes)) if scope == "global" else sum(one(n) for n in sizes)
+
+
+class _Ratios:
+  """Per-worker keep-ratio of each iteration (GDTopK: by group speed class and worker epoch)."""
+
+  def __init__(self, config, scheme, speeds, steps_per_epoch):
+    self.name = config.compress.name
+    self.ratio = float(config.compress.ratio)
+    self.groups = scheme.groups
+    self.spe = steps_per_epoch
+    if self.name == "gdtopk":
+      self.ranks = sync.grouping.group_speed_rank(scheme.groups, speeds)
+
+  def __call__(self, worker: int, iteration: int) -> float:
+    if self.name != "gdtopk":
+      return self.ratio
+    epoch = iteration // self.spe + 1
+    ratios = compress.gdtopk_group_ratios(epoch, self.ranks, classes_known=epoch > 1)
+    return float(ratios[self.groups[worker]])
+
+
+def _calibrate(job_fn, state, arrays, batch_size) -> float:
+  """Seconds of one worker's gradient job on this machine (best of 5, after compilation)."""
+  args = (np.zeros([1], np.int32), np.zeros([1, batch_size], np.int32), np.zeros([1], np.int32),
+          np.ones([1], np.float32))
+  state = job_fn(state, arrays, *args)
+  jax.block_until_ready(state)
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    state = job_fn(state, arrays, *args)
+    jax.block_until_ready(state)
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains ``config`` on the simulated cluster in ``workdir`` (resuming if possible)."""
+  os.makedirs(workdir, exist_ok=True)
+  config_path = os.path.join(workdir, "config.json")
+  if os.path.exists(config_path):
+    loop_lib._check_resumable(config, config_path)  # pylint: disable=protected-access
+  task = tasks.make_task(config)
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate_sizes(config, task.num_train)
+  loop_lib._write_json(config_path, json.loads(config.to_json()))  # pylint: disable=protected-access
+
+  W, B = config.num_workers, config.batch_size
+  shards = sharding.worker_shards(task.num_train, W, config.seed)
+  spe = shards.shape[1] // B                         # iterations per worker per epoch
+  total_pushes = max(W, round(config.train.num_epochs * spe) * W)
+  eval_pushes = max(1, round(config.train.eval_every * spe)) * W
+  stop = config.train.stop_after_updates
+  end_pushes = min(total_pushes, stop) if stop else total_pushes
+
+  cluster = cluster_lib.cluster_from_config(config)
+  speeds = (cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds)
+  scheme = sync.scheme_from_config(config, worker_times=speeds)
+  R = scheme.num_replicas
+  inner = optim.make_optimizer(config.optimizer, spe, round(total_pushes / W),
+                               unit_learning_rate=True)
+  schedule = optim.learning_rate_schedule(config.optimizer, spe, round(total_pushes / W))
+  tx = optax.chain(scheme.transform, sync.replicated(inner, R), optim.scale_by_learning_rate_arg())
+  compressor = loop_lib.make_compressor(_one_worker(config))   # None for "none"
+
+  rng = jax.random.PRNGKey(config.seed)
+  init_rng, train_rng = jax.random.split(rng)
+  params, model_state = task.init(init_rng)
+  sizes = dense_push_bytes(params)
+  dense_bytes = 4 * sum(sizes)
+  stats_bytes = step_lib.tree_bytes(model_state)
+  pull_bytes = step_lib.tree_bytes(params) + stats_bytes
+  state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
+  job_fn = executor.make_job_fn(task.loss, compressor, dense_bytes)
+  round_fn = executor.make_round_fn(tx)
+  arrays = jax.device_put(task.train)
+  ratio_of = _Ratios(config, scheme, speeds, spe)
+  calibrated = None
+  if config.cluster.calibrate:
+    calibrated = _calibrate(job_fn, jax.tree.map(jnp.copy, state), arrays, B)
+    cluster = cluster_lib.cluster_from_config(config, base_time=calibrated)
+    logging.info("calibrated base_time: %.4f s per iteration of %d samples", calibrated, B)
+
+  def push_payload(w, k):
+    if config.compress.name == "none":
+      return dense_bytes + stats_bytes
+    return topk_push_bytes(sizes, ratio_of(w, k), scope=config.compress.scope) + stats_bytes
+
+  protocol = scheme.make_protocol()
+  engine = sync.TimelineEngine(
+      protocol, cluster.compute_time,
+      push_delay=lambda w, k: cluster.link_time(w, push_payload(w, k)),
+      pull_delay=lambda w: cluster.link_time(w, pull_bytes),
+      message_delay=lambda m: cluster.server_time(pull_bytes), record=False)
+  acct = sync.accounting.Accounting(W, R, aggregating=scheme.name == "inhad")
+  eval_replica = R - 1 if (scheme.name == "gssp" and config.sync.inter_group == "global") else None
+
+  host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0, "bytes_pushed": 0,
+          "bytes_pulled": 0, "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
+          "num_evals": 0, "rounds": 0}
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       config.train.max_checkpoints)
+  host_path = lambda step: os.path.join(workdir, "checkpoints", f"host_{step}.pkl")
+  latest = checkpointer.latest_step()
+  if latest is not None and os.path.exists(host_path(latest)):
+    state, _ = checkpointer.restore(latest, state)
+    state = jax.device_put(state)
+    with open(host_path(latest), "rb") as f:
+      saved = pickle.load(f)
+    engine.load_state_dict(saved["engine"])
+    acct.load_state_dict(saved["acct"])
+    host = saved["host"]
+    protocol = engine.protocol
+    logging.info("resumed from the checkpoint at %d pushes", latest)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  history = [m for m in loop_lib._read_metrics(metrics_path, 1 << 62)  # pylint: disable=protected-access
+             if m["pushes"] <= engine.num_pushes] if os.path.exists(metrics_path) else []
+  with open(metrics_path, "w") as f:
+    f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
+
+  orders: dict = {}
+
+  def batch_indices(w: int, k: int) -> np.ndarray:
+    epoch, pos = divmod(k, spe)
+    if (w, epoch) not in orders:
+      orders[(w, epoch)] = sharding.worker_order(shards, config.seed, w, epoch)
+      for key in [key for key in orders if key[0] == w and key[1] < epoch]:
+        del orders[key]
+    return orders[(w, epoch)][pos * B:(pos + 1) * B]
+
+  def dispatch(workers: np.ndarray):
+    nonlocal state
+    for part in executor.split_jobs(np.asarray(workers, np.int64)):
+      ks = host["jobs"][part]
+      idx = np.stack([batch_indices(int(w), int(k)) for w, k in zip(part, ks)]).astype(np.int32)
+      ratios = np.array([ratio_of(int(w), int(k)) for w, k in zip(part, ks)], np.float32)
+      state = job_fn(state, arrays, part.astype(np.int32), idx, ks.astype(np.int32), ratios)
+      host["jobs"][part] += 1
+
+  if engine.num_pushes == 0 and host["jobs"].sum() == 0:
+    dispatch(np.arange(W))
+
+  metric_name = "bleu" if isinstance(task, tasks.TranslationTask) else "test_accuracy"
+  target = config.train.target_bleu if metric_name == "bleu" else config.train.target_accuracy
+  session_start, session_pushes = time.perf_counter(), engine.num_pushes
+  wall_base = host["wall_time"]
+  status = "failed"
+
+  def save(step: int):
+    host["wall_time"] = wall_base + time.perf_counter() - session_start
+    checkpointer.save(step, state, {"pushes": step})
+    checkpointer._manager.wait_until_finished()  # pylint: disable=protected-access
+    tmp = host_path(step) + ".tmp"
+    with open(tmp, "wb") as f:
+      pickle.dump({"engine": engine.state_dict(), "acct": acct.state_dict(), "host": host}, f)
+    os.replace(tmp, host_path(step))
+    for name in os.listdir(os.path.dirname(host_path(step))):
+      if name.startswith("host_") and name.endswith(".pkl"):
+        kept = checkpointer._manager.all_steps()  # pylint: disable=protected-access
+        if int(name[5:-4]) not in kept:
+          os.remove(os.path.join(os.path.dirname(host_path(step)), name))
+
+  def evaluate():
+    nonlocal state
+    loss_sum, loss_count, pushed = jax.device_get((state.loss_sum, state.loss_count,
+                                                   state.push_bytes))
+    if not np.isfinite(loss_sum):
+      raise FloatingPointError(
+          f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
+          f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
+          f"({config.optimizer.learning_rate}) or set optimizer.grad_clip")
+    host["bytes_pushed"] += int(np.asarray(pushed, np.int64).sum())
+    state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
+                          push_bytes=jnp.zeros([W], jnp.int32))
+    params_eval, ms_eval = executor.served_weights(state, eval_replica)
+    results = task.evaluate(params_eval, ms_eval)
+    return {
+        "epoch": engine.num_pushes / (W * spe),
+        "pushes": int(engine.num_pushes),
+        "updates": int(host["updates"]),
+        "virtual_time": float(engine.now),
+        "wall_time": wall_base + time.perf_counter() - session_start,
+        "train_loss": float(loss_sum) / max(int(loss_count), 1),
+        **results,
+        "bytes_pushed": host["bytes_pushed"],
+        "bytes_pulled": host["bytes_pulled"],
+        "bytes_between_servers": host["server_bytes"],
+        "blocked_time": float(engine.blocked_time.mean()),
+        "blocked_time_per_worker": engine.blocked_time.tolist(),
+        "staleness": acct.summary(),
+        "updates_per_replica": acct.version.tolist(),
+    }
+
+  try:
+    while engine.num_pushes < end_pushes:
+      for rnd in engine.step():
+        args = sync.round_args(rnd)
+        args["learning_rate"] = np.float32(schedule(engine.num_pushes // W))
+        state = round_fn(state, args)
+        acct.apply(rnd)
+        host["rounds"] += 1
+        host["updates"] += int(rnd.applies.any())
+        host["server_bytes"] += int(rnd.deliver.sum() + (rnd.adopt >= 0).sum()) * pull_bytes
+        pulled = np.flatnonzero(rnd.pulls)
+        host["bytes_pulled"] += pulled.size * pull_bytes
+        if pulled.size:
+          dispatch(pulled)
+        if host["rounds"] % 64 == 0:
+          jax.block_until_ready(state.loss_sum)   # keep the dispatch queue short
+      if engine.num_pushes >= host["next_eval"] or engine.num_pushes == total_pushes:
+        record = evaluate()
+        host["next_eval"] += eval_pushes
+        host["num_evals"] += 1
+        with open(metrics_path, "a") as f:
+          f.write(json.dumps(record, sort_keys=True) + "\n")
+        history.append(record)
+        elapsed = time.perf_counter() - session_start
+        rate = (engine.num_pushes - session_pushes) / max(elapsed, 1e-9)
+        eta = (end_pushes - engine.num_pushes) / max(rate, 1e-9)
+        logging.info("%s epoch %.2f | virtual %.1f s | loss %.4f | %s %.4f | "
+                     "blocked %.1f s | staleness mean %.2f | ETA %s", scheme.name,
+                     record["epoch"], record["virtual_time"], record["train_loss"],
+                     metric_name, record[metric_name], record["blocked_time"],
+                     record["staleness"]["mean"], loop_lib._format_duration(eta))  # pylint: disable=protected-access
+        if host["num_evals"] % config.train.checkpoint_every == 0:
+          save(engine.num_pushes)
+    status = "done" if engine.num_pushes >= total_pushes else "stopped"
+    save(engine.num_pushes)
+  except KeyboardInterrupt:
+    status = "interrupted"
+    raise
+  except FloatingPointError:
+    status = "diverged"
+    raise
+  finally:
+    checkpointer.close()
+    reached = next((m for m in history if target and m.get(metric_name, 0) >= target), None)
+    summary = {
+        "config": json.loads(config.to_json()),
+        "status": status,
+        "final": history[-1] if history else None,
+        "metric": metric_name,
+        "target": target or None,
+        "time_to_target": reached["virtual_time"] if reached else None,
+        "wall_time_to_target": reached["wall_time"] if reached else None,
+        "pushes_to_target": reached["pushes"] if reached else None,
+        "epochs_to_target": reached["epoch"] if reached else None,
+        "scheme": sync.registry.describe(scheme),
+        "cluster": {"speeds": cluster.speeds.tolist(), "base_time": cluster.base_time,
+                    "calibrated_base_time": calibrated},
+        "totals": {
+            "pushes": int(engine.num_pushes), "updates": int(host["updates"]),
+            "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * B,
+            "virtual_time": float(engine.now),
+            "wall_time": wall_base + time.perf_counter() - session_start,
+            "bytes_pushed": host["bytes_pushed"], "bytes_pulled": host["bytes_pulled"],
+            "bytes_between_servers": host["server_bytes"],
+            "blocked_time_per_worker": engine.blocked_time.tolist(),
+            "staleness": acct.summary(),
+        },
+    }
+    loop_lib._write_json(os.path.join(workdir, "summary.json"), summary)  # pylint: disable=protected-access
+  return summary
+
+
+def _one_worker(config):
+  """A copy of ``config`` with one worker: the executor runs a compressor per worker."""
+  one = ml_collections.ConfigDict(config.to_dict())
+  one.num_workers = 1
+  return one

@@ -1,0 +1,282 @@
+"""The cluster simulator: cluster model, timelines over it, accounting, determinism, exact resume."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gssp_jax import config as config_lib
+from gssp_jax import sync
+from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sync import replay
+from gssp_jax.train import loop
+
+
+def _config(**changes):
+  config = config_lib.default_config()
+  config.num_workers = 4
+  return config_lib.override(config, changes, check_types=False)
+
+
+# ---------------------------------------------------------------- cluster model
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"cluster.profile": "tiers", "cluster.speeds": (1.0, 0.0, 2.0, 1.0)}, r"cluster.speeds"),
+    ({"cluster.profile": "tiers", "cluster.speeds": (1.0, -2.0, 2.0, 1.0)}, r"positive finite"),
+    ({"cluster.profile": "tiers", "cluster.speeds": (1.0, 2.0)}, r"4 positive finite"),
+    ({"cluster.profile": "tiers", "cluster.bandwidth": 0.0}, r"cluster.bandwidth=0.0.*never deliver"),
+    ({"cluster.profile": "tiers", "cluster.latency": -1.0}, r"cluster.latency"),
+    ({"cluster.profile": "tiers", "cluster.tiers": (1.0, 2.0, 3.0)}, r"divide num_workers=4"),
+    ({"cluster.profile": "warp"}, r"cluster.profile='warp' is invalid; allowed: none"),
+    ({"cluster.base_time": 0.0}, r"cluster.base_time=0.0"),
+    ({"cluster.straggler_prob": 1.5}, r"straggler_prob"),
+    ({"cluster.profile": "trace", "cluster.trace_file": "/nonexistent.csv"}, r"trace_file"),
+])
+def test_bad_cluster_configs_rejected(changes, match):
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate_config(_config(**changes))
+
+
+def test_trace_with_the_wrong_number_of_workers_is_rejected(tmp_path):
+  path = tmp_path / "trace.csv"
+  path.write_text("w0,w1,w2\n0.1,0.2,0.3\n0.1,0.25,0.3\n")
+  with pytest.raises(ValueError, match=r"4 columns.*got shape \(2, 3\)"):
+    config_lib.validate_config(_config(**{"cluster.profile": "trace",
+                                          "cluster.trace_file": str(path)}))
+  path.write_text("0.1,0.2,0.3,0.4\n0.1,0.25,0.3,0.5\n")
+  cluster = cluster_lib.cluster_from_config(_config(**{"cluster.profile": "trace",
+                                                       "cluster.trace_file": str(path)}))
+  assert [cluster.compute_time(3, k) for k in range(3)] == [0.4, 0.5, 0.4]
+
+
+def test_presets_and_determinism():
+  tiers = cluster_lib.cluster_from_config(_config(**{
+      "num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1}))
+  assert tiers.speeds.tolist() == [1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 3.0, 3.0]
+  assert tiers.compute_time(6, 5) == pytest.approx(0.3)
+  logn = cluster_lib.cluster_from_config(_config(**{"num_workers": 8,
+                                                    "cluster.profile": "lognormal"}))
+  assert len(set(logn.speeds.tolist())) == 8 and np.all(logn.speeds > 0)
+  noisy = dict(num_workers=4, **{"cluster.profile": "homogeneous", "cluster.jitter": 0.2,
+                                 "cluster.straggler_prob": 0.02,
+                                 "cluster.straggler_duration": 5})
+  a = cluster_lib.cluster_from_config(_config(**noisy))
+  b = cluster_lib.cluster_from_config(_config(**noisy))
+  times = [a.compute_time(1, k) for k in range(3000)]
+  assert times == [b.compute_time(1, k) for k in reversed(range(3000))][::-1]
+  slow = np.mean(np.array(times) > 0.05 * 2.5)
+  assert 0.05 < slow < 0.15      # about 1 - 0.98 ** 5 = 9.6 % of iterations straggle
+  assert a.link_time(0, 1_250_000) == pytest.approx(1e-4 + 1e-3)
+
+
+# ---------------------------------------------------------------- timelines on the cluster
+
+
+def _engine_run(name, speeds, pushes, base=0.1, **kw):
+  config = _config(**{"num_workers": len(speeds), "cluster.profile": "tiers",
+                      "cluster.speeds": tuple(speeds), "cluster.base_time": base})
+  cluster = cluster_lib.cluster_from_config(config)
+  scheme = sync.build_scheme(name, len(speeds), worker_times=speeds, **kw)
+  engine = sync.TimelineEngine(scheme.make_protocol(), cluster.compute_time,
+                               push_delay=lambda w, k: cluster.link_time(w, 250_000),
+                               pull_delay=lambda w: cluster.link_time(w, 250_000),
+                               message_delay=lambda m: cluster.server_time(250_000))
+  rounds = []
+  while engine.num_pushes < pushes:
+    rounds.extend(engine.step())
+  return engine, rounds
+
+
+def test_bsp_round_is_the_slowest_worker_plus_communication():
+  engine, rounds = _engine_run("bsp", [1.0, 1.5, 2.0, 3.0], 40)
+  comm = 1e-4 + 250_000 / 1.25e9
+  first = 0.3 + comm
+  times = [r.time for r in rounds]
+  assert times == pytest.approx([first + i * (first + comm) for i in range(10)])
+
+
+def test_homogeneous_cluster_bsp_and_gssp_same_time_per_epoch():
+  per = {}
+  for name in ("bsp", "gssp"):
+    engine, _ = _engine_run(name, [1.0] * 16, 16 * 50, num_groups=4)
+    per[name] = engine.now / 50
+  assert per["gssp"] == pytest.approx(per["bsp"], rel=0.01)
+
+
+def test_one_worker_ten_times_slower_slows_bsp_tenfold_not_asp():
+  per = {}
+  for name in ("bsp", "asp"):
+    base, _ = _engine_run(name, [1.0] * 8, 8 * 40)
+    slow, _ = _engine_run(name, [1.0] * 7 + [10.0], 8 * 40)
+    per[name] = slow.now / base.now
+  assert per["bsp"] == pytest.approx(10.0, rel=0.02)
+  assert per["asp"] < 1.2   # the fast workers keep pushing; the slow one pushes less often
+
+
+# ---------------------------------------------------------------- accounting = device staleness
+
+
+@pytest.mark.parametrize("name", sync.SCHEMES)
+def test_host_accounting_matches_device_staleness(name):
+  speeds = [1.0, 1.37, 1.91, 2.53]
+  scheme = sync.build_scheme(name, 4, worker_times=speeds, num_groups=2, num_nodes=2,
+                             casp_reconfigure_every=4, casp_max_communities=2,
+                             inter_group="global" if name == "gssp" else "peer")
+  tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: speeds[w], max_pushes=40,
+                         message_delay=lambda m: 0.45)
+  acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=name == "inhad")
+  tx = scheme.chain(optax.sgd(0.01))
+  checked = []
+
+  def check(i, state):
+    workers, values = acct.apply(tl.rounds[i])
+    device = np.asarray(sync.find_sync_state(state.tx_state).staleness)
+    np.testing.assert_array_equal(device[workers], values)
+    np.testing.assert_array_equal(np.asarray(sync.find_sync_state(state.tx_state).version),
+                                  acct.version)
+    checked.append(len(workers))
+  replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
+                num_replicas=scheme.num_replicas, num_workers=4, on_round=check)
+  assert sum(checked) >= 30
+  if name not in ("bsp", "dssync"):
+    assert acct.staleness_max > 0 or name == "casp"
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _sim_config(scheme, **extra):
+  from configs import mnist_lenet5
+  config = mnist_lenet5.get_config("smoke")
+  config.data.train_size, config.data.test_size = 1024, 200
+  config.num_workers = 4
+  config.sync.scheme = scheme
+  config.sync.num_groups = 2
+  config.cluster.profile = "tiers"
+  config.cluster.tiers = (1.0, 2.5)
+  config.cluster.jitter = 0.1
+  config.train.num_epochs = 2.0
+  config.train.eval_every = 0.5
+  return config_lib.override(config, extra)
+
+
+def _metrics(workdir):
+  lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  for line in lines:
+    line.pop("wall_time")
+  return lines
+
+
+def test_same_config_same_metrics_bit_for_bit(tmp_path, data_dir):
+  runs = []
+  for i in range(2):
+    config = _sim_config("gssp", **{"compress.name": "gdtopk"})
+    config.data_dir = data_dir
+    loop.train_and_evaluate(config, str(tmp_path / f"run{i}"))
+    runs.append(_metrics(tmp_path / f"run{i}"))
+  assert runs[0] == runs[1]
+  assert len(runs[0]) == 4 and runs[0][-1]["virtual_time"] > 0
+  assert runs[0][-1]["staleness"]["applied"] > 0
+  assert runs[0][-1]["bytes_pushed"] < runs[0][-1]["bytes_pulled"]   # pushes are sparse
+
+
+@pytest.mark.parametrize("scheme", ["ssp", "gssp"])
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, data_dir, scheme):
+  config = _sim_config(scheme)
+  config.data_dir = data_dir
+  loop.train_and_evaluate(config, str(tmp_path / "whole"))
+  # 64 pushes in all, evaluations (and checkpoints) every 16. Stop cleanly at 21 ...
+  config.train.stop_after_updates = 21
+  first = loop.train_and_evaluate(config, str(tmp_path / "split"))
+  assert first["status"] == "stopped" and first["totals"]["pushes"] == 21
+  # ... resume and stop at 43, then lose that checkpoint as a killed run would: the next
+  # run restarts from the evaluation checkpoint at 32 and redoes pushes 33..43.
+  config.train.stop_after_updates = 43
+  loop.train_and_evaluate(config, str(tmp_path / "split"))
+  ckpts = tmp_path / "split" / "checkpoints"
+  shutil.rmtree(ckpts / "43")
+  (ckpts / "host_43.pkl").unlink()
+  assert (ckpts / "32").exists()
+  config.train.stop_after_updates = 0
+  summary = loop.train_and_evaluate(config, str(tmp_path / "split"))
+  assert summary["status"] == "done"
+  assert _metrics(tmp_path / "split") == _metrics(tmp_path / "whole")
+  whole = json.load(open(tmp_path / "whole" / "summary.json"))
+  assert summary["totals"]["virtual_time"] == whole["totals"]["virtual_time"]
+  assert summary["time_to_target"] == whole["time_to_target"]
+
+
+def test_hetero_config_smoke_runs_from_the_command_line(tmp_path, data_dir):
+  import os
+  import subprocess
+  import sys
+  cmd = [sys.executable, "-m", "experiments.main", "--config=configs/mnist_lenet5_hetero.py:smoke",
+         f"--workdir={tmp_path}", "--config.data.test_size=200"]
+  env = {**os.environ, "GSSP_DATA_DIR": data_dir}
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["status"] == "done" and summary["scheme"]["name"] == "gssp"
+  assert summary["scheme"]["groups"] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+  assert summary["totals"]["virtual_time"] > 0
+  assert "virtual" in out.stderr   # the progress line shows virtual time
+
+
+def test_batchnorm_statistics_follow_the_rounds():
+  """A model with BatchNorm: a replica takes the mean statistics of the workers it applies."""
+  import flax.linen as nn
+  import jax
+  from gssp_jax.sim import executor
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.Dense(8)(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+      return nn.Dense(2)(nn.relu(x))
+
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones([4, 3]))
+  params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+  def loss_fn(p, ms, batch, rng):
+    del rng
+    out, new = net.apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
+
+  arrays = {"x": jax.random.normal(jax.random.key(1), (64, 3)),
+            "y": jax.random.normal(jax.random.key(2), (64, 2))}
+  scheme = sync.build_scheme("gssp", 4, num_groups=2, staleness=1)
+  tx = optax.chain(scheme.transform, sync.replicated(optax.sgd(0.1), scheme.num_replicas))
+  state = executor.init_state(params, model_state, tx, None, 4, scheme.num_replicas,
+                              jax.random.key(3))
+  job_fn = executor.make_job_fn(loss_fn, None, 100)
+  round_fn = executor.make_round_fn(tx)
+  rng = np.random.default_rng(0)
+  jobs = np.zeros([4], np.int64)
+
+  def dispatch(workers):
+    nonlocal state
+    for part in executor.split_jobs(np.asarray(workers)):
+      idx = rng.integers(0, 64, size=(part.size, 4)).astype(np.int32)
+      state = job_fn(state, arrays, part.astype(np.int32), idx, jobs[part].astype(np.int32),
+                     np.ones([part.size], np.float32))
+      jobs[part] += 1
+  dispatch(np.arange(4))
+  tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: [1.0, 1.3, 2.0, 2.7][w],
+                         max_pushes=12, message_delay=lambda m: 0.2)
+  for rnd in tl.rounds:
+    before = jax.tree.map(np.asarray, state.worker_model_state)
+    state = round_fn(state, sync.round_args(rnd))
+    after = jax.tree.map(np.asarray, state.replica_model_state)
+    for g in range(2):
+      members = np.flatnonzero(rnd.arrived & (rnd.groups == g))
+      if members.size:
+        jax.tree.map(lambda b, a: np.testing.assert_allclose(a[g], b[members].mean(0), rtol=1e-6),
+                     before, after)
+    dispatch(np.flatnonzero(rnd.pulls))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.replica_params))
