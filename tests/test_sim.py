@@ -181,7 +181,10 @@ def test_same_config_same_metrics_bit_for_bit(tmp_path, data_dir):
   assert runs[0] == runs[1]
   assert len(runs[0]) == 4 and runs[0][-1]["virtual_time"] > 0
   assert runs[0][-1]["staleness"]["applied"] > 0
-  assert runs[0][-1]["bytes_pushed"] < runs[0][-1]["bytes_pulled"]   # pushes are sparse
+  last = runs[0][-1]
+  assert last["bytes_pushed"] < last["bytes_pulled"]   # pushes are sparse
+  assert sum(last["bytes_pushed_per_worker"]) == last["bytes_pushed"]
+  assert sum(last["bytes_pulled_per_worker"]) == last["bytes_pulled"]
 
 
 @pytest.mark.parametrize("scheme", ["ssp", "gssp"])
@@ -280,3 +283,11 @@ def test_batchnorm_statistics_follow_the_rounds():
                      before, after)
     dispatch(np.flatnonzero(rnd.pulls))
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.replica_params))
+
+
+def test_calibration_measures_the_base_time(tmp_path, data_dir):
+  config = _sim_config("asp", **{"cluster.calibrate": True, "train.num_epochs": 0.5})
+  config.data_dir = data_dir
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  measured = summary["cluster"]["calibrated_base_time"]
+  assert 0 < measured < 5 and summary["cluster"]["base_time"] == measured

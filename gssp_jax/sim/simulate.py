@@ -147,6 +147,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   eval_replica = R - 1 if (scheme.name == "gssp" and config.sync.inter_group == "global") else None
 
   host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0, "bytes_pushed": 0,
+          "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
           "bytes_pulled": 0, "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
           "num_evals": 0, "rounds": 0}
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -221,6 +222,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
           f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
           f"({config.optimizer.learning_rate}) or set optimizer.grad_clip")
     host["bytes_pushed"] += int(np.asarray(pushed, np.int64).sum())
+    host["pushed_per_worker"] += np.asarray(pushed, np.int64)
     state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
                           push_bytes=jnp.zeros([W], jnp.int32))
     params_eval, ms_eval = executor.served_weights(state, eval_replica)
@@ -236,6 +238,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         "bytes_pushed": host["bytes_pushed"],
         "bytes_pulled": host["bytes_pulled"],
         "bytes_between_servers": host["server_bytes"],
+        "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
+        "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
         "blocked_time": float(engine.blocked_time.mean()),
         "blocked_time_per_worker": engine.blocked_time.tolist(),
         "staleness": acct.summary(),
@@ -254,6 +258,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         host["server_bytes"] += int(rnd.deliver.sum() + (rnd.adopt >= 0).sum()) * pull_bytes
         pulled = np.flatnonzero(rnd.pulls)
         host["bytes_pulled"] += pulled.size * pull_bytes
+        host["pulls_per_worker"][pulled] += 1
         if pulled.size:
           dispatch(pulled)
         if host["rounds"] % 64 == 0:

@@ -341,23 +341,39 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
     deliver = _mask(deliver, [num_groups], bool, False)
     adopt = _mask(adopt, [num_replicas], jnp.int32, -1)
     contrib = route_sum(updates, arrived, route, num_groups, scale)         # [G, ...]
-    sent = jax.tree.map(lambda o: jnp.where(_col(deliver, o), o, 0.0), state.outbox)
+    pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
+    arrived_at = jnp.zeros([num_groups], bool).at[route].max(arrived)
+
+    def exchange(operand):
+      """Deliveries and forwards: only in the rounds that have some (lax.cond skips the rest)."""
+      contrib, pending, outbox = operand
+      sent = jax.tree.map(lambda o: jnp.where(_col(deliver, o), o, 0.0), outbox)
+      if is_global:
+        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True)]),
+                                contrib, sent)
+      else:  # Every group server applies the other groups' delivered sums.
+        incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+      outbox = jax.tree.map(lambda o: jnp.where(_col(deliver, o), 0.0, o), outbox)
+      outbox = jax.tree.map(lambda o, p: jnp.where(_col(forward, o), o + p, o), outbox, pending)
+      pending = jax.tree.map(lambda p: jnp.where(_col(forward, p), 0.0, p), pending)
+      return incoming, pending, outbox
+
+    def no_exchange(operand):
+      contrib, pending, outbox = operand
+      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1])]), contrib)
+                  if is_global else contrib)
+      return incoming, pending, outbox
+
+    incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
+                                             no_exchange, (contrib, pending, state.outbox))
     if is_global:
-      incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True)]),
-                              contrib, sent)
-      derived = jnp.concatenate([jnp.zeros([num_groups], bool).at[route].max(arrived),
-                                 jnp.any(deliver)[None]])
-    else:  # Every group server applies the other groups' delivered sums.
-      incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+      derived = jnp.concatenate([arrived_at, jnp.any(deliver)[None]])
+    else:
       got_peer = (jnp.sum(deliver) - deliver.astype(jnp.int32)) > 0
-      derived = jnp.zeros([num_groups], bool).at[route].max(arrived) | got_peer
+      derived = arrived_at | got_peer
     applies = derived if applies is None else _mask(applies, [num_replicas], bool, True)
     out = jax.tree.map(lambda u: jnp.where(_col(applies, u), u, 0.0), incoming)
 
-    pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
-    outbox = jax.tree.map(lambda o: jnp.where(_col(deliver, o), 0.0, o), state.outbox)
-    outbox = jax.tree.map(lambda o, p: jnp.where(_col(forward, o), o + p, o), outbox, pending)
-    pending = jax.tree.map(lambda p: jnp.where(_col(forward, p), 0.0, p), pending)
     arrivals = jnp.zeros([num_groups], jnp.int32).at[route].add(arrived.astype(jnp.int32))
     since = jnp.where(forward, 0, _saturating_add(state.since_forward, arrivals))
     clocks = _account(state, arrived=arrived, route=route, pulls=pulls, applies=applies,
