@@ -63,6 +63,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.sync.staleness_range = (3, 15)    # dssp: (s_L, s_U)
   c.sync.num_groups = 4               # gssp groups
   c.sync.grouping = "speed"           # speed | kmeans | round_robin | contiguous
+  c.sync.regroup_every_epoch = False  # gssp: regroup by the speeds measured over each epoch
   c.sync.inter_group = "peer"         # gssp exchange: peer | global
   c.sync.forward_every = 0            # gssp: pushes per forward (0 = the group's size)
   c.sync.num_nodes = 4                # inhad: machines workers aggregate on
@@ -215,6 +216,8 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
   if config.compress.name == "gdtopk" and config.sync.scheme != "gssp":
     _fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
           "per GSSP group); use topk or dgc otherwise")
+  if config.sync.regroup_every_epoch and config.sync.scheme != "gssp":
+    _fail("sync.regroup_every_epoch", True, "True only with sync.scheme='gssp' (False otherwise)")
   try:
     sync.scheme_from_config(config)
   except ValueError as e:

@@ -79,6 +79,8 @@ def test_which_runs_use_the_simulator():
     ({"sync.scheme": "dssync", "sync.group_size": 3}, r"group_size=3 is invalid"),
     ({"sync.scheme": "gsp"}, r"config.sync.scheme='gsp' is invalid; allowed: bsp, asp"),
     ({"compress.name": "gdtopk"}, r"gdtopk only with sync.scheme='gssp'"),
+    ({"sync.scheme": "ssp", "sync.regroup_every_epoch": True},
+     r"config.sync.regroup_every_epoch=True is invalid; allowed: True only with"),
 ])
 def test_bad_sync_settings_name_the_value(changes, match):
   config = config_lib.override(config_lib.default_config(), changes, check_types=False)

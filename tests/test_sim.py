@@ -291,3 +291,43 @@ def test_calibration_measures_the_base_time(tmp_path, data_dir):
   summary = loop.train_and_evaluate(config, str(tmp_path))
   measured = summary["cluster"]["calibrated_base_time"]
   assert 0 < measured < 5 and summary["cluster"]["base_time"] == measured
+
+
+def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
+  # A trace in which workers 0, 1 are fast for their first 8 iterations, then slow.
+  fast, slow = "0.01", "0.03"
+  rows = [[fast, fast, slow, slow]] * 8 + [[slow, slow, fast, fast]] * 100
+  path = tmp_path / "trace.csv"
+  path.write_text("\n".join(",".join(r) for r in rows) + "\n")
+  config = _sim_config("gssp", **{"cluster.profile": "trace", "cluster.trace_file": str(path),
+                                  "sync.regroup_every_epoch": True, "compress.name": "gdtopk",
+                                  "train.num_epochs": 4.0, "train.eval_every": 1.0})
+  config.data_dir = data_dir
+  summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  history = summary["scheme"]["groups_history"]
+  assert history[0] == [1, 1, 0, 0]   # by the trace's mean times: 2 and 3 are faster overall
+  assert history[1] == [0, 0, 1, 1]   # measured over epoch 1, 0 and 1 were the fast ones
+  assert history[-1] == [1, 1, 0, 0]  # ... and later they are slow again
+  # And the regrouped run is still exactly reproducible across a resume.
+  config.train.stop_after_updates = 80   # after the regrouping at 64 pushes
+  loop.train_and_evaluate(config, str(tmp_path / "split"))
+  config.train.stop_after_updates = 0
+  loop.train_and_evaluate(config, str(tmp_path / "split"))
+  assert _metrics(tmp_path / "split") == _metrics(tmp_path / "run")
+
+
+def test_gssp_protocol_regroups_at_a_barrier():
+  protocol = sync.GSSPProtocol(4, [0, 0, 1, 1], 2)
+  engine = sync.TimelineEngine(protocol, lambda w, k: [1.0, 1.1, 3.0, 3.3][w])
+  rounds = []
+  while engine.num_pushes < 10:
+    rounds.extend(engine.step())
+  protocol.request_regroup([0, 1, 0, 1])
+  while not protocol.regroups:
+    rounds.extend(engine.step())
+  barrier = rounds[-1]
+  assert not barrier.arrived.any() and barrier.pulls.all()
+  assert barrier.groups.tolist() == [0, 1, 0, 1]
+  assert protocol.blocked.sum() == 0
+  with pytest.raises(ValueError, match="every id in 0..1 used"):
+    protocol.request_regroup([0, 0, 0, 0])

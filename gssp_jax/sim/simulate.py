@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from gssp_jax import compress
+from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
@@ -36,6 +37,7 @@ from gssp_jax.train import loop as loop_lib
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
+from gssp_jax.train import workdir as workdir_lib
 
 
 def dense_push_bytes(params) -> list[int]:
@@ -61,6 +63,11 @@ class _Ratios:
     self.spe = steps_per_epoch
     if self.name == "gdtopk":
       self.ranks = sync.grouping.group_speed_rank(scheme.groups, speeds)
+
+  def set_groups(self, groups: np.ndarray, times: np.ndarray) -> None:
+    self.groups = np.asarray(groups)
+    if self.name == "gdtopk":
+      self.ranks = sync.grouping.group_speed_rank(self.groups, times)
 
   def __call__(self, worker: int, iteration: int) -> float:
     if self.name != "gdtopk":
@@ -90,11 +97,10 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   if os.path.exists(config_path):
-    loop_lib._check_resumable(config, config_path)  # pylint: disable=protected-access
+    workdir_lib.check_resumable(config, config_path)
   task = tasks.make_task(config)
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   config_lib.validate_sizes(config, task.num_train)
-  loop_lib._write_json(config_path, json.loads(config.to_json()))  # pylint: disable=protected-access
+  workdir_lib.write_json(config_path, json.loads(config.to_json()))
 
   W, B = config.num_workers, config.batch_size
   shards = sharding.worker_shards(task.num_train, W, config.seed)
@@ -149,7 +155,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0, "bytes_pushed": 0,
           "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
           "bytes_pulled": 0, "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
-          "num_evals": 0, "rounds": 0}
+          "num_evals": 0, "rounds": 0, "next_epoch_end": W * spe,
+          "groups": [scheme.groups.tolist()]}
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        config.train.max_checkpoints)
   host_path = lambda step: os.path.join(workdir, "checkpoints", f"host_{step}.pkl")
@@ -165,7 +172,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     protocol = engine.protocol
     logging.info("resumed from the checkpoint at %d pushes", latest)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = [m for m in loop_lib._read_metrics(metrics_path, 1 << 62)  # pylint: disable=protected-access
+  history = [m for m in workdir_lib.read_metrics(metrics_path, 1 << 62)
              if m["pushes"] <= engine.num_pushes] if os.path.exists(metrics_path) else []
   with open(metrics_path, "w") as f:
     f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
@@ -192,6 +199,19 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   if engine.num_pushes == 0 and host["jobs"].sum() == 0:
     dispatch(np.arange(W))
 
+  def regroup(measured: np.ndarray) -> None:
+    """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
+    groups = sync.make_groups(config.sync.grouping, W, config.sync.num_groups, measured)
+    if not np.array_equal(groups, engine.protocol.route):
+      engine.protocol.request_regroup(groups)
+      ratio_of.set_groups(groups, measured)
+      host["groups"].append(groups.tolist())
+      host["ratio_groups"] = (ratio_of.groups, getattr(ratio_of, "ranks", None))
+      logging.info("regrouping at %d pushes: %s", engine.num_pushes, groups.tolist())
+
+  if "ratio_groups" in host:   # resumed after a regrouping
+    ratio_of.groups, ratio_of.ranks = host["ratio_groups"]
+
   metric_name = "bleu" if isinstance(task, tasks.TranslationTask) else "test_accuracy"
   target = config.train.target_bleu if metric_name == "bleu" else config.train.target_accuracy
   session_start, session_pushes = time.perf_counter(), engine.num_pushes
@@ -201,14 +221,14 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   def save(step: int):
     host["wall_time"] = wall_base + time.perf_counter() - session_start
     checkpointer.save(step, state, {"pushes": step})
-    checkpointer._manager.wait_until_finished()  # pylint: disable=protected-access
+    checkpointer.wait()
     tmp = host_path(step) + ".tmp"
     with open(tmp, "wb") as f:
       pickle.dump({"engine": engine.state_dict(), "acct": acct.state_dict(), "host": host}, f)
     os.replace(tmp, host_path(step))
     for name in os.listdir(os.path.dirname(host_path(step))):
       if name.startswith("host_") and name.endswith(".pkl"):
-        kept = checkpointer._manager.all_steps()  # pylint: disable=protected-access
+        kept = checkpointer.all_steps()
         if int(name[5:-4]) not in kept:
           os.remove(os.path.join(os.path.dirname(host_path(step)), name))
 
@@ -263,6 +283,11 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
           dispatch(pulled)
         if host["rounds"] % 64 == 0:
           jax.block_until_ready(state.loss_sum)   # keep the dispatch queue short
+      if engine.num_pushes >= host["next_epoch_end"]:
+        host["next_epoch_end"] += W * spe
+        measured = engine.measured_times()
+        if config.sync.regroup_every_epoch and engine.num_pushes < end_pushes:
+          regroup(measured)
       if engine.num_pushes >= host["next_eval"] or engine.num_pushes == total_pushes:
         record = evaluate()
         host["next_eval"] += eval_pushes
@@ -277,7 +302,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
                      "blocked %.1f s | staleness mean %.2f | ETA %s", scheme.name,
                      record["epoch"], record["virtual_time"], record["train_loss"],
                      metric_name, record[metric_name], record["blocked_time"],
-                     record["staleness"]["mean"], loop_lib._format_duration(eta))  # pylint: disable=protected-access
+                     record["staleness"]["mean"], workdir_lib.format_duration(eta))
         if host["num_evals"] % config.train.checkpoint_every == 0:
           save(engine.num_pushes)
     status = "done" if engine.num_pushes >= total_pushes else "stopped"
@@ -301,7 +326,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         "wall_time_to_target": reached["wall_time"] if reached else None,
         "pushes_to_target": reached["pushes"] if reached else None,
         "epochs_to_target": reached["epoch"] if reached else None,
-        "scheme": sync.registry.describe(scheme),
+        "scheme": {**sync.registry.describe(scheme), "groups": host["groups"][-1],
+                   "groups_history": host["groups"]},
         "cluster": {"speeds": cluster.speeds.tolist(), "base_time": cluster.base_time,
                     "calibrated_base_time": calibrated},
         "totals": {
@@ -315,7 +341,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
             "staleness": acct.summary(),
         },
     }
-    loop_lib._write_json(os.path.join(workdir, "summary.json"), summary)  # pylint: disable=protected-access
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
 
 

@@ -74,6 +74,8 @@ class TimelineEngine:
     self.blocked_time = np.zeros([W])
     self.num_pushes = 0
     self.now = 0.0
+    self.compute_sum = np.zeros([W])     # compute seconds per worker since the last reset
+    self.compute_count = np.zeros([W], np.int64)
     self.starts, self.pushes, self.events = [], [], []
     for w in range(W):
       self._schedule(0.0, "start", w)
@@ -103,7 +105,10 @@ class TimelineEngine:
       k = int(self.iteration[w])
       if self.record:
         self.starts.append((self.now, w, k))
-      self._schedule(self.now + self.compute_time(w, k) + self.push_delay(w, k), "push", w)
+      compute = self.compute_time(w, k)
+      self.compute_sum[w] += compute
+      self.compute_count[w] += 1
+      self._schedule(self.now + compute + self.push_delay(w, k), "push", w)
       return []
     if kind == "push":
       w = payload
@@ -115,9 +120,18 @@ class TimelineEngine:
       return self._react(self.protocol.on_push(w, self.now), self.now)
     return self._react(self.protocol.on_message(payload, self.now), self.now)
 
+  def measured_times(self, reset: bool = True) -> np.ndarray:
+    """``[W]`` mean compute time per iteration since the last reset (what a real server sees)."""
+    times = self.compute_sum / np.maximum(self.compute_count, 1)
+    if reset:
+      self.compute_sum[:] = 0.0
+      self.compute_count[:] = 0
+    return times
+
   def state_dict(self) -> dict:
     return {k: getattr(self, k) for k in ("protocol", "queue", "seq", "iteration", "pushed_at",
-                                         "blocked_time", "num_pushes", "now")}
+                                         "blocked_time", "num_pushes", "now", "compute_sum",
+                                         "compute_count")}
 
   def load_state_dict(self, state: dict) -> None:
     for k, v in state.items():

@@ -38,6 +38,13 @@ class Checkpointer:
     restored = self._manager.restore(step, args=args)
     return restored.state, restored.meta
 
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def wait(self) -> None:
+    """Blocks until pending saves are on disk."""
+    self._manager.wait_until_finished()
+
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()

@@ -25,56 +25,7 @@ from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
-
-# Keys that may change between a run and its resumption.
-_RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
-                   "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      out[prefix + k] = v
-  return out
-
-
-def _check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
-  """Refuses to resume a workdir written by a different configuration."""
-  with open(path) as f:
-    old = _flatten(json.load(f))
-  new = _flatten(json.loads(config.to_json()))
-  diff = sorted(k for k in set(old) | set(new)
-                if k not in _RESUME_MUTABLE and old.get(k) != new.get(k))
-  if diff:
-    details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:5])
-    raise ValueError(f"workdir {os.path.dirname(path)} holds a run with a different config"
-                     f" ({details}); use a new --workdir or the same config to resume")
-
-
-def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
-def _read_metrics(path: str, max_updates: int) -> list[dict]:
-  """The metric lines written up to ``max_updates`` (later ones are redone on resume)."""
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    lines = [json.loads(line) for line in f if line.strip()]
-  return [m for m in lines if m["updates"] <= max_updates]
-
-
-def _format_duration(seconds: float) -> str:
-  seconds = int(seconds)
-  h, rem = divmod(seconds, 3600)
-  return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
+from gssp_jax.train import workdir as workdir_lib
 
 class _Plan:
   """The update schedule: epochs, evaluation points and chunk boundaries, all in updates."""
@@ -121,10 +72,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   if os.path.exists(config_path):
-    _check_resumable(config, config_path)
+    workdir_lib.check_resumable(config, config_path)
   task = tasks.make_task(config)
   config_lib.validate_sizes(config, task.num_train)
-  _write_json(config_path, json.loads(config.to_json()))
+  workdir_lib.write_json(config_path, json.loads(config.to_json()))
 
   plan = _Plan(config, task.num_train)
   tx = optim.make_optimizer(config.optimizer, plan.steps_per_epoch, plan.total)
@@ -146,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("resumed from the checkpoint at update %d", latest)
   updates = int(state.step)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = _read_metrics(metrics_path, updates)
+  history = workdir_lib.read_metrics(metrics_path, updates)
   with open(metrics_path, "w") as f:  # drop lines past the checkpoint: they are redone
     f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
 
@@ -191,7 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       eta = (plan.end - updates) / max(rate, 1e-9)
       line = (f"update {updates}/{plan.total} (epoch {updates / plan.steps_per_epoch:.2f})"
               f" loss {loss:.4f} | {rate * plan.num_workers * plan.batch_size:.0f} samples/s"
-              f" | ETA {_format_duration(eta)}")
+              f" | ETA {workdir_lib.format_duration(eta)}")
       if plan.is_eval_point(updates):
         results = task.evaluate(state.params, state.model_state)
         record = {
@@ -224,7 +175,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     summary = _summary(config, history, status, metric_name, target,
                        wall_base + time.perf_counter() - session_start, updates, plan,
                        _traffic(updates, plan, meta, pull_payload))
-    _write_json(os.path.join(workdir, "summary.json"), summary)
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
 
 

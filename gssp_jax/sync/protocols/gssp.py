@@ -59,6 +59,22 @@ class GSSPProtocol(Protocol):
         [num_groups], transforms.check_int("gssp", "forward_every", forward_every, 1), np.int64))
     self.since_forward = np.zeros([num_groups], np.int64)
     self.in_flight = np.zeros([num_groups], bool)
+    self.next_route = None   # a regrouping waiting for its barrier
+    self.regroups: list[tuple[float, list]] = []
+
+  def request_regroup(self, groups) -> None:
+    """Moves workers to new groups at the next barrier (e.g. by speed measured over an epoch).
+
+    Every worker finishes its current iteration and waits; when all wait, the new
+    groups take effect and everyone pulls from its new group server. Group ids
+    stay the servers' ids, so pending sums and forwards in flight are unaffected.
+    """
+    route = transforms.check_assignment("gssp", "groups", groups, self.num_workers,
+                                        self.num_groups)
+    if sorted(set(route.tolist())) != list(range(self.num_groups)):
+      raise ValueError(f"gssp groups={route.tolist()!r} is invalid; allowed: every id in "
+                       f"0..{self.num_groups - 1} used by at least one worker")
+    self.next_route = route
 
   def _maybe_forward(self, group: int, rnd, reaction) -> None:
     if self.since_forward[group] >= self.forward_every[group] and not self.in_flight[group]:
@@ -78,6 +94,15 @@ class GSSPProtocol(Protocol):
     reaction = Reaction(rounds=[rnd])
     self._maybe_forward(g, rnd, reaction)
     self.blocked[worker] = True
+    if self.next_route is not None:
+      if self.blocked.all():   # the barrier: regroup, everyone pulls from its new server
+        self.route = self.next_route
+        self.next_route = None
+        self.regroups.append((float(time), self.route.tolist()))
+        regroup = self.new_round(time)   # no arrivals; pulls routed by the new groups
+        reaction.rounds.append(regroup)
+        release_where(self, regroup, np.ones([self.num_workers], bool), reaction)
+      return reaction
     mine = self.route == g
     ahead = self.clock - self.clock[mine].min()
     release_where(self, rnd, mine & (ahead <= self.staleness), reaction)

@@ -1,0 +1,60 @@
+"""The run directory: config compatibility on resume, atomic JSON, metric lines, durations.
+
+Shared by the plain training loop and the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+
+# Keys that may change between a run and its resumption.
+_RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
+                   "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
+  """Refuses to resume a workdir written by a different configuration."""
+  with open(path) as f:
+    old = _flatten(json.load(f))
+  new = _flatten(json.loads(config.to_json()))
+  diff = sorted(k for k in set(old) | set(new)
+                if k not in _RESUME_MUTABLE and old.get(k) != new.get(k))
+  if diff:
+    details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:5])
+    raise ValueError(f"workdir {os.path.dirname(path)} holds a run with a different config"
+                     f" ({details}); use a new --workdir or the same config to resume")
+
+
+def write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def read_metrics(path: str, max_updates: int) -> list[dict]:
+  """The metric lines written up to ``max_updates`` (later ones are redone on resume)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = [json.loads(line) for line in f if line.strip()]
+  return [m for m in lines if m["updates"] <= max_updates]
+
+
+def format_duration(seconds: float) -> str:
+  seconds = int(seconds)
+  h, rem = divmod(seconds, 3600)
+  return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
