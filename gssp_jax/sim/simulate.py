@@ -160,8 +160,11 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        config.train.max_checkpoints)
   host_path = lambda step: os.path.join(workdir, "checkpoints", f"host_{step}.pkl")
-  latest = checkpointer.latest_step()
-  if latest is not None and os.path.exists(host_path(latest)):
+  # The newest step whose host state was written too (a crash between the two writes
+  # leaves a device checkpoint without it; the older complete one is used instead).
+  latest = next((step for step in sorted(checkpointer.all_steps(), reverse=True)
+                 if os.path.exists(host_path(step))), None)
+  if latest is not None:
     state, _ = checkpointer.restore(latest, state)
     state = jax.device_put(state)
     with open(host_path(latest), "rb") as f:

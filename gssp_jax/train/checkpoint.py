@@ -33,6 +33,7 @@ class Checkpointer:
     self._manager.save(step, args=args)
 
   def restore(self, step: int, template: Any) -> tuple[Any, dict]:
+    """Restores ``step`` (any kept step, not only the latest)."""
     args = ocp.args.Composite(state=ocp.args.StandardRestore(jax.device_get(template)),
                               meta=ocp.args.JsonRestore())
     restored = self._manager.restore(step, args=args)
