@@ -27,7 +27,6 @@ import numpy as np
 import optax
 
 from gssp_jax import compress
-from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
@@ -94,13 +93,7 @@ def _calibrate(job_fn, state, arrays, batch_size) -> float:
 
 def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains ``config`` on the simulated cluster in ``workdir`` (resuming if possible)."""
-  os.makedirs(workdir, exist_ok=True)
-  config_path = os.path.join(workdir, "config.json")
-  if os.path.exists(config_path):
-    workdir_lib.check_resumable(config, config_path)
-  task = tasks.make_task(config)
-  config_lib.validate_sizes(config, task.num_train)
-  workdir_lib.write_json(config_path, json.loads(config.to_json()))
+  task = loop_lib.prepare_run(config, workdir)
 
   W, B = config.num_workers, config.batch_size
   shards = sharding.worker_shards(task.num_train, W, config.seed)

@@ -63,12 +63,8 @@ def make_compressor(config: ml_collections.ConfigDict):
   return compress.make_compressor(c.name, config.num_workers, **kwargs)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
-  config_lib.validate_config(config)
-  if config_lib.uses_simulator(config):
-    from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
-    return simulate.simulate_and_evaluate(config, workdir)
+def prepare_run(config: ml_collections.ConfigDict, workdir: str):
+  """Checks a workdir can hold this run (same config if resuming), builds the task, records the config."""
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, "config.json")
   if os.path.exists(config_path):
@@ -76,7 +72,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   task = tasks.make_task(config)
   config_lib.validate_sizes(config, task.num_train)
   workdir_lib.write_json(config_path, json.loads(config.to_json()))
+  return task
 
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
+  config_lib.validate_config(config)
+  if config_lib.uses_simulator(config):
+    from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
+    return simulate.simulate_and_evaluate(config, workdir)
+  task = prepare_run(config, workdir)
   plan = _Plan(config, task.num_train)
   tx = optim.make_optimizer(config.optimizer, plan.steps_per_epoch, plan.total)
   compressor = make_compressor(config)
