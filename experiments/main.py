@@ -8,13 +8,11 @@ Everything but flag parsing lives in the library (``gssp_jax.train``), which a
 notebook imports the same way.
 """
 
-import logging as std_logging
-
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
+from gssp_jax import cli
 from gssp_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -23,16 +21,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary 
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _quiet_orbax(record) -> bool:
-  """Orbax logs every checkpoint step at INFO; keep its warnings and errors only."""
-  return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(_quiet_orbax)
+  cli.setup_logging()
   summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   final = summary["final"] or {}
   metric = summary["metric"]

@@ -1,0 +1,80 @@
+"""Config-file sweeps: expansion and validation, the resumable runner, failures recorded."""
+
+import json
+import os
+import pathlib
+import textwrap
+
+import pytest
+
+from gssp_jax import sweep
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(REPO / "configs" / "sweeps" / "tiny.py")
+
+
+def test_product_and_zipped():
+  grid = sweep.product(sweep.sweep("a", [1, 2]), sweep.zipped(sweep.sweep("b", ["x", "y"]),
+                                                              sweep.sweep("c", [0.1, 0.2])))
+  assert grid == [{"a": 1, "b": "x", "c": 0.1}, {"a": 1, "b": "y", "c": 0.2},
+                  {"a": 2, "b": "x", "c": 0.1}, {"a": 2, "b": "y", "c": 0.2}]
+  with pytest.raises(ValueError, match="different lengths"):
+    sweep.zipped(sweep.sweep("a", [1]), sweep.sweep("b", [1, 2]))
+
+
+def _sweep_file(tmp_path, grid: str, name="s.py"):
+  path = tmp_path / name
+  path.write_text(textwrap.dedent(f"""
+      from configs import mnist_lenet5
+      from gssp_jax.sweep import product, sweep, zipped
+      def get_config():
+        return mnist_lenet5.get_config("smoke")
+      def get_sweep():
+        return {grid}
+      """))
+  return str(path)
+
+
+@pytest.mark.parametrize("grid,match", [
+    ('product(sweep("sync.stalenes", [1, 2]))', r"key 'sync.stalenes' is not a config key"),
+    ("[]", r"empty grid"),
+    ('product(sweep("num_workers", ["four"]))', r"num_workers='four' has the wrong type"),
+    ('product(sweep("sync.scheme", ["gsp"]))', r"config.sync.scheme='gsp' is invalid"),
+    ('product(sweep("seed", [1, 1]))', r"appears twice"),
+])
+def test_broken_sweep_files_name_the_key(tmp_path, grid, match):
+  with pytest.raises(ValueError, match=match):
+    sweep.expand(_sweep_file(tmp_path, grid))
+
+
+def test_tiny_sweep_resumes_without_redoing_finished_trials(tmp_path, data_dir, monkeypatch):
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  workdir = str(tmp_path / "sweep")
+  first = sweep.run_sweep(TINY, workdir, max_trials=2)     # "interrupted" after two trials
+  assert list(first.values()) == ["done", "done", None, None]
+  stamps = {n: os.path.getmtime(os.path.join(workdir, n, "summary.json"))
+            for n, s in first.items() if s == "done"}
+  second = sweep.run_sweep(TINY, workdir)
+  assert set(second.values()) == {"done"} and len(second) == 4
+  for name, stamp in stamps.items():   # finished trials were not run again
+    assert os.path.getmtime(os.path.join(workdir, name, "summary.json")) == stamp
+    assert json.load(open(os.path.join(workdir, name, "trial.json")))["attempts"] == 1
+  for name in second:
+    summary = json.load(open(os.path.join(workdir, name, "summary.json")))
+    trial = json.load(open(os.path.join(workdir, name, "trial.json")))
+    assert summary["config"]["sync"]["scheme"] == trial["overrides"]["sync.scheme"]
+    assert summary["config"]["seed"] == trial["overrides"]["seed"]
+    assert os.path.getsize(os.path.join(workdir, name, "log.txt")) > 0
+
+
+def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
+  monkeypatch.delenv("GSSP_DATA_DIR", raising=False)
+  path = _sweep_file(tmp_path, 'zipped(sweep("data_dir", ["/nonexistent/data"]), '
+                               'sweep("data_download", [False]))')
+  workdir = str(tmp_path / "sweep")
+  statuses = sweep.run_sweep(path, workdir)
+  (name,) = statuses
+  trial = json.load(open(os.path.join(workdir, name, "trial.json")))
+  assert trial["status"] == "failed" and "nonexistent" in trial["error"]
+  sweep.run_sweep(path, workdir)
+  assert json.load(open(os.path.join(workdir, name, "trial.json")))["attempts"] == 2
