@@ -1,5 +1,6 @@
 """Config-file sweeps: expansion and validation, the resumable runner, failures recorded."""
 
+import csv
 import json
 import os
 import pathlib
@@ -7,6 +8,7 @@ import textwrap
 
 import pytest
 
+from gssp_jax import report
 from gssp_jax import sweep
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -66,6 +68,29 @@ def test_tiny_sweep_resumes_without_redoing_finished_trials(tmp_path, data_dir, 
     assert summary["config"]["seed"] == trial["overrides"]["seed"]
     assert os.path.getsize(os.path.join(workdir, name, "log.txt")) > 0
 
+  # The report's numbers are each trial's summary.json, and its plots exist.
+  paths = report.write_report(workdir, str(tmp_path / "report"))
+  with open(paths["csv"]) as f:
+    rows = {r["trial"]: r for r in csv.DictReader(f)}
+  assert set(rows) == set(second)
+  for name, row in rows.items():
+    summary = json.load(open(os.path.join(workdir, name, "summary.json")))
+    assert float(row["final"]) == summary["final"]["test_accuracy"]
+    assert float(row["virtual_time"]) == summary["totals"]["virtual_time"]
+    assert int(row["bytes_pushed"]) == summary["totals"]["bytes_pushed"]
+  bsp0 = rows["sync.scheme=bsp,seed=0"]
+  gssp0 = rows["sync.scheme=gssp,seed=0"]
+  assert float(gssp0["delta_vs_bsp"]) == pytest.approx(float(gssp0["final"]) - float(bsp0["final"]))
+  with open(paths["summary_csv"]) as f:
+    agg = {r["sync.scheme"]: r for r in csv.DictReader(f)}
+  finals = [float(rows[f"sync.scheme=gssp,seed={s}"]["final"]) for s in (0, 1)]
+  assert float(agg["gssp"]["final"]) == pytest.approx(sum(finals) / 2)
+  assert int(agg["gssp"]["seeds"]) == 2
+  for png in ("metric_vs_virtual_time.png", "staleness.png", "blocked_time.png",
+              "bytes_per_link.png"):
+    assert (tmp_path / "report" / png).stat().st_size > 1000
+    assert png in open(paths["md"]).read()
+
 
 def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
   monkeypatch.delenv("GSSP_DATA_DIR", raising=False)
@@ -78,3 +103,8 @@ def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
   assert trial["status"] == "failed" and "nonexistent" in trial["error"]
   sweep.run_sweep(path, workdir)
   assert json.load(open(os.path.join(workdir, name, "trial.json")))["attempts"] == 2
+
+
+def test_report_of_an_empty_directory_says_so(tmp_path):
+  with pytest.raises(ValueError, match="no finished trial"):
+    report.write_report(str(tmp_path))
