@@ -165,6 +165,19 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   names = []
+
+  def finish(fig, ax, xlabel, ylabel, title, fname, grid=True):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+      ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, fname), dpi=120)
+    plt.close(fig)
+    names.append(fname)
+
   timed = [r for r in rows if r["_metrics"] and r["_metrics"][-1].get("virtual_time") is not None]
   if timed:
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -172,15 +185,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
       m = r["_metrics"]
       ax.plot([x["virtual_time"] for x in m], [x.get(r["metric"]) for x in m], marker="o",
               markersize=3, label=r["trial"])
-    ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel(timed[0]["metric"].replace("_", " "))
-    ax.set_title("Test metric against virtual time")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "metric_vs_virtual_time.png"), dpi=120)
-    plt.close(fig)
-    names.append("metric_vs_virtual_time.png")
+    finish(fig, ax, "virtual time (s)", timed[0]["metric"].replace("_", " "),
+           "Test metric against virtual time", "metric_vs_virtual_time.png")
   hists = [r for r in timed if (r["_metrics"][-1].get("staleness") or {}).get("hist")]
   if hists:
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -188,15 +194,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
       h = r["_metrics"][-1]["staleness"]["hist"]
       total = max(sum(h), 1)
       ax.step(range(len(h)), [c / total for c in h], where="mid", label=r["trial"])
-    ax.set_xlabel("staleness of an applied gradient (updates)")
-    ax.set_ylabel("fraction of applied gradients")
-    ax.set_title("Staleness distribution")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "staleness.png"), dpi=120)
-    plt.close(fig)
-    names.append("staleness.png")
+    finish(fig, ax, "staleness of an applied gradient (updates)", "fraction of applied gradients",
+           "Staleness distribution", "staleness.png")
   for key, title, ylabel, fname in (
       ("blocked_time_per_worker", "Blocked time per worker", "blocked virtual time (s)",
        "blocked_time.png"),
@@ -210,12 +209,5 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     for i, r in enumerate(have):
       values = r["_metrics"][-1][key]
       ax.bar([w + i * width for w in range(len(values))], values, width=width, label=r["trial"])
-    ax.set_xlabel("worker")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, fname), dpi=120)
-    plt.close(fig)
-    names.append(fname)
+    finish(fig, ax, "worker", ylabel, title, fname, grid=False)
   return names
