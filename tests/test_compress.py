@@ -246,6 +246,18 @@ def test_topk_bytes_global_scope():
   np.testing.assert_array_equal(state.last_bytes, [8000, 8000])
 
 
+@pytest.mark.parametrize("scope", ["tensor", "global"])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.0125, 0.1, 0.35, 0.5, 0.6, 1.0])
+def test_expected_push_bytes_equals_the_device_count(scope, ratio):
+  """The simulator times a push with the host formula; it must equal what is counted."""
+  params = {"a": jnp.zeros(1000), "b": jnp.zeros((10, 100)), "c": jnp.zeros(7), "d": jnp.zeros(150)}
+  g = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), (2, *p.shape)), params)
+  tx = compress.topk(2, ratio, scope=scope)
+  _, state = tx.update(g, tx.init(params))
+  sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+  assert int(state.last_bytes[0]) == compress.expected_push_bytes(sizes, ratio, scope=scope)
+
+
 # ---------------------------------------------------------------- DGC
 
 

@@ -12,6 +12,7 @@ from gssp_jax.compress.gdtopk import gdtopk
 from gssp_jax.compress.gdtopk import gdtopk_continuous_ratios
 from gssp_jax.compress.gdtopk import gdtopk_group_ratios
 from gssp_jax.compress.gdtopk import worker_ratios
+from gssp_jax.compress.topk import expected_push_bytes
 from gssp_jax.compress.topk import push_bytes
 from gssp_jax.compress.topk import residual_norm
 from gssp_jax.compress.topk import topk
@@ -34,6 +35,6 @@ def make_compressor(name: str, num_workers: int, **kwargs):
 
 
 __all__ = [
-    "COMPRESSORS", "TopKState", "dgc", "gdtopk", "gdtopk_continuous_ratios", "gdtopk_group_ratios",
+    "COMPRESSORS", "TopKState", "dgc", "expected_push_bytes", "gdtopk", "gdtopk_continuous_ratios", "gdtopk_group_ratios",
     "make_compressor", "push_bytes", "residual_norm", "topk", "worker_ratios",
 ]

@@ -9,11 +9,13 @@ both sides are selected from ``acc`` with ``jnp.where`` rather than subtracted.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -211,6 +213,19 @@ def topk(num_workers: int, ratio: float = 0.01, *, scope: str = "tensor",
   index_bytes = check_positive_int("index_bytes", index_bytes)
   return build_compressor(num_workers, ratio, topk_selector(scope, value_bytes, index_bytes),
                           error_feedback=bool(error_feedback))
+
+
+def expected_push_bytes(sizes, ratio: float, *, scope: str = "tensor", value_bytes: int = 4,
+                        index_bytes: int = 4) -> int:
+  """Host-side twin of the selector's byte count: a top-k push of leaves with ``sizes`` entries.
+
+  Same arithmetic as :func:`num_kept` and :func:`push_cost` (float32 ``ratio * n``
+  with the same slack), so a simulator can time a push before it is computed.
+  """
+  def one(n):
+    k = math.ceil(np.float32(ratio) * np.float32(n) * np.float32(_K_SLACK))
+    return min(min(max(k, 0), n) * (value_bytes + index_bytes), n * value_bytes)
+  return one(sum(sizes)) if scope == "global" else sum(one(n) for n in sizes)
 
 
 def push_bytes(state: TopKState) -> jax.Array:

@@ -13,7 +13,6 @@ exactly as an uninterrupted one.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import time
@@ -37,19 +36,6 @@ from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
 from gssp_jax.train import workdir as workdir_lib
-
-
-def dense_push_bytes(params) -> list[int]:
-  return [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
-
-
-def topk_push_bytes(sizes: list[int], ratio: float, value_bytes: int = 4, index_bytes: int = 4,
-                    scope: str = "tensor") -> int:
-  """Exact bytes of a per-tensor (or global) top-k push at ``ratio`` (as compress.topk counts)."""
-  def one(n):
-    k = min(n, max(0, math.ceil(np.float32(ratio) * np.float32(n) * np.float32(1 - 1e-6))))
-    return min(k * (value_bytes + index_bytes), n * value_bytes)
-  return one(sum(sizes)) if scope == "global" else sum(one(n) for n in sizes)
 
 
 class _Ratios:
@@ -116,8 +102,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   rng = jax.random.PRNGKey(config.seed)
   init_rng, train_rng = jax.random.split(rng)
   params, model_state = task.init(init_rng)
-  sizes = dense_push_bytes(params)
-  dense_bytes = 4 * sum(sizes)
+  sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+  dense_bytes = step_lib.tree_bytes(params)
   stats_bytes = step_lib.tree_bytes(model_state)
   pull_bytes = step_lib.tree_bytes(params) + stats_bytes
   state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
@@ -134,7 +120,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   def push_payload(w, k):
     if config.compress.name == "none":
       return dense_bytes + stats_bytes
-    return topk_push_bytes(sizes, ratio_of(w, k), scope=config.compress.scope) + stats_bytes
+    return compress.expected_push_bytes(sizes, ratio_of(w, k),
+                                        scope=config.compress.scope) + stats_bytes
 
   protocol = scheme.make_protocol()
   engine = sync.TimelineEngine(
