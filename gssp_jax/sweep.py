@@ -191,8 +191,7 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1,
   if max_trials:
     todo = todo[:max_trials]
   logging.info("sweep %s: %d trials, %d finished, %d to run", path, len(trials),
-               len(trials) - len([t for t in trials if statuses[t.name] not in FINISHED]),
-               len(todo))
+               sum(s in FINISHED for s in statuses.values()), len(todo))
   start = time.perf_counter()
   done_here = 0
 

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from gssp_jax.sync import rounds as rounds_lib
+from gssp_jax.sync import transforms
 
 MAX_JOBS = 8   # gradients per job call; larger sets are split in powers of two
 
@@ -67,26 +68,22 @@ class SimState(flax.struct.PyTreeNode):
   rng: jax.Array
 
 
-def stack(tree, n: int):
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
-
-
 def init_state(params, model_state, tx, compressor, num_workers: int, num_replicas: int,
                rng: jax.Array) -> SimState:
   """All replicas and workers start from ``params``; compressor keys differ per worker."""
   comp_state = ()
   if compressor is not None:
     one = compressor.init(params)
-    comp_state = stack(one, num_workers)
+    comp_state = transforms.stack(one, num_workers)
     if hasattr(one, "rng"):
       keys = jax.vmap(lambda w: jax.random.key_data(jax.random.fold_in(
           jax.random.wrap_key_data(one.rng), w)))(jnp.arange(num_workers))
       comp_state = comp_state._replace(rng=keys)
   return SimState(
-      replica_params=stack(params, num_replicas), replica_model_state=stack(model_state,
-                                                                            num_replicas),
-      tx_state=tx.init(params), worker_params=stack(params, num_workers),
-      worker_model_state=stack(model_state, num_workers),
+      replica_params=transforms.stack(params, num_replicas),
+      replica_model_state=transforms.stack(model_state, num_replicas),
+      tx_state=tx.init(params), worker_params=transforms.stack(params, num_workers),
+      worker_model_state=transforms.stack(model_state, num_workers),
       grad_buf=jax.tree.map(lambda p: jnp.zeros((num_workers, *p.shape), jnp.float32), params),
       comp_state=comp_state, loss_sum=jnp.zeros([], jnp.float32),
       loss_count=jnp.zeros([], jnp.int32), push_bytes=jnp.zeros([num_workers], jnp.int32),

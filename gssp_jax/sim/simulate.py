@@ -123,18 +123,17 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     return compress.expected_push_bytes(sizes, ratio_of(w, k),
                                         scope=config.compress.scope) + stats_bytes
 
-  protocol = scheme.make_protocol()
   engine = sync.TimelineEngine(
-      protocol, cluster.compute_time,
+      scheme.make_protocol(), cluster.compute_time,
       push_delay=lambda w, k: cluster.link_time(w, push_payload(w, k)),
       pull_delay=lambda w: cluster.link_time(w, pull_bytes),
       message_delay=lambda m: cluster.server_time(pull_bytes), record=False)
   acct = sync.accounting.Accounting(W, R, aggregating=scheme.name == "inhad")
   eval_replica = R - 1 if (scheme.name == "gssp" and config.sync.inter_group == "global") else None
 
-  host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0, "bytes_pushed": 0,
+  host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
           "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
-          "bytes_pulled": 0, "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
+          "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
           "num_evals": 0, "rounds": 0, "next_epoch_end": W * spe,
           "groups": [scheme.groups.tolist()]}
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -152,13 +151,9 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     engine.load_state_dict(saved["engine"])
     acct.load_state_dict(saved["acct"])
     host = saved["host"]
-    protocol = engine.protocol
     logging.info("resumed from the checkpoint at %d pushes", latest)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = [m for m in workdir_lib.read_metrics(metrics_path, 1 << 62)
-             if m["pushes"] <= engine.num_pushes] if os.path.exists(metrics_path) else []
-  with open(metrics_path, "w") as f:
-    f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
+  history = workdir_lib.restart_metrics(metrics_path, engine.num_pushes, key="pushes")
 
   orders: dict = {}
 
@@ -209,11 +204,17 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     with open(tmp, "wb") as f:
       pickle.dump({"engine": engine.state_dict(), "acct": acct.state_dict(), "host": host}, f)
     os.replace(tmp, host_path(step))
-    for name in os.listdir(os.path.dirname(host_path(step))):
-      if name.startswith("host_") and name.endswith(".pkl"):
-        kept = checkpointer.all_steps()
-        if int(name[5:-4]) not in kept:
-          os.remove(os.path.join(os.path.dirname(host_path(step)), name))
+    kept = checkpointer.all_steps()   # host states of steps Orbax dropped go too
+    directory = os.path.dirname(host_path(step))
+    for name in os.listdir(directory):
+      if name.startswith("host_") and name.endswith(".pkl") and int(name[5:-4]) not in kept:
+        os.remove(os.path.join(directory, name))
+
+  def traffic() -> dict[str, int]:
+    """Bytes so far; the totals are sums of the per-worker counts (pushes counted at evaluations)."""
+    return {"bytes_pushed": int(host["pushed_per_worker"].sum()),
+            "bytes_pulled": int(host["pulls_per_worker"].sum()) * pull_bytes,
+            "bytes_between_servers": host["server_bytes"]}
 
   def evaluate():
     nonlocal state
@@ -224,7 +225,6 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
           f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
           f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
           f"({config.optimizer.learning_rate}) or set optimizer.grad_clip")
-    host["bytes_pushed"] += int(np.asarray(pushed, np.int64).sum())
     host["pushed_per_worker"] += np.asarray(pushed, np.int64)
     state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
                           push_bytes=jnp.zeros([W], jnp.int32))
@@ -238,9 +238,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         "wall_time": wall_base + time.perf_counter() - session_start,
         "train_loss": float(loss_sum) / max(int(loss_count), 1),
         **results,
-        "bytes_pushed": host["bytes_pushed"],
-        "bytes_pulled": host["bytes_pulled"],
-        "bytes_between_servers": host["server_bytes"],
+        **traffic(),
         "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
         "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
         "blocked_time": float(engine.blocked_time.mean()),
@@ -260,7 +258,6 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         host["updates"] += int(rnd.applies.any())
         host["server_bytes"] += int(rnd.deliver.sum() + (rnd.adopt >= 0).sum()) * pull_bytes
         pulled = np.flatnonzero(rnd.pulls)
-        host["bytes_pulled"] += pulled.size * pull_bytes
         host["pulls_per_worker"][pulled] += 1
         if pulled.size:
           dispatch(pulled)
@@ -318,8 +315,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
             "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * B,
             "virtual_time": float(engine.now),
             "wall_time": wall_base + time.perf_counter() - session_start,
-            "bytes_pushed": host["bytes_pushed"], "bytes_pulled": host["bytes_pulled"],
-            "bytes_between_servers": host["server_bytes"],
+            **traffic(),
             "blocked_time_per_worker": engine.blocked_time.tolist(),
             "staleness": acct.summary(),
         },

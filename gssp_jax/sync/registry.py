@@ -127,10 +127,6 @@ def scheme_from_config(config, worker_times=None) -> Scheme:
       worker_times=worker_times, seed=config.get("seed", 0))
 
 
-def scheme_names() -> tuple[str, ...]:
-  return SCHEMES
-
-
 def describe(scheme: Scheme) -> dict[str, Any]:
   return dict(name=scheme.name, num_workers=scheme.num_workers, num_replicas=scheme.num_replicas,
               groups=scheme.groups.tolist())

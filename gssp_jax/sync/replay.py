@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from gssp_jax.sync import rounds as rounds_lib
+from gssp_jax.sync import transforms
 
 
 class ReplayState(NamedTuple):
@@ -27,8 +28,8 @@ class ReplayState(NamedTuple):
 def init_replay(tx: optax.GradientTransformationExtraArgs, params, num_replicas: int,
                 num_workers: int) -> ReplayState:
   """Every replica and every worker starts from ``params`` (one replica's weights)."""
-  stack = lambda n: jax.tree.map(lambda p: jnp.broadcast_to(p, (n, *jnp.shape(p))), params)
-  return ReplayState(stack(num_replicas), tx.init(params), stack(num_workers))
+  return ReplayState(transforms.stack(params, num_replicas), tx.init(params),
+                     transforms.stack(params, num_workers))
 
 
 def make_replay_step(tx: optax.GradientTransformationExtraArgs, grad_fn: Callable):

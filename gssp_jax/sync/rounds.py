@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gssp_jax.sync import transforms
+
 
 class Round(NamedTuple):
   """One protocol event. W workers, R replicas, G exchange groups (1 when unused).
@@ -63,10 +65,6 @@ def stack_rounds(rounds: Sequence[Round]) -> dict[str, np.ndarray]:
   return {k: np.stack([np.asarray(getattr(r, k)) for r in rounds]) for k in Round._fields}
 
 
-def _col(mask, like):
-  return mask.reshape((-1,) + (1,) * (like.ndim - 1))
-
-
 def average_replicas(tree, average: jax.Array):
   """Replaces each replica with ``average[r] >= 0`` by the mean of its averaging group."""
   num = average.shape[0]
@@ -78,7 +76,7 @@ def average_replicas(tree, average: jax.Array):
   def one(x):
     flat = x.reshape(num, -1).astype(jnp.float32)
     means = (onehot.T @ flat) / counts[:, None]
-    return jnp.where(_col(member, x), means[ids].reshape(x.shape).astype(x.dtype), x)
+    return jnp.where(transforms.rows(member, x), means[ids].reshape(x.shape).astype(x.dtype), x)
   return jax.tree.map(one, tree)
 
 
@@ -118,7 +116,7 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   arrived = jnp.asarray(args["arrived"], bool)
   groups = jnp.asarray(args["groups"], jnp.int32)
   pulls = jnp.asarray(args["pulls"], bool)
-  worker_params = jax.tree.map(lambda w, r: jnp.where(_col(pulls, w), r[groups], w),
+  worker_params = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
                                worker_params, replica_params)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
     num_replicas = jnp.asarray(args["applies"]).shape[0]
@@ -129,9 +127,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
     def take_mean(rep, wk):
       flat = wk.reshape(wk.shape[0], -1).astype(jnp.float32)
       mean = (onehot.T @ flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
-      return jnp.where(_col(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
+      return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
     replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
     replica_model_state = adopt_replicas(average_replicas(replica_model_state, average), adopt)
-    worker_model_state = jax.tree.map(lambda w, r: jnp.where(_col(pulls, w), r[groups], w),
+    worker_model_state = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
                                       worker_model_state, replica_model_state)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state

@@ -347,15 +347,15 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
     def exchange(operand):
       """Deliveries and forwards: only in the rounds that have some (lax.cond skips the rest)."""
       contrib, pending, outbox = operand
-      sent = jax.tree.map(lambda o: jnp.where(_col(deliver, o), o, 0.0), outbox)
+      sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
       if is_global:
         incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True)]),
                                 contrib, sent)
       else:  # Every group server applies the other groups' delivered sums.
         incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
-      outbox = jax.tree.map(lambda o: jnp.where(_col(deliver, o), 0.0, o), outbox)
-      outbox = jax.tree.map(lambda o, p: jnp.where(_col(forward, o), o + p, o), outbox, pending)
-      pending = jax.tree.map(lambda p: jnp.where(_col(forward, p), 0.0, p), pending)
+      outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
+      outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
+      pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
       return incoming, pending, outbox
 
     def no_exchange(operand):
@@ -372,7 +372,7 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
       got_peer = (jnp.sum(deliver) - deliver.astype(jnp.int32)) > 0
       derived = arrived_at | got_peer
     applies = derived if applies is None else _mask(applies, [num_replicas], bool, True)
-    out = jax.tree.map(lambda u: jnp.where(_col(applies, u), u, 0.0), incoming)
+    out = jax.tree.map(lambda u: jnp.where(rows(applies, u), u, 0.0), incoming)
 
     arrivals = jnp.zeros([num_groups], jnp.int32).at[route].add(arrived.astype(jnp.int32))
     since = jnp.where(forward, 0, _saturating_add(state.since_forward, arrivals))
@@ -383,9 +383,14 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _col(mask: jax.Array, like: jax.Array) -> jax.Array:
+def rows(mask: jax.Array, like: jax.Array) -> jax.Array:
   """Broadcasts a ``[N]`` mask against a ``[N, ...]`` leaf."""
   return mask.reshape((-1,) + (1,) * (like.ndim - 1))
+
+
+def stack(tree, n: int):
+  """``n`` copies of every leaf along a new leading axis (replicas or workers)."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
 
 
 # ---------------------------------------------------------------- InHAD
@@ -468,8 +473,7 @@ def replicated(inner: optax.GradientTransformation,
   def init(params):
     # Like every transform of a sync chain, init takes ONE replica's parameters
     # (no replica axis): all replicas start from the same weights.
-    stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (num_replicas, *jnp.shape(p))), params)
-    return ReplicatedState(inner=jax.vmap(inner.init)(stacked))
+    return ReplicatedState(inner=jax.vmap(inner.init)(stack(params, num_replicas)))
 
   def update(updates, state, params=None, *, applies=None, **extra):
     del extra  # The inner optimizer sees one replica; round masks are not its business.
@@ -478,9 +482,9 @@ def replicated(inner: optax.GradientTransformation,
       new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
     else:
       new_updates, new_inner = jax.vmap(inner.update)(updates, state.inner, params)
-    keep = lambda new, old: jnp.where(_col(applies, new), new, old)
+    keep = lambda new, old: jnp.where(rows(applies, new), new, old)
     new_inner = jax.tree.map(keep, new_inner, state.inner)
-    new_updates = jax.tree.map(lambda u: jnp.where(_col(applies, u), u, jnp.zeros_like(u)),
+    new_updates = jax.tree.map(lambda u: jnp.where(rows(applies, u), u, jnp.zeros_like(u)),
                                new_updates)
     return new_updates, ReplicatedState(inner=new_inner)
 

@@ -102,9 +102,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("resumed from the checkpoint at update %d", latest)
   updates = int(state.step)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = workdir_lib.read_metrics(metrics_path, updates)
-  with open(metrics_path, "w") as f:  # drop lines past the checkpoint: they are redone
-    f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in history)
+  history = workdir_lib.restart_metrics(metrics_path, updates)
 
   run_chunk = step_lib.make_chunk_runner(
       step_lib.make_bsp_step(task.loss, tx, plan.num_workers, compressor), plan.batch_size)

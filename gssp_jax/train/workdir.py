@@ -45,13 +45,17 @@ def write_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
-def read_metrics(path: str, max_updates: int) -> list[dict]:
-  """The metric lines written up to ``max_updates`` (later ones are redone on resume)."""
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    lines = [json.loads(line) for line in f if line.strip()]
-  return [m for m in lines if m["updates"] <= max_updates]
+def restart_metrics(path: str, up_to: int, key: str = "updates") -> list[dict]:
+  """Keeps the metric lines with ``line[key] <= up_to`` (the checkpoint's position), drops the
+  rest from the file (a resumed run redoes them) and returns the kept lines."""
+  lines = []
+  if os.path.exists(path):
+    with open(path) as f:
+      lines = [json.loads(line) for line in f if line.strip()]
+  kept = [m for m in lines if m[key] <= up_to]
+  with open(path, "w") as f:
+    f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in kept)
+  return kept
 
 
 def format_duration(seconds: float) -> str:
