@@ -108,3 +108,24 @@ def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
 def test_report_of_an_empty_directory_says_so(tmp_path):
   with pytest.raises(ValueError, match="no finished trial"):
     report.write_report(str(tmp_path))
+
+
+def test_parallel_trials_run_in_their_own_processes(tmp_path, data_dir, monkeypatch):
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  monkeypatch.chdir(REPO)   # the children run `python -m experiments.sweep`
+  path = tmp_path / "two.py"
+  path.write_text(textwrap.dedent("""
+      from configs.sweeps import tiny
+      from gssp_jax.sweep import sweep
+      def get_config():
+        return tiny.get_config()
+      def get_sweep():
+        return sweep("sync.scheme", ["bsp", "gssp"])
+      """))
+  workdir = str(tmp_path / "sweep")
+  statuses = sweep.run_sweep(str(path), workdir, parallel=2)
+  assert statuses == {"sync.scheme=bsp": "done", "sync.scheme=gssp": "done"}
+  for name in statuses:
+    trial = json.load(open(os.path.join(workdir, name, "trial.json")))
+    assert trial["status"] == "done" and trial["attempts"] == 1
+    assert os.path.getsize(os.path.join(workdir, name, "log.txt")) > 0
