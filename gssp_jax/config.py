@@ -170,7 +170,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.dataset not in MODEL_DATASETS[config.model]:
     _fail("dataset", config.dataset,
           f"{', '.join(MODEL_DATASETS[config.model])} for model {config.model!r}")
-  _choice(config, "sync.scheme", SCHEMES)
+  width = config.model_args.get("width", 1.0)
+  if config.model in ("resnet18", "vgg19") and (
+      isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0):
+    _fail("model_args.width", width, "a number > 0 (1.0 = the paper's channel counts)")
+  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top (light config import)
+  _choice(config, "sync.scheme", registry.scheme_names())
   _choice(config, "compress.name", COMPRESSORS)
   _choice(config, "compress.scope", COMPRESS_SCOPES)
   for key in ("compress.ratio", "compress.sample_ratio"):

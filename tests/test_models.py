@@ -119,6 +119,21 @@ def _vgg19_params(num_classes):
   return n + _dense(512, num_classes)
 
 
+@pytest.mark.parametrize("name, expected", [("resnet18", 701_466), ("vgg19", 1_256_922)])
+def test_quarter_width_models_of_the_reduced_sweeps(name, expected):
+  model = create_model(name, num_classes=10, width=0.25)
+  variables = _abstract_init(model, _images(3), train=False)
+  assert param_count(variables["params"]) == expected
+  if name == "vgg19":   # the formula with every channel count divided by 4
+    n, cin = 0, 3
+    for cout in (16, 16, 32, 32, 64, 64, 64, 64, *(128,) * 8):
+      n += _conv(3, cin, cout, True) + _bn(cout)
+      cin = cout
+    assert n + _dense(128, 10) == expected
+  with pytest.raises(ValueError, match=r"model width=0 is invalid"):
+    _abstract_init(create_model(name, num_classes=10, width=0), _images(3), train=False)
+
+
 @pytest.mark.parametrize("name, channels, expected, formula", [
     ("lenet5", 1, 61_706, LENET_PARAMS),
     ("resnet18", 3, 11_173_962, RESNET_PARAMS),

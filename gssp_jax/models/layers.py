@@ -7,6 +7,19 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+
+def scaled_channels(channels: int, width: float) -> int:
+  """``channels`` scaled by the width multiplier ``width`` (> 0), at least 1.
+
+  Raises:
+    ValueError: a non-positive or non-numeric ``width``, naming it.
+  """
+  if isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0:
+    raise ValueError(f"model width={width!r} is invalid; allowed: a number > 0 (1.0 = the "
+                     "paper's channel counts)")
+  return max(1, int(round(channels * width)))
+
+
 # Kaiming-normal (fan_out, ReLU gain) for the ResNet-18 and VGG-19 convs, as
 # torchvision initialises them. Under BatchNorm the scale barely matters, but
 # it is the well-tested choice for SGD-with-momentum training.

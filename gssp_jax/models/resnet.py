@@ -6,7 +6,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from gssp_jax.models.layers import batch_norm, conv_init
+from gssp_jax.models.layers import batch_norm, conv_init, scaled_channels
 
 
 class BasicBlock(nn.Module):
@@ -44,20 +44,24 @@ class ResNet18(nn.Module):
 
   Attributes:
     num_classes: number of output logits.
+    width: channel multiplier (1.0: 64-128-256-512 channels); the reduced-cost
+      CPU sweeps use 0.25.
     dtype: computation dtype; parameters stay float32 and logits are float32.
   """
 
   num_classes: int = 10
+  width: float = 1.0
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     """Computes logits for NHWC images [B, 32, 32, C] -> float32 [B, num_classes]."""
+    channels = [scaled_channels(c, self.width) for c in (64, 128, 256, 512)]
     x = x.astype(self.dtype)
-    x = nn.Conv(64, (3, 3), padding=1, use_bias=False, kernel_init=conv_init,
+    x = nn.Conv(channels[0], (3, 3), padding=1, use_bias=False, kernel_init=conv_init,
                 dtype=self.dtype)(x)
     x = nn.relu(batch_norm(train, self.dtype)()(x))
-    for stage, (features, strides) in enumerate(((64, 1), (128, 2), (256, 2), (512, 2))):
+    for stage, (features, strides) in enumerate(zip(channels, (1, 2, 2, 2))):
       for block in range(2):
         x = BasicBlock(features, strides if block == 0 else 1, dtype=self.dtype,
                        name=f"stage{stage + 1}_block{block + 1}")(x, train)

@@ -5,7 +5,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from gssp_jax.models.layers import batch_norm, conv_general_dilated, conv_init, max_pool_2x2
+from gssp_jax.models.layers import (batch_norm, conv_general_dilated, conv_init, max_pool_2x2,
+                                    scaled_channels)
 
 # Conv output channels; "M" is a 2x2 max pool. Five pools take 32x32 to 1x1.
 VGG19_CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
@@ -20,10 +21,13 @@ class VGG19(nn.Module):
 
   Attributes:
     num_classes: number of output logits.
+    width: channel multiplier (1.0: the channels of ``VGG19_CFG``); the
+      reduced-cost CPU sweeps use 0.25.
     dtype: computation dtype; parameters stay float32 and logits are float32.
   """
 
   num_classes: int = 10
+  width: float = 1.0
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -34,7 +38,7 @@ class VGG19(nn.Module):
       if v == "M":
         x = max_pool_2x2(x)
       else:
-        x = nn.Conv(v, (3, 3), padding=1, kernel_init=conv_init, dtype=self.dtype,
+        x = nn.Conv(scaled_channels(v, self.width), (3, 3), padding=1, kernel_init=conv_init, dtype=self.dtype,
                     conv_general_dilated=conv_general_dilated)(x)
         x = nn.relu(batch_norm(train, self.dtype)()(x))
     x = x.reshape((x.shape[0], -1))  # [B, 512] for 32x32 input.
