@@ -61,6 +61,44 @@ def test_every_scheme_validates_and_builds_from_config():
     config_lib.validate_config(config)
 
 
+def test_registered_schemes_validate_like_built_ins():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from gssp_jax import sync  # pylint: disable=g-import-not-at-top
+
+  def build(config, worker_times):
+    del worker_times
+    W = config.num_workers
+    if config.sync.staleness > 5:
+      raise ValueError(f"mine staleness={config.sync.staleness} is invalid; allowed: 0..5")
+    return sync.Scheme("mine", sync.asp(W), lambda: sync.ASPProtocol(W), W, 1,
+                       np.zeros([W], np.int32))
+
+  c = config_lib.default_config()
+  c.sync.scheme = "mine"
+  with pytest.raises(ValueError, match=r"config.sync.scheme='mine' is invalid; allowed: bsp"):
+    config_lib.validate_config(c)
+  sync.register_scheme("mine", build)
+  try:
+    assert sync.scheme_names()[-1] == "mine"
+    config_lib.validate_config(c)
+    assert config_lib.uses_simulator(c)
+    c.sync.staleness = 9
+    with pytest.raises(ValueError, match=r"mine staleness=9 is invalid"):
+      config_lib.validate_config(c)
+    c.sync.staleness, c.num_workers = 3, 4
+    sync.register_scheme("mine", lambda config, times: sync.build_scheme("asp", 2))
+    with pytest.raises(ValueError, match=r"allowed: a Scheme with num_workers=4"):
+      config_lib.validate_config(c)
+  finally:
+    sync.unregister_scheme("mine")
+  assert "mine" not in sync.scheme_names()
+  for bad in ("bsp", "not a name", 3):
+    with pytest.raises(ValueError, match=r"scheme name=.* is invalid; allowed: a new identifier"):
+      sync.register_scheme(bad, build)
+  with pytest.raises(ValueError, match=r"builder=None is invalid"):
+    sync.register_scheme("other", None)
+
+
 def test_which_runs_use_the_simulator():
   config = config_lib.default_config()
   assert not config_lib.uses_simulator(config)          # BSP, no cluster: the plain loop

@@ -24,6 +24,9 @@ from gssp_jax.sync.protocols.ssp import BSPProtocol
 from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 from gssp_jax.sync.registry import build_scheme
+from gssp_jax.sync.registry import register_scheme
+from gssp_jax.sync.registry import scheme_names
+from gssp_jax.sync.registry import unregister_scheme
 from gssp_jax.sync.registry import Scheme
 from gssp_jax.sync.registry import scheme_from_config
 from gssp_jax.sync.registry import SCHEMES

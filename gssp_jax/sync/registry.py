@@ -21,6 +21,8 @@ from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+# Schemes added with register_scheme: name -> builder(config, worker_times) -> Scheme.
+_REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,8 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
       what is allowed.
   """
   if name not in SCHEMES:
-    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(SCHEMES)}")
+    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(SCHEMES)} "
+                     "(register others with register_scheme)")
   W = transforms.check_int(name, "num_workers", num_workers, 1)
   zeros = np.zeros([W], np.int32)
   if name == "bsp":
@@ -108,8 +111,46 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
                 zeros)
 
 
+def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
+  """Adds a scheme so that ``config.sync.scheme=name`` trains with it (simulator, sweeps).
+
+  Args:
+    name: a new name (not a built-in one); registering it again replaces the builder.
+    builder: ``builder(config, worker_times) -> Scheme``; ``worker_times`` is
+      ``[W]`` iteration times (or slowdown factors) of the cluster, or None
+      when the config is only being validated. It should raise ValueError for
+      bad settings, as the built-ins do.
+
+  Raises:
+    ValueError: a built-in or non-identifier name, or a builder that is not callable.
+  """
+  if not isinstance(name, str) or not name.isidentifier() or name in SCHEMES:
+    raise ValueError(f"scheme name={name!r} is invalid; allowed: a new identifier, not one of "
+                     f"{', '.join(SCHEMES)}")
+  if not callable(builder):
+    raise ValueError(f"register_scheme({name!r}): builder={builder!r} is invalid; allowed: a "
+                     "callable (config, worker_times) -> Scheme")
+  _REGISTERED[name] = builder
+
+
+def unregister_scheme(name: str) -> None:
+  """Removes a scheme added with :func:`register_scheme` (no-op if absent)."""
+  _REGISTERED.pop(name, None)
+
+
+def scheme_names() -> tuple[str, ...]:
+  """Every name ``config.sync.scheme`` accepts: the built-ins, then the registered ones."""
+  return SCHEMES + tuple(_REGISTERED)
+
+
 def scheme_from_config(config, worker_times=None) -> Scheme:
   """Builds ``config.sync.scheme`` with the ``config.sync.*`` settings."""
+  if config.sync.scheme in _REGISTERED:
+    scheme = _REGISTERED[config.sync.scheme](config, worker_times)
+    if not isinstance(scheme, Scheme) or scheme.num_workers != config.num_workers:
+      raise ValueError(f"the builder of registered scheme {config.sync.scheme!r} returned "
+                       f"{scheme!r}; allowed: a Scheme with num_workers={config.num_workers}")
+    return scheme
   s = config.sync
   opt = lambda key, default: s.get(key, default)
   forward_every = opt("forward_every", 0)
