@@ -8,6 +8,8 @@ Everything but flag parsing lives in the library (``gssp_jax.train``), which a
 notebook imports the same way.
 """
 
+import os
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -25,7 +27,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.setup_logging()
-  summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  with cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")):   # appended on resume
+    summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   final = summary["final"] or {}
   metric = summary["metric"]
   if metric in final:

@@ -1,6 +1,9 @@
 """Turns a sweep's workdir into tables (Markdown, CSV) and plots (PNG).
 
-  python -m experiments.report DIR [--out=DIR]
+  python -m experiments.report DIR [--out=DIR] [--target=0.98]
+
+--target recomputes every trial's time to target from its recorded evaluations
+(e.g. a lower accuracy for a reduced run); without it the runs' own target is used.
 """
 
 from absl import app
@@ -9,12 +12,14 @@ from absl import flags
 from gssp_jax import report
 
 _OUT = flags.DEFINE_string("out", None, "where to write the report (default: DIR itself)")
+_TARGET = flags.DEFINE_float("target", None, "recompute time to this metric value (default: "
+                             "each run's train.target_accuracy / target_bleu)")
 
 
 def main(argv):
   if len(argv) != 2:
-    raise app.UsageError("usage: python -m experiments.report DIR [--out=DIR]")
-  paths = report.write_report(argv[1], _OUT.value)
+    raise app.UsageError("usage: python -m experiments.report DIR [--out=DIR] [--target=X]")
+  paths = report.write_report(argv[1], _OUT.value, _TARGET.value)
   for kind, path in paths.items():
     print(f"{kind}: {path}")
 

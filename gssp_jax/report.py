@@ -35,8 +35,27 @@ def _load(trial_dir: str) -> dict | None:
           "metrics": metrics}
 
 
-def collect(workdir: str) -> list[dict[str, Any]]:
-  """One row per trial that wrote a summary: swept values and the recorded figures."""
+def time_to(metrics: list[dict], metric: str, target: float) -> float | None:
+  """Virtual time of the first evaluation with ``metric >= target`` (None if never)."""
+  for m in metrics:
+    if m.get(metric) is not None and m[metric] >= target and m.get("virtual_time") is not None:
+      return m["virtual_time"]
+  return None
+
+
+def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
+  """One row per trial that wrote a summary: swept values and the recorded figures.
+
+  Args:
+    workdir: the sweep's directory.
+    target: if given, time to target is recomputed from each trial's recorded
+      evaluations for this target instead of the run's own ``train.target_*``.
+  """
+  if target is not None and not (isinstance(target, (int, float)) and target > 0):
+    raise ValueError(f"target={target!r} is invalid; allowed: a number > 0 (an accuracy in "
+                     "(0, 1] or a BLEU score)")
+  if not os.path.isdir(workdir):
+    raise ValueError(f"sweep directory {workdir!r} does not exist")
   rows = []
   for name in sorted(os.listdir(workdir)):
     trial = _load(os.path.join(workdir, name))
@@ -50,15 +69,24 @@ def collect(workdir: str) -> list[dict[str, Any]]:
         "trial": trial["name"], **{k: v for k, v in trial["overrides"].items()},
         "scheme": s["config"]["sync"]["scheme"], "seed": s["config"]["seed"],
         "status": s["status"], "metric": metric, "final": final.get(metric),
-        "time_to_target": s.get("time_to_target"),
+        "target": target if target is not None else s.get("target"),
+        "time_to_target": (s.get("time_to_target") if target is None
+                           else time_to(trial["metrics"], metric, target)),
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
     })
+  rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
   _add_baselines(rows)
   return rows
+
+
+def label(row: dict) -> str:
+  """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out."""
+  parts = [str(v) for k, v in row["_overrides"].items() if k != "seed" and v != "none"]
+  return " ".join(parts) or row["trial"]
 
 
 def _context(row: dict) -> tuple:
@@ -97,9 +125,12 @@ def aggregate(rows: list[dict]) -> list[dict]:
   out = []
   for key, members in groups.items():
     agg = {k: json.loads(v) for k, v in key}
+    agg["_overrides"], agg["trial"] = dict(agg), members[0]["trial"]
     agg["seeds"] = len(members)
+    agg["target"] = members[0]["target"]
     for col in COLUMNS:
       values = [m[col] for m in members if m[col] is not None]
+      agg[col + "_n"] = len(values)
       agg[col] = statistics.fmean(values) if values else None
       agg[col + "_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
     out.append(agg)
@@ -116,15 +147,19 @@ def _fmt(value, col: str) -> str:
   return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def write_report(workdir: str, out_dir: str | None = None) -> dict[str, str]:
-  """Writes ``report.md``, ``report.csv`` (per trial) and ``summary.csv`` (over seeds) and plots."""
+def write_report(workdir: str, out_dir: str | None = None,
+                 target: float | None = None) -> dict[str, str]:
+  """Writes ``report.md``, ``report.csv`` (per trial) and ``summary.csv`` (over seeds) and plots.
+
+  ``target`` recomputes every time to target for that metric value (see :func:`collect`).
+  """
   out_dir = out_dir or workdir
+  rows = collect(workdir, target)
   os.makedirs(out_dir, exist_ok=True)
-  rows = collect(workdir)
   if not rows:
     raise ValueError(f"no finished trial (summary.json) under {workdir}")
-  swept = sorted({k for r in rows for k in r["_overrides"]})
-  cols = ["trial", *swept, "status", "metric", *COLUMNS]
+  swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
+  cols = ["trial", *swept, "status", "metric", "target", *COLUMNS]
   paths = {"csv": os.path.join(out_dir, "report.csv"),
            "summary_csv": os.path.join(out_dir, "summary.csv"),
            "md": os.path.join(out_dir, "report.md")}
@@ -133,25 +168,27 @@ def write_report(workdir: str, out_dir: str | None = None) -> dict[str, str]:
     writer.writeheader()
     writer.writerows(rows)
   agg = aggregate(rows)
-  agg_cols = [k for k in swept if k != "seed"] + ["seeds"] + [
-      c for col in COLUMNS for c in (col, col + "_std")]
+  head_cols = [k for k in swept if k != "seed"] + ["seeds", "target"]
+  agg_cols = head_cols + [c for col in COLUMNS for c in (col, col + "_std")]
   with open(paths["summary_csv"], "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=agg_cols, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(agg)
-  lines = [f"# Sweep report: {workdir}", "", "## Per trial", "",
-           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |" for r in rows]
-  lines += ["", "## Mean ± std over seeds", "",
-            "| " + " | ".join(agg_cols[:agg_cols.index("seeds") + 1] + list(COLUMNS)) + " |",
-            "|" + "---|" * (agg_cols.index("seeds") + 1 + len(COLUMNS))]
+  lines = [f"# Sweep report: {workdir}", "", "## Mean ± std over seeds", "",
+           "| " + " | ".join(head_cols + list(COLUMNS)) + " |",
+           "|" + "---|" * (len(head_cols) + len(COLUMNS))]
   for a in agg:
-    head = [_fmt(a.get(k), k) for k in agg_cols[:agg_cols.index("seeds") + 1]]
-    body = [f"{_fmt(a[c], c)} ± {_fmt(a[c + '_std'], c)}" if a[c] is not None else "–"
-            for c in COLUMNS]
+    head = [_fmt(a.get(k), k) for k in head_cols]
+    body = [(f"{_fmt(a[c], c)} ± {_fmt(a[c + '_std'], c)}"
+             + (f" ({a[c + '_n']}/{a['seeds']} seeds)" if a[c + "_n"] < a["seeds"] else ""))
+            if a[c] is not None else "–" for c in COLUMNS]
     lines.append("| " + " | ".join(head + body) + " |")
-  lines += ["", "Speedup: the matching BSP trial's virtual time to target divided by this "
-            "trial's (same swept values but the sync/compress keys).", ""]
+  lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |" for r in rows]
+  lines += ["", "time_to_target: virtual (simulated-cluster) seconds to the first evaluation at or "
+            "above the target; – if never reached. speedup_vs_bsp: the matching BSP trial's time "
+            "to target divided by this trial's (same swept values but the sync/compress keys); "
+            "delta_vs_bsp: final metric minus BSP's.", ""]
   for name in plot(rows, out_dir):
     lines.append(f"![{name}]({name})")
   with open(paths["md"], "w") as f:
@@ -160,11 +197,19 @@ def write_report(workdir: str, out_dir: str | None = None) -> dict[str, str]:
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:
-  """PNG figures, one question each; returns their file names."""
+  """PNG figures, one question each; returns their file names.
+
+  Trials that differ only in the seed share a colour; where one curve per
+  configuration is enough (staleness, blocked time, bytes) the first seed's
+  trial stands for its configuration.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   names = []
+  labels = list(dict.fromkeys(label(r) for r in rows))
+  cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
+  color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
 
   def finish(fig, ax, xlabel, ylabel, title, fname, grid=True):
     ax.set_xlabel(xlabel)
@@ -179,35 +224,84 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     names.append(fname)
 
   timed = [r for r in rows if r["_metrics"] and r["_metrics"][-1].get("virtual_time") is not None]
+  first = list({label(r): r for r in reversed(timed)}.values())[::-1]   # one trial per label
+  first.sort(key=lambda r: labels.index(label(r)))
   if timed:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    metric = timed[0]["metric"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    seen = set()
     for r in timed:
       m = r["_metrics"]
-      ax.plot([x["virtual_time"] for x in m], [x.get(r["metric"]) for x in m], marker="o",
-              markersize=3, label=r["trial"])
-    finish(fig, ax, "virtual time (s)", timed[0]["metric"].replace("_", " "),
-           "Test metric against virtual time", "metric_vs_virtual_time.png")
-  hists = [r for r in timed if (r["_metrics"][-1].get("staleness") or {}).get("hist")]
+      lab = label(r)
+      ax.plot([x["virtual_time"] for x in m], [x.get(metric) for x in m], marker="o",
+              markersize=2.5, linewidth=1.2, color=color[lab],
+              label=None if lab in seen else lab, alpha=0.85)
+      seen.add(lab)
+    if timed[0].get("target"):
+      ax.axhline(timed[0]["target"], color="grey", linestyle=":", linewidth=1, label="target")
+    values = [x.get(metric) for r in timed for x in r["_metrics"] if x.get(metric) is not None]
+    if metric == "test_accuracy" and values and timed[0].get("target"):
+      ax.set_ylim(max(0.0, min(timed[0]["target"] - 0.05, sorted(values)[len(values) // 10])),
+                  min(1.0, max(values) + 0.005))
+    finish(fig, ax, "virtual time (s)", metric.replace("_", " "),
+           f"{metric.replace('_', ' ').capitalize()} against virtual time (every seed)",
+           "metric_vs_virtual_time.png")
+  agg = [a for a in aggregate(rows) if a["final"] is not None]
+  if agg and any(a["time_to_target"] is not None for a in agg):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
+    labs = [label(a) for a in agg]
+    xs = range(len(agg))
+    ax1.bar(xs, [a["time_to_target"] or 0 for a in agg],
+            yerr=[a["time_to_target_std"] or 0 for a in agg], capsize=3,
+            color=[color.get(lab, "grey") for lab in labs])
+    for x, a in zip(xs, agg):
+      if a["time_to_target"] is None:
+        ax1.text(x, 0, "not\nreached", ha="center", va="bottom", fontsize=7)
+      elif a["speedup_vs_bsp"] is not None:
+        ax1.text(x, a["time_to_target"] + (a["time_to_target_std"] or 0),
+                 f"{a['speedup_vs_bsp']:.2f}×", ha="center", va="bottom", fontsize=7)
+    ax1.set_xticks(list(xs), labs, rotation=45, ha="right", fontsize=8)
+    ax1.set_ylabel(f"virtual seconds to {agg[0]['target']}")
+    ax1.set_title("Time to target (mean ± std over seeds)")
+    ax2.bar(xs, [a["final"] for a in agg], yerr=[a["final_std"] or 0 for a in agg], capsize=3,
+            color=[color.get(lab, "grey") for lab in labs])
+    finals = [a["final"] for a in agg]
+    if agg[0].get("target") and rows[0]["metric"] == "test_accuracy":
+      ax2.set_ylim(max(0.0, min(finals) - 0.02), min(1.0, max(finals) + 0.01))
+    ax2.set_xticks(list(xs), labs, rotation=45, ha="right", fontsize=8)
+    ax2.set_ylabel(f"final {rows[0]['metric'].replace('_', ' ')}")
+    ax2.set_title("Final metric (mean ± std over seeds)")
+    for ax in (ax1, ax2):
+      ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "time_to_target.png"), dpi=120)
+    plt.close(fig)
+    names.append("time_to_target.png")
+  hists = [r for r in first if (r["_metrics"][-1].get("staleness") or {}).get("hist")]
   if hists:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for r in hists:
       h = r["_metrics"][-1]["staleness"]["hist"]
       total = max(sum(h), 1)
-      ax.step(range(len(h)), [c / total for c in h], where="mid", label=r["trial"])
+      ax.step(range(len(h)), [c / total for c in h], where="mid", color=color[label(r)],
+              label=label(r))
     finish(fig, ax, "staleness of an applied gradient (updates)", "fraction of applied gradients",
-           "Staleness distribution", "staleness.png")
+           "Staleness distribution (first seed)", "staleness.png")
   for key, title, ylabel, fname in (
-      ("blocked_time_per_worker", "Blocked time per worker", "blocked virtual time (s)",
-       "blocked_time.png"),
-      ("bytes_pushed_per_worker", "Bytes pushed per worker link", "bytes pushed",
+      ("blocked_time_per_worker", "Blocked time per worker (first seed)",
+       "blocked virtual time (s)", "blocked_time.png"),
+      ("bytes_pushed_per_worker", "Bytes pushed per worker link (first seed)", "bytes pushed",
        "bytes_per_link.png")):
-    have = [r for r in timed if r["_metrics"][-1].get(key)]
+    have = [r for r in first if r["_metrics"][-1].get(key)]
     if not have:
       continue
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    width = 0.8 / len(have)
-    for i, r in enumerate(have):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in have:
       values = r["_metrics"][-1][key]
-      ax.bar([w + i * width for w in range(len(values))], values, width=width, label=r["trial"])
-    finish(fig, ax, "worker", ylabel, title, fname, grid=False)
+      ax.plot(range(len(values)), values, marker="o", markersize=3, color=color[label(r)],
+              label=label(r))
+    positive = [v for r in have for v in r["_metrics"][-1][key] if v > 0]
+    if positive and max(positive) / min(positive) > 50:
+      ax.set_yscale("log")
+    finish(fig, ax, "worker", ylabel, title, fname)
   return names

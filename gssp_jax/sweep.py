@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import itertools
 import json
-import logging as std_logging
 import os
 import re
 import subprocess
@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from absl import logging
 import ml_collections
 
+from gssp_jax import cli
 from gssp_jax import config as config_lib
 
 FINISHED = ("done", "diverged")
@@ -70,34 +71,56 @@ def trial_name(overrides: dict) -> str:
   return re.sub(r"[^A-Za-z0-9_.=,+-]", "", ",".join(parts).replace(" ", "")) or "base"
 
 
-def load_sweep(path: str):
+def split_spec(spec: str) -> tuple[str, str | None]:
+  """``"configs/sweeps/x.py:full"`` -> ``("configs/sweeps/x.py", "full")``, as config files take args."""
+  path, sep, arg = spec.partition(":")
+  return path, (arg if sep else None)
+
+
+def _call(fn, arg):
+  """``fn(arg)`` if the sweep file's function takes an argument, else ``fn()`` (no arg given)."""
+  if inspect.signature(fn).parameters:
+    return fn(arg)
+  if arg is not None:
+    raise ValueError(f"sweep file function {fn.__name__}() takes no argument, but ':{arg}' was "
+                     "given; allowed: no ':arg' for this file")
+  return fn()
+
+
+def load_sweep(spec: str):
+  """The sweep file's module and its ``:arg`` (None without one)."""
+  path, arg = split_spec(spec)
   if not os.path.exists(path):
     raise ValueError(f"sweep file {path!r} does not exist")
-  spec = importlib.util.spec_from_file_location("gssp_sweep_" + trial_name({"p": path}), path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module_spec = importlib.util.spec_from_file_location("gssp_sweep_" + trial_name({"p": path}),
+                                                       path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
   for fn in ("get_config", "get_sweep"):
     if not hasattr(module, fn):
       raise ValueError(f"sweep file {path} defines no {fn}(); a sweep file defines get_config() "
                        "(the base config) and get_sweep() (the trials)")
-  return module
+  return module, arg
 
 
 def expand(path: str) -> list[Trial]:
   """The sweep's trials, each config built and validated (nothing runs or compiles).
 
+  ``path`` may end in ``:arg`` (``configs/sweeps/x.py:full``); the arg goes to
+  ``get_config(arg)`` and ``get_sweep(arg)`` when they take one.
+
   Raises:
     ValueError: an empty grid, an unknown key, a value of the wrong type or an
       invalid value, naming the key; two trials with the same overrides.
   """
-  module = load_sweep(path)
-  grid = module.get_sweep()
+  module, arg = load_sweep(path)
+  grid = _call(module.get_sweep, arg)
   if not grid:
     raise ValueError(f"sweep file {path}: get_sweep() returned an empty grid; allowed: at least "
                      "one trial")
   trials, names = [], set()
   for overrides in grid:
-    config = module.get_config()
+    config = _call(module.get_config, arg)
     for key, value in overrides.items():
       try:
         config_lib.override(config, {key: value})
@@ -150,42 +173,65 @@ def run_trial(trial: Trial, workdir: str) -> str:
   attempts = _attempts(trial_dir) + 1
   _record(trial_dir, trial, "running", None, attempts)
   # The trial's log goes to its workdir as well as to the console.
-  handler = std_logging.FileHandler(os.path.join(trial_dir, "log.txt"))
-  handler.setFormatter(std_logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-  absl_logger = logging.get_absl_logger()
-  absl_logger.addHandler(handler)
-  old_level = absl_logger.level
-  absl_logger.setLevel(min(old_level or std_logging.INFO, std_logging.INFO))
-  try:
-    summary = loop.train_and_evaluate(trial.config, trial_dir)
-    status, error = summary["status"], None
-  except KeyboardInterrupt:
-    _record(trial_dir, trial, "interrupted", None, attempts)
-    raise
-  except Exception as e:  # pylint: disable=broad-except  (recorded, the sweep goes on)
-    status = "diverged" if isinstance(e, FloatingPointError) else "failed"
-    error = "".join(traceback.format_exception_only(type(e), e)).strip()
-    logging.error("trial %s %s: %s", trial.name, status, error)
-  finally:
-    absl_logger.removeHandler(handler)
-    absl_logger.setLevel(old_level)
-    handler.close()
+  with cli.log_to_file(os.path.join(trial_dir, "log.txt")):
+    try:
+      summary = loop.train_and_evaluate(trial.config, trial_dir)
+      status, error = summary["status"], None
+    except KeyboardInterrupt:
+      _record(trial_dir, trial, "interrupted", None, attempts)
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (recorded, the sweep goes on)
+      status = "diverged" if isinstance(e, FloatingPointError) else "failed"
+      error = "".join(traceback.format_exception_only(type(e), e)).strip()
+      logging.error("trial %s %s: %s", trial.name, status, error)
   _record(trial_dir, trial, status, error, attempts)
   return status
 
 
-def run_sweep(path: str, workdir: str, *, parallel: int = 1,
-              max_trials: int = 0) -> dict[str, str]:
+def _latest(trial_dir: str) -> str:
+  """The trial's latest evaluation, e.g. ``epoch 2.50 test_accuracy 0.9712`` ('' before any)."""
+  path = os.path.join(trial_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return ""
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  if not lines:
+    return ""
+  try:
+    last = json.loads(lines[-1])
+  except json.JSONDecodeError:   # a line being written right now
+    return ""
+  metric = next((k for k in ("test_accuracy", "bleu") if k in last), None)
+  return (f"epoch {last.get('epoch', 0):.2f} {metric} {last[metric]:.4f}" if metric else "")
+
+
+def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,
+              report_every: float = 60.0) -> dict[str, str]:
   """Runs every unfinished trial of the sweep ``path``; returns each trial's status.
 
+  Progress (trials finished, ETA, each finished trial's metric; with
+  ``parallel`` > 1 also every ``report_every`` seconds the running trials'
+  latest evaluation) is logged and written to ``<workdir>/sweep.log``.
+
   Args:
-    path: the sweep file.
+    path: the sweep file (optionally ``path:arg``).
     workdir: one subdirectory per trial lands here.
     parallel: trials run at once (each in its own process when > 1).
     max_trials: stop after starting this many trials (0: all); a rerun goes on.
+    report_every: seconds between progress lines on running trials (parallel).
   """
+  if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+    raise ValueError(f"parallel={parallel!r} is invalid; allowed: an int >= 1")
+  if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 0:
+    raise ValueError(f"max_trials={max_trials!r} is invalid; allowed: an int >= 0 (0 = all)")
   trials = expand(path)
   os.makedirs(workdir, exist_ok=True)
+  with cli.log_to_file(os.path.join(workdir, "sweep.log")):
+    return _run(path, trials, workdir, parallel, max_trials, report_every)
+
+
+def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str, str]:
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
   todo = [t for t in trials if statuses[t.name] not in FINISHED]
   if max_trials:
@@ -201,21 +247,18 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1,
     statuses[trial.name] = status
     finished = sum(s in FINISHED for s in statuses.values())
     rate = (time.perf_counter() - start) / done_here
-    summary = os.path.join(workdir, trial.name, "summary.json")
-    final = {}
-    if os.path.exists(summary):
-      with open(summary) as f:
-        final = json.load(f).get("final") or {}
-    metric = next((f"{k} {final[k]:.4f}" for k in ("test_accuracy", "bleu") if k in final), "")
-    logging.info("[%d/%d finished] %s: %s %s | ETA %.0f s", finished, len(trials), trial.name,
-                 status, metric, rate * (len(todo) - done_here))
+    logging.info("[%d/%d finished] %s: %s %s | ETA %s", finished, len(trials), trial.name,
+                 status, _latest(os.path.join(workdir, trial.name)),
+                 workdir_lib.format_duration(rate * (len(todo) - done_here) / parallel))
 
   if parallel <= 1:
     for trial in todo:
+      logging.info("trial %s: starting", trial.name)
       progress(trial, run_trial(trial, workdir))
     return statuses
   running: list = []
   queue = list(todo)
+  last_report = time.perf_counter()
   try:
     while queue or running:
       while queue and len(running) < parallel:
@@ -224,6 +267,7 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1,
         log = open(os.path.join(workdir, trial.name, "stdout.txt"), "a")
         cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
                f"--workdir={workdir}", f"--only={trial.name}"]
+        logging.info("trial %s: starting in a child process", trial.name)
         running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
       time.sleep(0.5)
       for item in list(running):
@@ -232,9 +276,15 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1,
           log.close()
           running.remove(item)
           progress(trial, trial_status(os.path.join(workdir, trial.name)) or "failed")
+      if running and time.perf_counter() - last_report >= report_every:
+        last_report = time.perf_counter()
+        logging.info("running: %s", "; ".join(
+            f"{t.name} ({_latest(os.path.join(workdir, t.name)) or 'no evaluation yet'})"
+            for t, _, _ in running))
   finally:
     for _, proc, log in running:   # interrupted: stop the children; their checkpoints stay
       proc.terminate()
       proc.wait(timeout=60)
       log.close()
   return statuses
+

@@ -228,6 +228,7 @@ def test_hetero_config_smoke_runs_from_the_command_line(tmp_path, data_dir):
   assert summary["scheme"]["groups"] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
   assert summary["totals"]["virtual_time"] > 0
   assert "virtual" in out.stderr   # the progress line shows virtual time
+  assert "virtual" in (tmp_path / "log.txt").read_text()   # and the workdir keeps it
 
 
 def test_batchnorm_statistics_follow_the_rounds():

@@ -91,6 +91,64 @@ def test_tiny_sweep_resumes_without_redoing_finished_trials(tmp_path, data_dir, 
     assert (tmp_path / "report" / png).stat().st_size > 1000
     assert png in open(paths["md"]).read()
 
+  # Time to a target chosen after the fact: the first recorded evaluation reaching it.
+  for name in second:
+    summary = json.load(open(os.path.join(workdir, name, "summary.json")))
+    metrics = [json.loads(line) for line in open(os.path.join(workdir, name, "metrics.jsonl"))]
+    accs = [m["test_accuracy"] for m in metrics]
+    mid = sorted(accs)[len(accs) // 2]
+    expected = next(m["virtual_time"] for m in metrics if m["test_accuracy"] >= mid)
+    row = next(r for r in report.collect(workdir, target=mid) if r["trial"] == name)
+    assert row["time_to_target"] == expected and row["target"] == mid
+    never = next(r for r in report.collect(workdir, target=0.999) if r["trial"] == name)
+    assert never["time_to_target"] is None and never["speedup_vs_bsp"] is None
+    assert row["final"] == summary["final"]["test_accuracy"]
+  with pytest.raises(ValueError, match=r"target=-1 is invalid"):
+    report.collect(workdir, target=-1)
+
+  # The sweep's own progress lines went to its workdir.
+  log = open(os.path.join(workdir, "sweep.log")).read()
+  assert "[2/4 finished]" in log and "[4/4 finished]" in log and "ETA" in log
+
+
+def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
+  path = tmp_path / "arg.py"
+  path.write_text(textwrap.dedent("""
+      from configs import mnist_lenet5
+      from gssp_jax.sweep import sweep
+      def get_config(arg=None):
+        c = mnist_lenet5.get_config("smoke")
+        c.num_workers = 8 if arg == "big" else 2
+        return c
+      def get_sweep(arg=None):
+        return sweep("seed", [0, 1, 2] if arg == "big" else [0])
+      """))
+  small, big = sweep.expand(str(path)), sweep.expand(f"{path}:big")
+  assert [t.config.num_workers for t in small] == [2]
+  assert [t.config.num_workers for t in big] == [8, 8, 8]
+  with pytest.raises(ValueError, match=r"takes no argument, but ':x' was given"):
+    sweep.expand(_sweep_file(tmp_path, 'sweep("seed", [0])') + ":x")
+
+  mnist = sweep.expand(str(REPO / "configs" / "sweeps" / "paper_mnist.py"))
+  assert len(mnist) == 18
+  assert {(t.config.sync.scheme, t.config.compress.name) for t in mnist} == {
+      ("bsp", "none"), ("asp", "none"), ("ssp", "none"), ("dssp", "none"), ("gssp", "none"),
+      ("gssp", "gdtopk"), ("inhad", "none"), ("dssync", "none"), ("casp", "none")}
+  for t in mnist:   # the documented preset
+    assert t.config.num_workers == 16 and t.config.cluster.profile == "tiers"
+    assert tuple(t.config.cluster.tiers) == (1.0, 1.5, 2.0, 3.0)
+    assert t.config.optimizer.warmup_epochs == 1.0 and t.config.train.target_accuracy == 0.98
+  for name, reduced, full in (("paper_cifar10_resnet18", 4, 27), ("paper_cifar10_vgg19", 4, 27),
+                              ("paper_multi30k_seq2seq", 3, 27)):
+    spec = str(REPO / "configs" / "sweeps" / f"{name}.py")
+    small, big = sweep.expand(spec), sweep.expand(spec + ":full")
+    assert (len(small), len(big)) == (reduced, full)
+    assert all(t.config.num_workers == 8 and t.config.data.train_size == 8192 for t in small)
+    assert all(t.config.num_workers == 16 and t.config.data.train_size == 0 for t in big)
+    assert all("width" not in t.config.model_args for t in big)
+    with pytest.raises(ValueError, match=r"sweep arg 'huge' is invalid"):
+      sweep.expand(spec + ":huge")
+
 
 def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
   monkeypatch.delenv("GSSP_DATA_DIR", raising=False)

@@ -152,6 +152,8 @@ def test_main_command_line(data_dir, tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   assert "final test_accuracy:" in out.stdout
   assert "samples/s" in out.stderr  # the progress line
+  log = (tmp_path / "log.txt").read_text()   # ... also kept in the workdir, without Orbax chatter
+  assert "samples/s" in log and "test_accuracy" in log and "/orbax/" not in log
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["config"]["num_workers"] == 2
 
