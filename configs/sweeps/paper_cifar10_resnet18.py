@@ -48,8 +48,9 @@ def hetero(c, num_workers: int):
   return c
 
 
-def get_config(arg=None):
-  c = hetero(cifar10_resnet18.get_config(), 16 if arg == "full" else 8)
+def cifar_config(c, arg=None):
+  """A CIFAR-10 config made into this sweep's base: reduced (arg None) or ``full``."""
+  c = hetero(c, 16 if arg == "full" else 8)
   if arg == "full":
     return c
   if arg is not None:
@@ -60,6 +61,10 @@ def get_config(arg=None):
   c.train.num_epochs = 4.0
   c.train.target_accuracy = 0.5
   return c
+
+
+def get_config(arg=None):
+  return cifar_config(cifar10_resnet18.get_config(), arg)
 
 
 def get_sweep(arg=None):

@@ -23,17 +23,7 @@ from configs.sweeps import paper_cifar10_resnet18 as resnet_sweep
 
 
 def get_config(arg=None):
-  c = resnet_sweep.hetero(cifar10_vgg19.get_config(), 16 if arg == "full" else 8)
-  if arg == "full":
-    return c
-  if arg is not None:
-    raise ValueError(f"sweep arg {arg!r} is invalid; allowed: none (reduced) or 'full'")
-  c.model_args.width = 0.25
-  c.data.train_size, c.data.test_size = 8192, 2000
-  c.data.eval_batch_size = 500
-  c.train.num_epochs = 4.0
-  c.train.target_accuracy = 0.5
-  return c
+  return resnet_sweep.cifar_config(cifar10_vgg19.get_config(), arg)
 
 
 def get_sweep(arg=None):
