@@ -137,14 +137,28 @@ def aggregate(rows: list[dict]) -> list[dict]:
   return out
 
 
-def _fmt(value, col: str) -> str:
+def _fmt(value, col: str, metric: str = "") -> str:
+  """Markdown cell text; accuracies in %, their deltas in percentage points."""
   if value is None:
     return "–"
   if col == "bytes_pushed":
     return f"{value / 1e9:.3f} GB"
   if col == "speedup_vs_bsp":
     return f"{value:.2f}×"
-  return f"{value:.4g}" if isinstance(value, float) else str(value)
+  if metric == "test_accuracy" and col in ("final", "target"):
+    return f"{value * 100:.2f} %"
+  if metric == "test_accuracy" and col == "delta_vs_bsp":
+    return f"{value * 100:+.2f} pp"
+  if col in ("time_to_target", "virtual_time", "blocked_time"):
+    return f"{value:.2f}"
+  if isinstance(value, float):
+    return f"{value:.2f}" if col in ("final", "delta_vs_bsp", "staleness_mean") else f"{value:.4g}"
+  return str(value)
+
+
+def _column_order(key: str, index: int) -> tuple:
+  """Swept keys in the tables: sync.* first, then compress.*, the rest, the seed last."""
+  return (not key.startswith("sync."), not key.startswith("compress."), key == "seed", index)
 
 
 def write_report(workdir: str, out_dir: str | None = None,
@@ -159,6 +173,8 @@ def write_report(workdir: str, out_dir: str | None = None,
   if not rows:
     raise ValueError(f"no finished trial (summary.json) under {workdir}")
   swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
+  swept = [k for i, k in sorted(enumerate(swept), key=lambda ik: _column_order(ik[1], ik[0]))]
+  metric = rows[0]["metric"]
   cols = ["trial", *swept, "status", "metric", "target", *COLUMNS]
   paths = {"csv": os.path.join(out_dir, "report.csv"),
            "summary_csv": os.path.join(out_dir, "summary.csv"),
@@ -178,13 +194,13 @@ def write_report(workdir: str, out_dir: str | None = None,
            "| " + " | ".join(head_cols + list(COLUMNS)) + " |",
            "|" + "---|" * (len(head_cols) + len(COLUMNS))]
   for a in agg:
-    head = [_fmt(a.get(k), k) for k in head_cols]
-    body = [(f"{_fmt(a[c], c)} ± {_fmt(a[c + '_std'], c)}"
+    head = [_fmt(a.get(k), k, metric) for k in head_cols]
+    body = [(f"{_fmt(a[c], c, metric)} ± {_fmt(a[c + '_std'], c, metric).lstrip('+')}"
              + (f" ({a[c + '_n']}/{a['seeds']} seeds)" if a[c + "_n"] < a["seeds"] else ""))
             if a[c] is not None else "–" for c in COLUMNS]
     lines.append("| " + " | ".join(head + body) + " |")
   lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |" for r in rows]
+  lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
   lines += ["", "time_to_target: virtual (simulated-cluster) seconds to the first evaluation at or "
             "above the target; – if never reached. speedup_vs_bsp: the matching BSP trial's time "
             "to target divided by this trial's (same swept values but the sync/compress keys); "
