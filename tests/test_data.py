@@ -307,11 +307,28 @@ def _write_tar(path: pathlib.Path, members, seed=0) -> None:
       tar.addfile(info, io.BytesIO(content))
 
 
-def _assert_close_to(ds, arrays):
+def _assert_close_to(ds, arrays, per_class=2):
+  """``ds`` holds ``arrays`` (written by _members) in the loader's fixed mixed order."""
   for split in ("train", "test"):
-    np.testing.assert_array_equal(getattr(ds, f"{split}_labels"), arrays[f"{split}_labels"])
-    diff = np.abs(getattr(ds, f"{split}_images").astype(int) - arrays[f"{split}_images"])
+    labels = arrays[f"{split}_labels"]
+    names = [f"{i % per_class:04d}.jpg" for i in range(len(labels))]
+    order = cifar10_jpeg.mixed_order(split, labels, names)
+    np.testing.assert_array_equal(getattr(ds, f"{split}_labels"), labels[order])
+    diff = np.abs(getattr(ds, f"{split}_images").astype(int) - arrays[f"{split}_images"][order])
     assert diff.max() <= 4
+
+
+def test_cifar_jpeg_order_mixes_the_classes():
+  """A prefix (data.train_size) of the class-by-class JPEG layout must hold every class."""
+  labels = np.repeat(np.arange(10), 1000)
+  names = [f"{i % 1000:04d}.jpg" for i in range(10_000)]
+  order = cifar10_jpeg.mixed_order("test", labels, names)
+  assert sorted(order.tolist()) == list(range(10_000))
+  counts = np.bincount(labels[order][:1000], minlength=10)
+  assert counts.min() >= 70 and counts.max() <= 130, counts
+  shuffled = np.random.default_rng(0).permutation(10_000)   # any input order, the same result
+  again = cifar10_jpeg.mixed_order("test", labels[shuffled], [names[i] for i in shuffled])
+  np.testing.assert_array_equal(shuffled[again], order)
 
 
 def test_cifar_jpeg_tarball_cache_and_invalidation(tmp_path, monkeypatch):
@@ -346,7 +363,7 @@ def test_cifar_jpeg_tarball_cache_and_invalidation(tmp_path, monkeypatch):
   _write_tar(tar_path, _members(changed, 3))
   ds3 = data.load_dataset("cifar10", str(root), cache_dir=str(cache))
   assert ds3.train_images.shape == (30, 32, 32, 3)
-  _assert_close_to(ds3, changed)
+  _assert_close_to(ds3, changed, per_class=3)
   assert len(list(cache.glob("cifar10_jpeg_*.npz"))) == 2
   assert not list(cache.glob("*.tmp"))
 
@@ -358,7 +375,7 @@ def test_cifar_jpeg_extracted_tree(tmp_path):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content)
   ds = data.load_dataset("cifar10", str(tmp_path), cache_dir=str(tmp_path / "cache"))
-  _assert_close_to(ds, arrays)
+  _assert_close_to(ds, arrays, per_class=1)
   shutil.rmtree(tmp_path / "cifar10-jpeg" / "test")
   with pytest.raises(DataError, match=r"cifar10-jpeg: missing test/"):
     data.load_dataset("cifar10", str(tmp_path), cache_dir=str(tmp_path / "cache"))
