@@ -85,7 +85,8 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
 
 def label(row: dict) -> str:
   """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out."""
-  parts = [str(v) for k, v in row["_overrides"].items() if k != "seed" and v != "none"]
+  items = sorted(enumerate(row["_overrides"].items()), key=lambda ikv: _column_order(ikv[1][0], ikv[0]))
+  parts = [str(v) for _, (k, v) in items if k != "seed" and v != "none"]
   return " ".join(parts) or row["trial"]
 
 
@@ -226,6 +227,9 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
   labels = list(dict.fromkeys(label(r) for r in rows))
   cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
   color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
+  # Identical curves (e.g. BSP and SSP blocked times) stay visible: each label its own dash/marker.
+  dash = {lab: ("-", "--", "-.", ":")[i % 4] for i, lab in enumerate(labels)}
+  mark = {lab: "osD^v<>ph*"[i % 10] for i, lab in enumerate(labels)}
 
   def finish(fig, ax, xlabel, ylabel, title, fname, grid=True):
     ax.set_xlabel(xlabel)
@@ -300,7 +304,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
       h = r["_metrics"][-1]["staleness"]["hist"]
       total = max(sum(h), 1)
       ax.step(range(len(h)), [c / total for c in h], where="mid", color=color[label(r)],
-              label=label(r))
+              linestyle=dash[label(r)], label=label(r))
     finish(fig, ax, "staleness of an applied gradient (updates)", "fraction of applied gradients",
            "Staleness distribution (first seed)", "staleness.png")
   for key, title, ylabel, fname in (
@@ -314,8 +318,8 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in have:
       values = r["_metrics"][-1][key]
-      ax.plot(range(len(values)), values, marker="o", markersize=3, color=color[label(r)],
-              label=label(r))
+      ax.plot(range(len(values)), values, marker=mark[label(r)], markersize=4, color=color[label(r)],
+              linestyle=dash[label(r)], label=label(r), alpha=0.85)
     positive = [v for r in have for v in r["_metrics"][-1][key] if v > 0]
     if positive and max(positive) / min(positive) > 50:
       ax.set_yscale("log")
