@@ -16,7 +16,7 @@ No jitter: the comparison isolates persistent heterogeneity.
 Schemes (one row each): BSP, ASP, SSP (s=3), Dynamic SSP (s in [3, 15]),
 GSSP (4 speed groups, s=3 inside a group, peer exchange of each group's summed
 gradients every 4 pushes), GSSP + GDTopK (the same with per-group dynamic top-k
-and error feedback), InHAD (4 nodes), DS-Sync (groups of 2, reshuffled) and
+and error feedback), InHAD (4 nodes), DS-Sync (groups of 4, reshuffled) and
 CASP (up to 4 communities chosen by the actor-critic agent).
 
 Optimizer, the same for every scheme: SGD 0.05, momentum 0.9, weight decay
