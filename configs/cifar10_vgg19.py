@@ -7,10 +7,12 @@ Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes ab
 """
 
 from configs import cifar10_resnet18
+from gssp_jax.config import parse_arg
 
 
 def get_config(arg=None):
   c = cifar10_resnet18.get_config(arg)
   c.model = "vgg19"
-  c.optimizer.learning_rate = 0.05
+  if "smoke" not in parse_arg(arg):   # the smoke run keeps the ResNet smoke's 0.01
+    c.optimizer.learning_rate = 0.05
   return c
