@@ -1,6 +1,6 @@
 """GRU Seq2Seq with attention on Multi30k (de->en) across schemes on a heterogeneous cluster.
 
-  # reduced (default): more than an hour on a 2-core CPU (see docs/REPRODUCTION.md)
+  # reduced (default): about an hour on a 2-core CPU (1.0 s per worker gradient; estimated)
   python -m experiments.sweep --sweep=configs/sweeps/paper_multi30k_seq2seq.py \\
       --workdir=/tmp/paper_seq2seq --parallel=2
   # full size, for GPUs
