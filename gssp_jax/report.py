@@ -85,7 +85,8 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
 
 def label(row: dict) -> str:
   """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out."""
-  items = sorted(enumerate(row["_overrides"].items()), key=lambda ikv: _column_order(ikv[1][0], ikv[0]))
+  items = sorted(enumerate(row["_overrides"].items()),
+                 key=lambda ikv: _column_order(ikv[1][0], ikv[0]))
   parts = [str(v) for _, (k, v) in items if k != "seed" and v != "none"]
   return " ".join(parts) or row["trial"]
 

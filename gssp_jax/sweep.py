@@ -150,12 +150,13 @@ def trial_status(trial_dir: str) -> str | None:
 
 
 def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attempts: int):
+  # Imported here: gssp_jax.train loads JAX, and sweep files import this module just to
+  # declare their grids.
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   os.makedirs(trial_dir, exist_ok=True)
-  tmp = os.path.join(trial_dir, "trial.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump({"name": trial.name, "overrides": trial.overrides, "status": status,
-               "error": error, "attempts": attempts}, f, indent=2, sort_keys=True, default=str)
-  os.replace(tmp, os.path.join(trial_dir, "trial.json"))
+  workdir_lib.write_json(os.path.join(trial_dir, "trial.json"),
+                         {"name": trial.name, "overrides": trial.overrides, "status": status,
+                          "error": error, "attempts": attempts}, default=str)
 
 
 def _attempts(trial_dir: str) -> int:

@@ -44,12 +44,11 @@ class _Ratios:
   def __init__(self, config, scheme, speeds, steps_per_epoch):
     self.name = config.compress.name
     self.ratio = float(config.compress.ratio)
-    self.groups = scheme.groups
     self.spe = steps_per_epoch
-    if self.name == "gdtopk":
-      self.ranks = sync.grouping.group_speed_rank(scheme.groups, speeds)
+    self.set_groups(scheme.groups, speeds)
 
   def set_groups(self, groups: np.ndarray, times: np.ndarray) -> None:
+    """The workers' groups, and for GDTopK the groups' speed ranks from ``times``."""
     self.groups = np.asarray(groups)
     if self.name == "gdtopk":
       self.ranks = sync.grouping.group_speed_rank(self.groups, times)

@@ -38,10 +38,15 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
                      f" ({details}); use a new --workdir or the same config to resume")
 
 
-def write_json(path: str, obj) -> None:
+def write_json(path: str, obj, default=None) -> None:
+  """Writes ``obj`` to ``path`` atomically (a temporary file renamed over it).
+
+  ``default`` is ``json.dump``'s: what to make of values JSON cannot encode
+  (None: they raise).
+  """
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
+    json.dump(obj, f, indent=2, sort_keys=True, default=default)
   os.replace(tmp, path)
 
 
