@@ -163,6 +163,17 @@ def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
   assert json.load(open(os.path.join(workdir, name, "trial.json")))["attempts"] == 2
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"parallel": 0}, r"parallel=0 is invalid; allowed: an int >= 1"),
+    ({"parallel": True}, r"parallel=True is invalid"),
+    ({"max_trials": -1}, r"max_trials=-1 is invalid; allowed: an int >= 0"),
+])
+def test_bad_runner_arguments_name_the_value(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sweep.run_sweep(TINY, str(tmp_path / "sweep"), **kwargs)
+  assert not (tmp_path / "sweep").exists()   # rejected before anything ran
+
+
 def test_report_of_an_empty_directory_says_so(tmp_path):
   with pytest.raises(ValueError, match="no finished trial"):
     report.write_report(str(tmp_path))
@@ -181,8 +192,10 @@ def test_parallel_trials_run_in_their_own_processes(tmp_path, data_dir, monkeypa
         return sweep("sync.scheme", ["bsp", "gssp"])
       """))
   workdir = str(tmp_path / "sweep")
-  statuses = sweep.run_sweep(str(path), workdir, parallel=2)
+  statuses = sweep.run_sweep(str(path), workdir, parallel=2, report_every=1.0)
   assert statuses == {"sync.scheme=bsp": "done", "sync.scheme=gssp": "done"}
+  log = open(os.path.join(workdir, "sweep.log")).read()
+  assert "running: sync.scheme=bsp" in log and "[2/2 finished]" in log
   for name in statuses:
     trial = json.load(open(os.path.join(workdir, name, "trial.json")))
     assert trial["status"] == "done" and trial["attempts"] == 1
