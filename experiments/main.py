@@ -27,7 +27,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.setup_logging()
-  with cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")):   # appended on resume
+  with (cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")),   # appended on resume
+        cli.sigterm_as_interrupt()):   # `kill` records an interrupted run like Ctrl-C
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   final = summary["final"] or {}
   metric = summary["metric"]

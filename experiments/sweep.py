@@ -3,7 +3,9 @@
   python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N]
 
 A rerun with the same workdir skips finished trials (done, diverged), retries
-failed or interrupted ones and resumes each from its checkpoint. Everything is
+failed or interrupted ones and resumes each from its checkpoint. Ctrl-C or
+``kill`` of this process stops every trial it started (each records
+``interrupted``). Everything is
 library code (``gssp_jax.sweep``).
 """
 
@@ -23,6 +25,11 @@ _ONLY = flags.DEFINE_string("only", None, "run just this trial (used by --parall
 def main(argv):
   del argv
   cli.setup_logging()
+  with cli.sigterm_as_interrupt():   # `kill` stops the trials like Ctrl-C; a rerun resumes
+    _main()
+
+
+def _main():
   if _ONLY.value:
     trials = {t.name: t for t in sweep.expand(_SWEEP.value)}
     if _ONLY.value not in trials:

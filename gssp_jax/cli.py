@@ -1,8 +1,11 @@
-"""What the command-line entry points share: logging that keeps Orbax's per-save chatter out."""
+"""What the command-line entry points share: logging that keeps Orbax's per-save chatter out,
+and ``kill`` treated like Ctrl-C."""
 
 import contextlib
 import logging as std_logging
 import os
+import signal
+import threading
 
 from absl import logging
 
@@ -34,3 +37,26 @@ def log_to_file(path: str):
     logger.removeHandler(handler)
     logger.setLevel(old_level)
     handler.close()
+
+
+def _raise_interrupt(signum, frame):
+  del frame
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+  """While inside, SIGTERM (``kill PID``, a job scheduler's stop) raises KeyboardInterrupt.
+
+  Without it Python dies on SIGTERM at once: a run would not write its
+  ``interrupted`` summary and a parallel sweep would leave its child trials
+  running. Outside the main thread (where handlers cannot be set) it does nothing.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)

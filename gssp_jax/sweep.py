@@ -282,10 +282,16 @@ def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str,
         logging.info("running: %s", "; ".join(
             f"{t.name} ({_latest(os.path.join(workdir, t.name)) or 'no evaluation yet'})"
             for t, _, _ in running))
-  finally:
-    for _, proc, log in running:   # interrupted: stop the children; their checkpoints stay
+  finally:   # interrupted: stop the children (each records `interrupted`; checkpoints stay)
+    for _, proc, _ in running:
       proc.terminate()
-      proc.wait(timeout=60)
+    for trial, proc, log in running:
+      try:
+        proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        logging.warning("trial %s did not stop within 60 s of SIGTERM; killing it", trial.name)
+        proc.kill()
+        proc.wait()
       log.close()
   return statuses
 

@@ -4,10 +4,15 @@ import csv
 import json
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
+from gssp_jax import cli
 from gssp_jax import report
 from gssp_jax import sweep
 
@@ -200,3 +205,71 @@ def test_parallel_trials_run_in_their_own_processes(tmp_path, data_dir, monkeypa
     trial = json.load(open(os.path.join(workdir, name, "trial.json")))
     assert trial["status"] == "done" and trial["attempts"] == 1
     assert os.path.getsize(os.path.join(workdir, name, "log.txt")) > 0
+
+
+def test_sigterm_raises_keyboard_interrupt_inside_and_not_after():
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(KeyboardInterrupt):
+    with cli.sigterm_as_interrupt():
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(5)   # the handler runs at the next bytecode; never reached
+  assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _processes_mentioning(text: str) -> list[int]:
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit() and int(entry) != os.getpid():
+      try:
+        cmdline = open(f"/proc/{entry}/cmdline", "rb").read().decode(errors="replace")
+      except OSError:   # exited meanwhile
+        continue
+      if text in cmdline:
+        pids.append(int(entry))
+  return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the child trials through /proc")
+def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
+  path = tmp_path / "long.py"
+  path.write_text(textwrap.dedent("""
+      from configs.sweeps import tiny
+      from gssp_jax.sweep import sweep
+      def get_config():
+        c = tiny.get_config()
+        c.train.num_epochs = 100.0   # runs until killed
+        return c
+      def get_sweep():
+        return sweep("sync.scheme", ["bsp", "gssp"])
+      """))
+  workdir = str(tmp_path / "sweep")
+  names = ["sync.scheme=bsp", "sync.scheme=gssp"]
+  cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}", f"--workdir={workdir}",
+         "--parallel=2"]
+  parent = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "GSSP_DATA_DIR": data_dir},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 240
+    # Both trials are training once each has logged its first evaluation.
+    while not all(sweep._latest(os.path.join(workdir, n)) for n in names):
+      assert parent.poll() is None, "the sweep exited before its trials started"
+      assert time.monotonic() < deadline, "the trials did not start within 240 s"
+      time.sleep(0.5)
+    assert len(_processes_mentioning(workdir)) == 3   # the parent and its two trials
+    parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=120)
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(workdir) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    assert _processes_mentioning(workdir) == []
+  finally:
+    for pid in _processes_mentioning(workdir):   # a failing test leaves nothing behind
+      os.kill(pid, signal.SIGKILL)
+    if parent.poll() is None:
+      parent.kill()
+      parent.wait()
+  for name in names:
+    trial = json.load(open(os.path.join(workdir, name, "trial.json")))
+    summary = json.load(open(os.path.join(workdir, name, "summary.json")))
+    assert trial["status"] == summary["status"] == "interrupted"
+    assert sweep.trial_status(os.path.join(workdir, name)) not in sweep.FINISHED  # rerun retries
