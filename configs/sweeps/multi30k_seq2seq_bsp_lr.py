@@ -11,7 +11,7 @@ step, and Adam's step size does not shrink with the noise of a smaller batch,
 so at one shared rate BSP moves about 8x less per epoch. This sweep is the
 same reduced BSP trial at 1e-3 x sqrt(8) ~ 3e-3, the square-root scaling rule
 for Adam (Malladi et al. 2022), so the comparison does not rest on a rate that
-handicaps BSP. One trial, seed 0; about 30 min on a 2-core CPU.
+handicaps BSP. One trial, seed 0; 36 min on a 2-core CPU beside another run.
 """
 
 from configs.sweeps import paper_multi30k_seq2seq as seq2seq_sweep
