@@ -7,6 +7,10 @@ A trial is identified by its overrides: a sweep's ``trial.json`` records them;
 for plain runs gathered under one directory (no ``trial.json``) they are the
 config keys whose values differ between the runs, read from each
 ``summary.json``. Runs that differ only in ``seed`` are seeds of one setting.
+
+Where the sweep runner recorded its current grid (``sweep.json``), only that
+grid's trials are reported; other trial directories (left from an older grid)
+are orphans, listed but left out.
 """
 
 from __future__ import annotations
@@ -17,11 +21,31 @@ import os
 import statistics
 from typing import Any
 
+from gssp_jax.sweep import GRID_FILE
+
 _SCHEME_KEYS = ("sync.", "compress.")
 # Keys that say where data comes from or how a run is checkpointed and logged, not what it
 # computes: two runs differing only in them are the same setting.
 _BOOKKEEPING_KEYS = ("data_dir", "data_download", "data_url", "train.checkpoint_every",
                      "train.max_checkpoints", "train.log_every", "train.stop_after_updates")
+
+
+def grid(workdir: str) -> list[str] | None:
+  """The trial names of the sweep's current grid (``sweep.json``), or None without one."""
+  path = os.path.join(workdir, GRID_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return [t["name"] for t in json.load(f)["trials"]]
+
+
+def orphans(workdir: str) -> list[str]:
+  """Trial directories (with a ``summary.json`` or ``trial.json``) not in the current grid."""
+  names = grid(workdir)
+  if names is None or not os.path.isdir(workdir):
+    return []
+  return [n for n in sorted(os.listdir(workdir)) if n not in names
+          and any(os.path.exists(os.path.join(workdir, n, f)) for f in ("summary.json", "trial.json"))]
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -89,6 +113,9 @@ def time_to(metrics: list[dict], metric: str, target: float) -> float | None:
 def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
   """One row per trial that wrote a summary: swept values and the recorded figures.
 
+  With a ``sweep.json`` (the runner's current grid) only that grid's trials count
+  (see :func:`orphans`).
+
   Args:
     workdir: the sweep's directory.
     target: if given, time to target is recomputed from each trial's recorded
@@ -99,8 +126,9 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
                      "(0, 1] or a BLEU score)")
   if not os.path.isdir(workdir):
     raise ValueError(f"sweep directory {workdir!r} does not exist")
-  trials = [t for t in (_load(os.path.join(workdir, name)) for name in sorted(os.listdir(workdir)))
-            if t is not None]
+  names = grid(workdir)
+  names = sorted(os.listdir(workdir)) if names is None else names
+  trials = [t for t in (_load(os.path.join(workdir, name)) for name in names) if t is not None]
   _derive_overrides(trials)
   rows = []
   for trial in trials:
@@ -254,6 +282,10 @@ def write_report(workdir: str, out_dir: str | None = None,
     lines.append("| " + " | ".join(head + body) + " |")
   lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
+  left_out = orphans(workdir)
+  if left_out:
+    lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "
+              f"left out of this report): {', '.join(left_out)}"]
   lines += ["", "time_to_target: virtual (simulated-cluster) seconds to the first evaluation at or "
             "above the target; – if never reached. speedup_vs_bsp: the matching BSP trial's time "
             "to target divided by this trial's (same swept values but the sync/compress keys); "

@@ -6,11 +6,16 @@ The report reads files only, so these tests write the run directories by hand.
 import csv
 import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from configs import mnist_lenet5
 from gssp_jax import report
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _write_run(run_dir, *, scheme="bsp", seed=0, final=0.9, time_to_target=10.0,
@@ -91,3 +96,37 @@ def test_sweep_trials_keep_their_recorded_overrides(tmp_path):
              trial_overrides={"sync.scheme": "gssp"})
   rows = report.collect(str(tmp_path))
   assert [report.label(r) for r in rows] == ["bsp", "gssp"]
+
+
+def test_sweep_report_keeps_to_the_current_grid_and_lists_orphans(tmp_path):
+  # An older grid left `sync.scheme=ssp`; the current grid (sweep.json) is bsp and gssp.
+  for scheme, final in (("bsp", 0.9), ("gssp", 0.8), ("ssp", 0.1)):
+    _write_run(tmp_path / f"sync.scheme={scheme}", scheme=scheme, final=final,
+               trial_overrides={"sync.scheme": scheme})
+  os.makedirs(tmp_path / "_stale" / "20250101-000000")
+  with open(tmp_path / "sweep.json", "w") as f:
+    json.dump({"sweep": "s.py", "trials": [
+        {"name": "sync.scheme=bsp", "overrides": {"sync.scheme": "bsp"}},
+        {"name": "sync.scheme=gssp", "overrides": {"sync.scheme": "gssp"}}]}, f)
+  assert report.orphans(str(tmp_path)) == ["sync.scheme=ssp"]
+  assert [r["trial"] for r in report.collect(str(tmp_path))] == ["sync.scheme=bsp",
+                                                                  "sync.scheme=gssp"]
+  paths = report.write_report(str(tmp_path), str(tmp_path / "out"))
+  with open(paths["csv"]) as f:
+    assert [r["trial"] for r in csv.DictReader(f)] == ["sync.scheme=bsp", "sync.scheme=gssp"]
+  md = open(paths["md"]).read()
+  assert "Orphans" in md and "sync.scheme=ssp" in md and "10.00 %" not in md
+
+  # The command line prints them too.
+  out = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path),
+                        f"--out={tmp_path / 'out2'}"], cwd=REPO, capture_output=True, text=True,
+                       check=True).stdout
+  assert "orphans (not in the sweep's current grid, left out): sync.scheme=ssp" in out
+
+
+def test_without_a_grid_file_every_trial_is_reported(tmp_path):
+  for scheme in ("bsp", "ssp"):
+    _write_run(tmp_path / f"sync.scheme={scheme}", scheme=scheme,
+               trial_overrides={"sync.scheme": scheme})
+  assert report.orphans(str(tmp_path)) == []
+  assert len(report.collect(str(tmp_path))) == 2
