@@ -243,7 +243,8 @@ def _only_more_epochs(changes: list[tuple]) -> bool:
 
 def describe_changes(changed: dict[str, list[tuple]], workdir: str) -> str:
   """One line: the changed trials grouped by their changes, e.g.
-  ``train.num_epochs: 1.0 -> 2.0 in a, b (finished; only more epochs)``."""
+  ``optimizer.learning_rate: 0.05 -> 0.1 in a, b; train.num_epochs: 1.0 -> 2.0 (finished;
+  only more epochs: …) in c``."""
   groups: dict[str, list[str]] = {}
   for name, changes in changed.items():
     text = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:5])
@@ -299,6 +300,8 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     raise ValueError(f"parallel={parallel!r} is invalid; allowed: an int >= 1")
   if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 0:
     raise ValueError(f"max_trials={max_trials!r} is invalid; allowed: an int >= 0 (0 = all)")
+  if not isinstance(rerun_changed, bool):
+    raise ValueError(f"rerun_changed={rerun_changed!r} is invalid; allowed: True or False")
   trials = expand(path)
   changed = changed_trials(trials, workdir)
   if changed and not rerun_changed:

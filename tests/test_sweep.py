@@ -172,6 +172,7 @@ def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
     ({"parallel": 0}, r"parallel=0 is invalid; allowed: an int >= 1"),
     ({"parallel": True}, r"parallel=True is invalid"),
     ({"max_trials": -1}, r"max_trials=-1 is invalid; allowed: an int >= 0"),
+    ({"rerun_changed": "yes"}, r"rerun_changed='yes' is invalid; allowed: True or False"),
 ])
 def test_bad_runner_arguments_name_the_value(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
