@@ -2,7 +2,7 @@ r"""Trains one configuration.
 
   python -m experiments.main --config=configs/mnist_lenet5.py --workdir=/tmp/mnist_lenet5
   python -m experiments.main --config=configs/mnist_lenet5.py:smoke --workdir=/tmp/smoke \
-      --config.num_workers=8 --config.data_dir=../shared/data
+      --config.num_workers=8 --config.data_dir=/path/to/data   # local files, no download
 
 Everything but flag parsing lives in the library (``gssp_jax.train``), which a
 notebook imports the same way.

@@ -4,6 +4,8 @@
 
 --target recomputes every trial's time to target from its recorded evaluations
 (e.g. a lower accuracy for a reduced run); without it the runs' own target is used.
+A sweep's report covers its current grid (DIR/sweep.json); trial directories
+left from an older grid are listed as orphans and left out.
 """
 
 from absl import app
@@ -22,6 +24,9 @@ def main(argv):
   paths = report.write_report(argv[1], _OUT.value, _TARGET.value)
   for kind, path in paths.items():
     print(f"{kind}: {path}")
+  left_out = report.orphans(argv[1])
+  if left_out:
+    print(f"orphans (not in the sweep's current grid, left out): {', '.join(left_out)}")
 
 
 if __name__ == "__main__":

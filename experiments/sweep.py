@@ -3,7 +3,10 @@
   python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N]
 
 A rerun with the same workdir skips finished trials (done, diverged), retries
-failed or interrupted ones and resumes each from its checkpoint. Ctrl-C or
+failed or interrupted ones and resumes each from its checkpoint. If the sweep
+file changed a trial's config since it ran, the rerun refuses, naming the
+trials and keys; --rerun_changed moves those trials to DIR/_stale/<time>/ and
+runs them again. Ctrl-C or
 ``kill`` of this process stops every trial it started (each records
 ``interrupted``). Everything is
 library code (``gssp_jax.sweep``).
@@ -19,6 +22,9 @@ _SWEEP = flags.DEFINE_string("sweep", None, "sweep file (configs/sweeps/<name>.p
 _WORKDIR = flags.DEFINE_string("workdir", None, "the sweep's directory", required=True)
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "trials at once (separate processes when > 1)")
 _MAX_TRIALS = flags.DEFINE_integer("max_trials", 0, "start at most this many trials (0 = all)")
+_RERUN_CHANGED = flags.DEFINE_bool(
+    "rerun_changed", False, "move trials whose config the sweep file changed to DIR/_stale/<time>/ "
+    "and run them again (default: refuse, naming them)")
 _ONLY = flags.DEFINE_string("only", None, "run just this trial (used by --parallel)")
 
 
@@ -37,8 +43,11 @@ def _main():
                            f"{', '.join(trials)}")
     sweep.run_trial(trials[_ONLY.value], _WORKDIR.value)
     return
-  statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
-                             max_trials=_MAX_TRIALS.value)
+  try:
+    statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
+                               max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value)
+  except sweep.ChangedTrialsError as e:
+    raise SystemExit(f"error: {e}") from None   # one line, no traceback
   for name, status in statuses.items():
     print(f"{status or 'not run':>12}  {name}")
 

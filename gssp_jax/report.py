@@ -2,6 +2,15 @@
 
 Numbers are read from each trial's ``summary.json`` and ``metrics.jsonl``;
 nothing is recomputed, so the report says exactly what the runs recorded.
+
+A trial is identified by its overrides: a sweep's ``trial.json`` records them;
+for plain runs gathered under one directory (no ``trial.json``) they are the
+config keys whose values differ between the runs, read from each
+``summary.json``. Runs that differ only in ``seed`` are seeds of one setting.
+
+Where the sweep runner recorded its current grid (``sweep.json``), only that
+grid's trials are reported; other trial directories (left from an older grid)
+are orphans, listed but left out.
 """
 
 from __future__ import annotations
@@ -12,7 +21,64 @@ import os
 import statistics
 from typing import Any
 
+from gssp_jax.sweep import GRID_FILE
+
 _SCHEME_KEYS = ("sync.", "compress.")
+# Keys that say where data comes from or how a run is checkpointed and logged, not what it
+# computes: two runs differing only in them are the same setting.
+_BOOKKEEPING_KEYS = ("data_dir", "data_download", "data_url", "train.checkpoint_every",
+                     "train.max_checkpoints", "train.log_every", "train.stop_after_updates")
+
+
+def grid(workdir: str) -> list[str] | None:
+  """The trial names of the sweep's current grid (``sweep.json``), or None without one."""
+  path = os.path.join(workdir, GRID_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return [t["name"] for t in json.load(f)["trials"]]
+
+
+def orphans(workdir: str) -> list[str]:
+  """Trial directories (with a ``summary.json`` or ``trial.json``) not in the current grid."""
+  names = grid(workdir)
+  if names is None or not os.path.isdir(workdir):
+    return []
+  return [n for n in sorted(os.listdir(workdir)) if n not in names
+          and any(os.path.exists(os.path.join(workdir, n, f)) for f in ("summary.json", "trial.json"))]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def differing_keys(configs: list[dict]) -> list[str]:
+  """The flattened config keys whose values differ between ``configs``, in config order.
+
+  Bookkeeping keys (data location, checkpoint and log cadence) are left out;
+  ``seed`` is kept, so that a caller can tell seeds of one setting apart.
+  """
+  flat = [_flatten(c) for c in configs]
+  keys = dict.fromkeys(k for f in flat for k in f)
+  return [k for k in keys if k not in _BOOKKEEPING_KEYS
+          and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+
+
+def _derive_overrides(trials: list[dict]) -> None:
+  """Gives each trial without a ``trial.json`` the config values that tell it from the others."""
+  plain = [t for t in trials if not t["from_sweep"]]
+  if not plain:
+    return
+  keys = differing_keys([t["summary"]["config"] for t in trials])
+  for t in plain:
+    flat = _flatten(t["summary"]["config"])
+    t["overrides"] = {k: flat.get(k) for k in keys}
 
 
 def _load(trial_dir: str) -> dict | None:
@@ -23,7 +89,8 @@ def _load(trial_dir: str) -> dict | None:
     summary = json.load(f)
   overrides = {}
   trial_path = os.path.join(trial_dir, "trial.json")
-  if os.path.exists(trial_path):
+  from_sweep = os.path.exists(trial_path)
+  if from_sweep:
     with open(trial_path) as f:
       overrides = json.load(f)["overrides"]
   metrics = []
@@ -32,7 +99,7 @@ def _load(trial_dir: str) -> dict | None:
     with open(metrics_path) as f:
       metrics = [json.loads(line) for line in f if line.strip()]
   return {"name": os.path.basename(trial_dir), "overrides": overrides, "summary": summary,
-          "metrics": metrics}
+          "metrics": metrics, "from_sweep": from_sweep}
 
 
 def time_to(metrics: list[dict], metric: str, target: float) -> float | None:
@@ -46,6 +113,9 @@ def time_to(metrics: list[dict], metric: str, target: float) -> float | None:
 def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
   """One row per trial that wrote a summary: swept values and the recorded figures.
 
+  With a ``sweep.json`` (the runner's current grid) only that grid's trials count
+  (see :func:`orphans`).
+
   Args:
     workdir: the sweep's directory.
     target: if given, time to target is recomputed from each trial's recorded
@@ -56,11 +126,12 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
                      "(0, 1] or a BLEU score)")
   if not os.path.isdir(workdir):
     raise ValueError(f"sweep directory {workdir!r} does not exist")
+  names = grid(workdir)
+  names = sorted(os.listdir(workdir)) if names is None else names
+  trials = [t for t in (_load(os.path.join(workdir, name)) for name in names) if t is not None]
+  _derive_overrides(trials)
   rows = []
-  for name in sorted(os.listdir(workdir)):
-    trial = _load(os.path.join(workdir, name))
-    if trial is None:
-      continue
+  for trial in trials:
     s = trial["summary"]
     final = s.get("final") or {}
     totals = s.get("totals", {})
@@ -77,6 +148,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
+        "_named": not trial["from_sweep"],
     })
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
   _add_baselines(rows)
@@ -84,9 +156,15 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
 
 
 def label(row: dict) -> str:
-  """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out."""
+  """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out.
+
+  Plain runs (no sweep file to say what was swept) name their keys: ``sync.scheme=gssp``.
+  """
   items = sorted(enumerate(row["_overrides"].items()),
                  key=lambda ikv: _column_order(ikv[1][0], ikv[0]))
+  if row.get("_named"):
+    parts = [f"{k}={v}" for _, (k, v) in items if k != "seed"]
+    return " ".join(parts) or row["trial"]
   parts = [str(v) for _, (k, v) in items if k != "seed" and v != "none"]
   return " ".join(parts) or row["trial"]
 
@@ -128,6 +206,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
   for key, members in groups.items():
     agg = {k: json.loads(v) for k, v in key}
     agg["_overrides"], agg["trial"] = dict(agg), members[0]["trial"]
+    agg["_named"] = members[0].get("_named", False)
     agg["seeds"] = len(members)
     agg["target"] = members[0]["target"]
     for col in COLUMNS:
@@ -203,6 +282,10 @@ def write_report(workdir: str, out_dir: str | None = None,
     lines.append("| " + " | ".join(head + body) + " |")
   lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
+  left_out = orphans(workdir)
+  if left_out:
+    lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "
+              f"left out of this report): {', '.join(left_out)}"]
   lines += ["", "time_to_target: virtual (simulated-cluster) seconds to the first evaluation at or "
             "above the target; – if never reached. speedup_vs_bsp: the matching BSP trial's time "
             "to target divided by this trial's (same swept values but the sync/compress keys); "

@@ -11,6 +11,12 @@ Every trial is the base config with its overrides; each runs in its own
 workdir under the sweep's workdir, so a rerun skips finished trials
 (``done``, ``diverged``), retries the others (``failed``, ``interrupted``,
 ``stopped``) and resumes a trial from its checkpoint.
+
+A rerun after the sweep file changed refuses to mix old and new results: a
+trial whose recorded config differs from the one the file now builds is named
+with the changed keys, and only ``rerun_changed`` moves such trials aside
+(into ``_stale/<time>/``, nothing is deleted) and runs them again. The current
+grid is written to ``sweep.json``, which the report keeps to.
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ from gssp_jax import cli
 from gssp_jax import config as config_lib
 
 FINISHED = ("done", "diverged")
+GRID_FILE = "sweep.json"   # the current grid: what `report` reports
+STALE_DIR = "_stale"       # changed trials moved aside by `rerun_changed`
+
+
+class ChangedTrialsError(ValueError):
+  """Trials in the sweep's directory were run with a config the sweep file no longer builds."""
 
 
 def sweep(key: str, values: Sequence[Any]) -> list[dict]:
@@ -206,8 +218,65 @@ def _latest(trial_dir: str) -> str:
   return (f"epoch {last.get('epoch', 0):.2f} {metric} {last[metric]:.4f}" if metric else "")
 
 
+def changed_trials(trials: Sequence[Trial], workdir: str) -> dict[str, list[tuple]]:
+  """Per trial that already ran with another config, ``(key, recorded, new)`` for each change.
+
+  The recorded config is the trial directory's ``config.json``, written by the run;
+  keys that may change on resume (data location, checkpoint cadence) do not count.
+  """
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  changed = {}
+  for trial in trials:
+    path = os.path.join(workdir, trial.name, "config.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        changes = workdir_lib.config_changes(json.load(f), trial.config)
+      if changes:
+        changed[trial.name] = changes
+  return changed
+
+
+def _only_more_epochs(changes: list[tuple]) -> bool:
+  return (len(changes) == 1 and changes[0][0] == "train.num_epochs"
+          and isinstance(changes[0][1], (int, float)) and changes[0][2] > changes[0][1])
+
+
+def describe_changes(changed: dict[str, list[tuple]], workdir: str) -> str:
+  """One line: the changed trials grouped by their changes, e.g.
+  ``optimizer.learning_rate: 0.05 -> 0.1 in a, b; train.num_epochs: 1.0 -> 2.0 (finished;
+  only more epochs: …) in c``."""
+  groups: dict[str, list[str]] = {}
+  for name, changes in changed.items():
+    text = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:5])
+    text += f" and {len(changes) - 5} more keys" if len(changes) > 5 else ""
+    if _only_more_epochs(changes) and trial_status(os.path.join(workdir, name)) in FINISHED:
+      text += " (finished; only more epochs: not extended in place, it must run again)"
+    groups.setdefault(text, []).append(name)
+  return "; ".join(f"{text} in {', '.join(names)}" for text, names in groups.items())
+
+
+def _move_aside(workdir: str, names: Sequence[str]) -> str:
+  """Moves the trials' directories into a fresh ``<workdir>/_stale/<time>/``; returns it."""
+  base = os.path.join(workdir, STALE_DIR, time.strftime("%Y%m%d-%H%M%S"))
+  dest, n = base, 1
+  while os.path.exists(dest):
+    dest, n = f"{base}-{n}", n + 1
+  os.makedirs(dest)
+  for name in names:
+    os.replace(os.path.join(workdir, name), os.path.join(dest, name))
+  return dest
+
+
+def write_grid(workdir: str, path: str, trials: Sequence[Trial]) -> None:
+  """Records the current grid (trial names and overrides) in ``<workdir>/sweep.json``."""
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  workdir_lib.write_json(os.path.join(workdir, GRID_FILE),
+                         {"sweep": path, "trials": [{"name": t.name, "overrides": t.overrides}
+                                                    for t in trials]}, default=str)
+
+
 def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,
-              report_every: float = 60.0) -> dict[str, str]:
+              report_every: float = 60.0, rerun_changed: bool = False) -> dict[str, str]:
   """Runs every unfinished trial of the sweep ``path``; returns each trial's status.
 
   Progress (trials finished, ETA, each finished trial's metric; with
@@ -220,14 +289,35 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     parallel: trials run at once (each in its own process when > 1).
     max_trials: stop after starting this many trials (0: all); a rerun goes on.
     report_every: seconds between progress lines on running trials (parallel).
+    rerun_changed: trials recorded with a config other than the one the sweep
+      file now builds are moved into ``<workdir>/_stale/<time>/`` and run again.
+
+  Raises:
+    ChangedTrialsError: such trials exist and ``rerun_changed`` is False
+      (raised before anything runs or moves).
   """
   if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f"parallel={parallel!r} is invalid; allowed: an int >= 1")
   if isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 0:
     raise ValueError(f"max_trials={max_trials!r} is invalid; allowed: an int >= 0 (0 = all)")
+  if not isinstance(rerun_changed, bool):
+    raise ValueError(f"rerun_changed={rerun_changed!r} is invalid; allowed: True or False")
   trials = expand(path)
+  changed = changed_trials(trials, workdir)
+  if changed and not rerun_changed:
+    raise ChangedTrialsError(
+        f"sweep {path}: {len(changed)} trial(s) in {workdir} were run with a different config "
+        f"({describe_changes(changed, workdir)}); rerun with --rerun_changed to move them to "
+        f"{os.path.join(workdir, STALE_DIR, '<time>')}/ and run them again, or use a new "
+        "--workdir")
   os.makedirs(workdir, exist_ok=True)
   with cli.log_to_file(os.path.join(workdir, "sweep.log")):
+    if changed:
+      what = describe_changes(changed, workdir)   # reads the statuses before the move
+      dest = _move_aside(workdir, list(changed))
+      logging.info("sweep %s: config changed (%s); moved %s to %s; running them again",
+                   path, what, ", ".join(changed), dest)
+    write_grid(workdir, path, trials)
     return _run(path, trials, workdir, parallel, max_trials, report_every)
 
 

@@ -662,3 +662,17 @@ def test_normalize_images():
   out = jax.jit(data.normalize_images)(images, mean, std)
   assert out.dtype == jnp.float32 and out.shape == images.shape
   np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_missing_data_dir_says_how_to_fix_it(tmp_path, monkeypatch):
+  # An explicit setting that points nowhere (e.g. the CI layout's ../shared/data elsewhere).
+  monkeypatch.setenv("GSSP_DATA_DIR", "../no_such_shared/data")
+  with pytest.raises(DataError) as info:
+    data.resolve_data_dir(None)
+  message = str(info.value)
+  assert "$GSSP_DATA_DIR='../no_such_shared/data' does not exist" in message
+  assert "`unset GSSP_DATA_DIR`" in message and "download (data_download, on by default)" in message
+  monkeypatch.delenv("GSSP_DATA_DIR")
+  with pytest.raises(DataError, match=r"data_dir='/no/such/dir' does not exist .* or leave it "
+                                      r"empty \(--config.data_dir=\) to get the data from"):
+    data.resolve_data_dir("/no/such/dir")

@@ -172,6 +172,7 @@ def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
     ({"parallel": 0}, r"parallel=0 is invalid; allowed: an int >= 1"),
     ({"parallel": True}, r"parallel=True is invalid"),
     ({"max_trials": -1}, r"max_trials=-1 is invalid; allowed: an int >= 0"),
+    ({"rerun_changed": "yes"}, r"rerun_changed='yes' is invalid; allowed: True or False"),
 ])
 def test_bad_runner_arguments_name_the_value(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -273,3 +274,60 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
     summary = json.load(open(os.path.join(workdir, name, "summary.json")))
     assert trial["status"] == summary["status"] == "interrupted"
     assert sweep.trial_status(os.path.join(workdir, name)) not in sweep.FINISHED  # rerun retries
+
+
+def _edited_sweep_file(path, epochs: float, learning_rate: float = 0.05):
+  path.write_text(textwrap.dedent(f"""
+      from configs.sweeps import tiny
+      from gssp_jax.sweep import sweep
+      def get_config():
+        c = tiny.get_config()
+        c.train.num_epochs = {epochs}
+        c.optimizer.learning_rate = {learning_rate}
+        return c
+      def get_sweep():
+        return sweep("sync.scheme", ["bsp"])
+      """))
+  return str(path)
+
+
+def test_a_changed_sweep_file_is_refused_or_its_changed_trials_rerun(tmp_path, data_dir,
+                                                                     monkeypatch):
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  workdir = tmp_path / "sweep"
+  path = _edited_sweep_file(tmp_path / "s.py", epochs=0.5)
+  assert sweep.run_sweep(path, str(workdir)) == {"sync.scheme=bsp": "done"}
+  summary_path = workdir / "sync.scheme=bsp" / "summary.json"
+  stamp = summary_path.stat().st_mtime
+
+  # More epochs in the file: refused, naming the trial, the change and that it is only epochs.
+  _edited_sweep_file(tmp_path / "s.py", epochs=1.0)
+  with pytest.raises(sweep.ChangedTrialsError,
+                     match=r"train.num_epochs: 0.5 -> 1.0 \(finished; only more epochs.*\) in "
+                           r"sync.scheme=bsp\); rerun with --rerun_changed"):
+    sweep.run_sweep(path, str(workdir))
+  assert summary_path.stat().st_mtime == stamp and not (workdir / "_stale").exists()
+  # Any other change is named without that note; the command line says it in one line.
+  _edited_sweep_file(tmp_path / "s.py", epochs=1.0, learning_rate=0.1)
+  cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}", f"--workdir={workdir}"]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      f"error: sweep {path}: 1 trial(s) in {workdir} were run with a different config "
+      "(optimizer.learning_rate: 0.05 -> 0.1, train.num_epochs: 0.5 -> 1.0 in sync.scheme=bsp)")
+  assert summary_path.stat().st_mtime == stamp
+
+  # With rerun_changed the old trial moves aside (kept) and runs again with the new config.
+  _edited_sweep_file(tmp_path / "s.py", epochs=1.0)
+  assert sweep.run_sweep(path, str(workdir), rerun_changed=True) == {"sync.scheme=bsp": "done"}
+  (stale,) = (workdir / "_stale").iterdir()
+  old = json.load(open(stale / "sync.scheme=bsp" / "summary.json"))
+  new = json.load(open(summary_path))
+  assert old["config"]["train"]["num_epochs"] == 0.5 and new["config"]["train"]["num_epochs"] == 1.0
+  assert new["final"]["epoch"] == 1.0
+  assert json.load(open(workdir / "sync.scheme=bsp" / "trial.json"))["attempts"] == 1
+  assert "moved sync.scheme=bsp to" in open(workdir / "sweep.log").read()
+  assert sweep.changed_trials(sweep.expand(path), str(workdir)) == {}
+  # The current grid, which the report keeps to.
+  grid = json.load(open(workdir / "sweep.json"))
+  assert grid["trials"] == [{"name": "sync.scheme=bsp", "overrides": {"sync.scheme": "bsp"}}]

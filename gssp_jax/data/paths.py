@@ -33,9 +33,15 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> pathlib.Path | None:
   path = pathlib.Path(value).expanduser().resolve()
   if not path.is_dir():
     what = "is not a directory" if path.exists() else "does not exist"
+    # An explicit setting that points nowhere is an error rather than a silent fall-through
+    # (it is usually a typo or a relative path from another directory); say both ways out.
+    unset = (f"unset it (`unset {DATA_DIR_ENV}`)" if source.startswith("$")
+             else "leave it empty (--config.data_dir=)")
     raise DataError(
-        f"{source}={value!r} {what} ({path}). Point it at the folder holding mnist/, "
-        f"multi30k/ and cifar10-jpeg/ (or cifar-10-batches-py/), or unset it.")
+        f"{source}={value!r} {what} ({path}; relative paths start at the current directory). "
+        f"Point it at a folder holding mnist/, multi30k/ and cifar10-jpeg/ (or "
+        f"cifar-10-batches-py/), or {unset} to get the data from prepared TensorFlow Datasets "
+        f"or the checksummed download (data_download, on by default).")
   return path
 
 

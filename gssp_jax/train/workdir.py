@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import ml_collections
 
@@ -36,6 +37,14 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
     details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:5])
     raise ValueError(f"workdir {os.path.dirname(path)} holds a run with a different config"
                      f" ({details}); use a new --workdir or the same config to resume")
+
+
+def config_changes(old: dict, config: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
+  """``(key, recorded, new)`` for every flattened key whose value differs between the config a
+  run recorded (its ``config.json``) and ``config``; keys that may change on resume left out."""
+  old, new = _flatten(old), _flatten(json.loads(config.to_json()))
+  return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+          if k not in _RESUME_MUTABLE and old.get(k) != new.get(k)]
 
 
 def write_json(path: str, obj, default=None) -> None:
