@@ -1,6 +1,7 @@
-"""Weight decay follows training progress (gradient mass), not server steps; per_step keeps the old way."""
+"""Weight decay follows training progress (gradient mass), not server steps; or per_step."""
 
 import dataclasses
+import heapq
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ def _rounds_of_pushes(protocol, speeds, num_pushes, message_delay=0.3):
   while any(kind == "message" for _, _, kind, _ in engine.queue):
     if engine.queue[0][2] == "push":   # drain messages only: no further gradient
       engine.queue = [e for e in engine.queue if e[2] != "push"]
+      heapq.heapify(engine.queue)
       continue
     rounds.extend(engine.step())
   return rounds

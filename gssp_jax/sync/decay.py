@@ -84,7 +84,9 @@ def with_gradient_mass(sync_tx: optax.GradientTransformationExtraArgs
 
 def replicated_with_mass(inner: optax.GradientTransformation,
                          num_replicas: int) -> optax.GradientTransformationExtraArgs:
-  """``transforms.replicated`` over :class:`GradientMass`: replica r's optimizer gets ``gradient_mass=mass[r]``.
+  """``transforms.replicated`` over :class:`GradientMass`; replica r's optimizer gets its mass.
+
+  Replica ``r``'s ``inner.update`` receives the extra arg ``gradient_mass=mass[r]``.
 
   The state is ``transforms.ReplicatedState``; replicas outside ``applies``
   keep their optimizer state and get a zero update, as with ``replicated``.
