@@ -23,6 +23,7 @@ COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
 COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
+WEIGHT_DECAY_MODES = ("progress", "per_step")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -53,6 +54,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.optimizer.momentum = 0.9
   c.optimizer.nesterov = False
   c.optimizer.weight_decay = 5e-4
+  # progress: decay per unit of applied gradient mass (every scheme decays per epoch as BSP);
+  # per_step: at every server optimizer step (the GSSP authors' code). Same in the BSP loop.
+  c.optimizer.weight_decay_mode = "progress"
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_epochs = 0.0
   c.optimizer.grad_clip = 0.0  # global-norm clip of the applied gradient (0 = off)
@@ -184,6 +188,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       _fail(key, value, "a number in (0, 1]")
   _choice(config, "optimizer.name", OPTIMIZERS)
   _choice(config, "optimizer.schedule", SCHEDULES)
+  _choice(config, "optimizer.weight_decay_mode", WEIGHT_DECAY_MODES)
   if not isinstance(config.seed, int) or isinstance(config.seed, bool):
     _fail("seed", config.seed, "an integer")
   for key in ("num_workers", "batch_size", "data.eval_batch_size", "train.checkpoint_every",

@@ -92,10 +92,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   speeds = (cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds)
   scheme = sync.scheme_from_config(config, worker_times=speeds)
   R = scheme.num_replicas
-  inner = optim.make_optimizer(config.optimizer, spe, round(total_pushes / W),
-                               unit_learning_rate=True)
   schedule = optim.learning_rate_schedule(config.optimizer, spe, round(total_pushes / W))
-  tx = optax.chain(scheme.transform, sync.replicated(inner, R), optim.scale_by_learning_rate_arg())
+  tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
   compressor = loop_lib.make_compressor(_one_worker(config))   # None for "none"
 
   rng = jax.random.PRNGKey(config.seed)

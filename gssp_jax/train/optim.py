@@ -5,6 +5,14 @@ from __future__ import annotations
 import ml_collections
 import optax
 
+from gssp_jax.sync import decay as decay_lib
+from gssp_jax.sync import transforms
+
+# How weight decay is counted where a server applies many small steps (see gssp_jax.sync.decay):
+# "progress": by the gradient mass each application carries, so every scheme decays per epoch as
+# BSP does; "per_step": once per server optimizer step (the GSSP authors' code).
+WEIGHT_DECAY_MODES = ("progress", "per_step")
+
 
 def learning_rate_schedule(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
                            total_steps: int) -> optax.Schedule:
@@ -31,22 +39,34 @@ def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
   With ``unit_learning_rate`` the learning rate is 1 and the caller scales the
   updates by the schedule itself (the simulator does, from training progress,
   because an asynchronous server's step count is not the run's progress).
+
+  ``cfg.weight_decay_mode`` ``"progress"`` (default) scales the decay by the
+  keyword-only extra arg ``gradient_mass`` (see :func:`make_sync_chain`); a
+  plain optimizer such as the BSP loop's gets none, and one BSP step has mass
+  1, so there both modes are the same optimizer, bit for bit.
   """
   lr = 1.0 if unit_learning_rate else learning_rate_schedule(cfg, steps_per_epoch, total_steps)
+  progress = weight_decay_mode(cfg) == "progress"
+  # Progress mode scales the decay by the extra arg ``gradient_mass`` (1 when absent, as in
+  # the BSP loop, where it equals optax.add_decayed_weights bit for bit).
+  decay = (decay_lib.add_mass_decayed_weights if progress else optax.add_decayed_weights)(
+      cfg.weight_decay)
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
   if cfg.name == "sgd":
     # PyTorch-style weight decay: added to the gradient before momentum.
     if cfg.weight_decay > 0:
-      parts.append(optax.add_decayed_weights(cfg.weight_decay))
+      parts.append(decay)
     parts.append(optax.sgd(lr, momentum=cfg.momentum or None, nesterov=cfg.nesterov))
   elif cfg.name == "adam":
     if cfg.weight_decay > 0:
-      parts.append(optax.add_decayed_weights(cfg.weight_decay))
+      parts.append(decay)
     parts.append(optax.adam(lr))
   elif cfg.name == "adamw":
-    parts.append(optax.adamw(lr, weight_decay=cfg.weight_decay))
+    # optax.adamw's own chain, with the decoupled decay in the middle.
+    parts.append(optax.chain(optax.scale_by_adam(), decay, optax.scale_by_learning_rate(lr))
+                 if progress else optax.adamw(lr, weight_decay=cfg.weight_decay))
   else:
     raise ValueError(f"optimizer.name={cfg.name!r}; allowed: sgd, adam, adamw")
   return optax.chain(*parts)
@@ -60,3 +80,42 @@ def scale_by_learning_rate_arg() -> optax.GradientTransformationExtraArgs:
       return updates, state
     return optax.tree.scale(learning_rate, updates), state
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def weight_decay_mode(cfg: ml_collections.ConfigDict) -> str:
+  """``cfg.weight_decay_mode`` (``"progress"`` when the key is absent), checked."""
+  mode = cfg.get("weight_decay_mode", "progress")
+  if mode not in WEIGHT_DECAY_MODES:
+    raise ValueError(f"optimizer.weight_decay_mode={mode!r} is invalid; allowed: "
+                     f"{', '.join(WEIGHT_DECAY_MODES)}")
+  return mode
+
+
+def make_sync_chain(cfg: ml_collections.ConfigDict,
+                    sync_transform: optax.GradientTransformationExtraArgs,
+                    num_replicas: int) -> optax.GradientTransformationExtraArgs:
+  """The simulator's chain: sync transform, one optimizer per replica, the ``learning_rate`` arg.
+
+  Worker gradients ``[W, ...]`` in, replica updates ``[R, ...]`` out. The
+  replicas' optimizers run at learning rate 1; the round's extra arg
+  ``learning_rate`` scales their updates (``scale_by_learning_rate_arg``).
+
+  Weight decay (``cfg.weight_decay_mode``):
+
+  * ``"progress"``: every replica decays in proportion to the gradient mass it
+    applies (``gssp_jax.sync.decay``): BSP's round has mass 1, an ASP push
+    ``1/W``, a GSSP delivery of K pushes ``K/W``. Per epoch of data every
+    scheme then decays as BSP does, as the learning-rate schedule follows
+    epochs rather than server steps. L2 for ``sgd``/``adam`` (added to the
+    gradient), decoupled for ``adamw``.
+  * ``"per_step"``: the full decay at every optimizer step of every replica,
+    as the GSSP authors' servers do; an asynchronous server then decays up to
+    W times more per epoch than BSP.
+  """
+  inner = make_optimizer(cfg, 1, 1, unit_learning_rate=True)
+  if weight_decay_mode(cfg) == "per_step" or not cfg.weight_decay > 0:
+    return optax.chain(sync_transform, transforms.replicated(inner, num_replicas),
+                       scale_by_learning_rate_arg())
+  return optax.chain(decay_lib.with_gradient_mass(sync_transform),
+                     decay_lib.replicated_with_mass(inner, num_replicas),
+                     scale_by_learning_rate_arg())
