@@ -393,16 +393,23 @@ def test_golden_gssp_peer():
 
 
 def test_golden_gssp_global():
-  # Replicas (group 0, group 1, global). t=1 w0: x0=0.25, forward. t=1.5 global applies
-  # it: xg=0.25, and returns its weights (arrive t=2).  t=2 w1 on 0: x1=0.75; w0 on 0.25:
-  # g=-0.75, x0=0.4375 (not forwarded: one forward in flight); then group 0 adopts
-  # xg: x0=0.25 and forwards the waiting -0.375.  t=2.5 global applies w1's -1.5 then
-  # w0's -0.375: xg=1.0, then 1.1875.
+  # Replicas (group 0, group 1, global, reply slot 0, reply slot 1). A group server
+  # waits for the global server's reply: pushes and pulls at it wait meanwhile.
+  # t=1 w0: x0=0.25, forward (w0 waits for the reply). t=1.5 global applies it:
+  # xg=0.25, kept in slot 0 and sent back.  t=2 w1 on 0: x1=0.75, forward; then
+  # group 0 adopts slot 0 (0.25) and w0 pulls it.  t=2.5 global applies w1's -1.5:
+  # xg=1.0 = slot 1.  t=3 w0 on 0.25: g=-0.75, x0=0.4375, forward; group 1 adopts
+  # 1.0, w1 pulls.  t=3.5 global applies w0's -0.375: xg=1.1875 = slot 0, adopted at t=4.
   tl, xs = _golden(sync.gssp(2, 2, inter_group="global"),
-                   sync.GSSPProtocol(2, [0, 1], 3, inter_group="global"), 3, 4)
-  assert xs[:7] == [[0.25, 0.0, 0.0], [0.25, 0.0, 0.25], [0.25, 0.75, 0.25],
-                    [0.4375, 0.75, 0.25], [0.25, 0.75, 0.25], [0.25, 0.75, 1.0],
-                    [0.25, 0.75, 1.1875]]
+                   sync.GSSPProtocol(2, [0, 1], 3, inter_group="global"), 5, 4)
+  assert xs[:9] == [[0.25, 0.0, 0.0, 0.0, 0.0], [0.25, 0.0, 0.25, 0.25, 0.0],
+                    [0.25, 0.75, 0.25, 0.25, 0.0], [0.25, 0.75, 0.25, 0.25, 0.0],
+                    [0.25, 0.75, 1.0, 0.25, 1.0], [0.4375, 0.75, 1.0, 0.25, 1.0],
+                    [0.4375, 1.0, 1.0, 0.25, 1.0], [0.4375, 1.0, 1.1875, 1.1875, 1.0],
+                    [1.1875, 1.0, 1.1875, 1.1875, 1.0]]
+  assert [np.flatnonzero(r.pulls).tolist() for r in tl.rounds[:9]] == [
+      [], [], [], [0], [], [], [1], [], [0]]
+  assert tl.blocked_time.tolist() == [2.0, 1.0]   # each waited for its group's round trip
 
 
 def test_golden_inhad():
