@@ -525,6 +525,83 @@ def test_gssp_forwards_every_group_size_pushes():
   assert forwards == 20 and delivers in (19, 20)   # every 2 pushes; the last may be in flight
 
 
+def _gssp_global_replay(protocol, speeds, max_pushes, message_delay, targets):
+  """Scalar x, worker w's gradient x_read - targets[w], SGD lr 0.5; states after each round."""
+  tl = sync.run_timeline(protocol, lambda w, k: speeds[w], max_pushes=max_pushes,
+                         message_delay=message_delay)
+  W, G = protocol.num_workers, protocol.num_groups
+  chain = optax.chain(sync.gssp(W, G, inter_group="global", assignment=protocol.route),
+                      sync.replicated(optax.sgd(0.5), protocol.num_replicas))
+  seen = []
+  replay.replay(chain, {"x": jnp.zeros([])}, tl.rounds,
+                lambda wp, i: {"x": wp["x"] - jnp.asarray(targets)},
+                num_replicas=protocol.num_replicas, num_workers=W,
+                on_round=lambda i, st: seen.append(jax.tree.map(np.asarray, st)))
+  return tl, seen
+
+
+def test_gssp_global_adopts_the_weights_sent_not_those_at_arrival():
+  # Group 0's reply takes 1 s; group 1's sum reaches the global server meanwhile.
+  delay = lambda m: 1.0 if (m.kind, m.group) == ("adopt", 0) else 0.1
+  protocol = sync.GSSPProtocol(2, [0, 1], 3, inter_group="global")
+  tl, seen = _gssp_global_replay(protocol, [1.0, 1.3], 6, delay, [1.0, 3.0])
+  sent = next(i for i, r in enumerate(tl.rounds) if r.deliver[0])
+  adopt = next(i for i, r in enumerate(tl.rounds) if r.adopt[0] >= 0)
+  assert any(r.deliver[1] for r in tl.rounds[sent + 1:adopt])   # group 1 lands in between
+  x = lambda i: seen[i].replica_params["x"]
+  assert x(adopt - 1)[2] != x(sent)[2]          # the global server moved on ...
+  assert x(adopt)[0] == x(sent)[2]              # ... group 0 adopts what was sent to it
+
+
+def test_gssp_global_group_server_waits_for_the_reply():
+  # Group 0 = workers 0, 1 (forward every 2 pushes), group 1 = worker 2 (never pushes
+  # here). t=1.5 w1's push completes group 0's sum: it is forwarded (delivered at 2,
+  # reply at 2.5). w0's push at t=2 waits for the reply, then is applied on top of it.
+  protocol = sync.GSSPProtocol(3, [0, 0, 1], 3, inter_group="global")
+  targets = np.array([1.0, 3.0, 5.0])
+  tl, seen = _gssp_global_replay(protocol, [1.0, 1.5, 10.0], 4, lambda m: 0.5, targets)
+  adopt = next(i for i, r in enumerate(tl.rounds) if r.adopt[0] >= 0)
+  pushes0 = [i for i, r in enumerate(tl.rounds) if r.arrived[0]]
+  assert pushes0[1] == adopt + 1 and tl.rounds[adopt + 1].time == 2.5
+  read = seen[adopt].worker_params["x"][0]    # what w0 computed its gradient on (t=1)
+  after = seen[adopt + 1].replica_params["x"]
+  expected = seen[adopt].replica_params["x"][0] - 0.5 * (read - targets[0]) / 3
+  np.testing.assert_allclose(after[0], expected, rtol=1e-6)
+  assert seen[adopt].replica_params["x"][0] == seen[adopt].replica_params["x"][3]  # slot 0
+  # w0 waited from its push (t=2) to the reply (2.5); w1 from the forward (1.5).
+  np.testing.assert_allclose(tl.blocked_time[:2], [0.5, 1.0])
+
+
+def test_gssp_regrouping_restarts_ssp_clocks():
+  # Speed groups {0, 1} fast and {2, 3} slow for 40 s; then 1 and 2 swap speeds and the
+  # workers regroup into the new homogeneous pairs {0, 2} and {1, 3}. Their push counts
+  # differ by about 40 and 20 from the old groups; that must not make anyone wait.
+  speeds = [1.0, 1.0, 2.0, 2.0]
+  protocol = sync.GSSPProtocol(4, [0, 0, 1, 1], 3)
+  engine = sync.TimelineEngine(protocol, lambda w, k: speeds[w])
+  while engine.now < 40.0:
+    engine.step()
+  protocol.request_regroup([0, 1, 0, 1])
+  speeds[:] = [1.0, 2.0, 1.0, 2.0]
+  while not protocol.regroups:
+    engine.step()
+  assert np.abs(protocol.clock[[0, 1]] - protocol.clock[[2, 3]]).min() > 10
+  start, blocked = engine.now, engine.blocked_time.copy()
+  while engine.now < start + 60.0:
+    engine.step()
+  assert (engine.blocked_time - blocked).max() < 1.0   # was 20 s and 40 s
+
+
+def test_gssp_server_payloads_count_every_message():
+  peer = sync.GSSPProtocol(3, [0, 1, 2], 3)
+  deliver = peer.on_message(sync.Message("deliver", 0), 0.0).rounds[0]
+  assert peer.server_payloads(deliver) == 2          # to each of the G - 1 others
+  glob = sync.GSSPProtocol(3, [0, 1, 2], 3, inter_group="global")
+  deliver = glob.on_message(sync.Message("deliver", 0), 0.0).rounds[0]
+  reply = glob.on_message(sync.Message("adopt", 0), 0.5).rounds[0]
+  assert glob.server_payloads(deliver) == 1 and glob.server_payloads(reply) == 1
+
+
 @pytest.mark.parametrize("num_workers,group_size", [(16, 4), (16, 2), (12, 3), (8, 8), (6, 2)])
 def test_dssync_partitions_disjoint_and_connected_over_a_period(num_workers, group_size):
   for seed, period in itertools.product(range(3), range(5)):
