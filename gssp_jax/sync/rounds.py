@@ -152,8 +152,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
       mean = (onehot.T @ flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
       return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
     replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
-    replica_model_state = mean_of_first(replica_model_state,
-                                        jnp.asarray(args["stats_mean"], jnp.int32))
+    if "stats_mean" in args:   # absent from args built before the field existed
+      replica_model_state = mean_of_first(replica_model_state,
+                                          jnp.asarray(args["stats_mean"], jnp.int32))
     replica_model_state = adopt_replicas(average_replicas(replica_model_state, average), adopt)
     worker_model_state = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
                                       worker_model_state, replica_model_state)
