@@ -287,6 +287,97 @@ def test_batchnorm_statistics_follow_the_rounds():
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.replica_params))
 
 
+def test_gssp_global_batchnorm_statistics_follow_the_groups():
+  """GSSP global: the global server's statistics are its groups' mean, and groups adopt them."""
+  import flax.linen as nn
+  import jax
+  from gssp_jax.sim import executor
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(8)(x))
+      return nn.Dense(2)(nn.relu(x))
+
+  net = Net()
+  variables = net.init(jax.random.key(0), jnp.ones([4, 3]))
+  params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+  def loss_fn(p, ms, batch, rng):
+    del rng
+    out, new = net.apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
+    return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
+
+  arrays = {"x": 3.0 + jax.random.normal(jax.random.key(1), (64, 3)),
+            "y": jax.random.normal(jax.random.key(2), (64, 2))}
+  scheme = sync.build_scheme("gssp", 4, num_groups=2, staleness=1, inter_group="global")
+  tx = optax.chain(scheme.transform, sync.replicated(optax.sgd(0.1), scheme.num_replicas))
+  state = executor.init_state(params, model_state, tx, None, 4, scheme.num_replicas,
+                              jax.random.key(3))
+  job_fn = executor.make_job_fn(loss_fn, None, 100)
+  round_fn = executor.make_round_fn(tx)
+  rng = np.random.default_rng(0)
+  jobs = np.zeros([4], np.int64)
+
+  def dispatch(workers):
+    nonlocal state
+    for part in executor.split_jobs(np.asarray(workers)):
+      idx = rng.integers(0, 64, size=(part.size, 4)).astype(np.int32)
+      state = job_fn(state, arrays, part.astype(np.int32), idx, jobs[part].astype(np.int32),
+                     np.ones([part.size], np.float32))
+      jobs[part] += 1
+  dispatch(np.arange(4))
+  protocol = scheme.make_protocol()
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 1.3, 2.0, 2.7][w], max_pushes=16,
+                         message_delay=lambda m: 0.2)
+  stats = lambda: jax.tree.map(np.asarray, state.replica_model_state)
+  initial = stats()
+  G = 2   # group servers 0, 1; the global server 2; reply slots 3, 4
+  slot = lambda g: G + 1 + g
+  seen = {"deliver": 0, "adopt": 0}
+  for rnd in tl.rounds:
+    before = stats()
+    state = round_fn(state, sync.round_args(rnd))
+    after = stats()
+    for g in np.flatnonzero(rnd.deliver):   # global = mean of the groups; the reply keeps it
+      seen["deliver"] += 1
+      jax.tree.map(lambda b, a: np.testing.assert_allclose(a[G], b[:G].mean(0), rtol=1e-6),
+                   before, after)
+      jax.tree.map(lambda a: np.testing.assert_array_equal(a[slot(g)], a[G]),
+                   after)
+    for g in np.flatnonzero(rnd.adopt[:G] >= 0):   # a group adopts the statistics sent
+      seen["adopt"] += 1
+      jax.tree.map(lambda a, i: (np.testing.assert_array_equal(a[g], a[slot(g)]),
+                                 np.testing.assert_array_less(1e-3, np.abs(a[g] - i[g]).max())),
+                   after, initial)
+    dispatch(np.flatnonzero(rnd.pulls))
+  assert seen["deliver"] >= 3 and seen["adopt"] >= 3 and protocol.global_replica == G
+  served = executor.served_weights(state, G)[1]
+  jax.tree.map(lambda s, i: np.testing.assert_array_less(1e-3, np.abs(s - i[G]).max()),
+               served, initial)
+
+
+@pytest.mark.parametrize("inter_group,copies", [("peer", 3), ("global", 1)])
+def test_gssp_bytes_between_servers_count_every_copy(tmp_path, data_dir, inter_group, copies):
+  """Four groups: a peer delivery goes to 3 servers; global sends one sum and one reply."""
+  import jax
+  from gssp_jax.train import step as step_lib
+  from gssp_jax.train import tasks
+  config = _sim_config("gssp", **{"sync.num_groups": 4, "sync.inter_group": inter_group,
+                                  "train.num_epochs": 0.5, "train.eval_every": 0.5})
+  config.data_dir = data_dir
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  params, model_state = tasks.make_task(config).init(jax.random.PRNGKey(0))
+  payload = step_lib.tree_bytes(params) + step_lib.tree_bytes(model_state)
+  totals = summary["totals"]
+  # One round per delivery (and reply); global: a push held at the end has none yet.
+  messages = totals["rounds"] - totals["pushes"]
+  assert messages > 0 and totals["bytes_between_servers"] % (copies * payload) == 0
+  sent = totals["bytes_between_servers"] // (copies * payload)
+  assert messages <= sent <= messages + (config.num_workers if inter_group == "global" else 0)
+  assert 0 < summary["final"]["test_accuracy"] <= 1
+
+
 def test_calibration_measures_the_base_time(tmp_path, data_dir):
   config = _sim_config("asp", **{"cluster.calibrate": True, "train.num_epochs": 0.5})
   config.data_dir = data_dir

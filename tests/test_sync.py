@@ -393,16 +393,23 @@ def test_golden_gssp_peer():
 
 
 def test_golden_gssp_global():
-  # Replicas (group 0, group 1, global). t=1 w0: x0=0.25, forward. t=1.5 global applies
-  # it: xg=0.25, and returns its weights (arrive t=2).  t=2 w1 on 0: x1=0.75; w0 on 0.25:
-  # g=-0.75, x0=0.4375 (not forwarded: one forward in flight); then group 0 adopts
-  # xg: x0=0.25 and forwards the waiting -0.375.  t=2.5 global applies w1's -1.5 then
-  # w0's -0.375: xg=1.0, then 1.1875.
+  # Replicas (group 0, group 1, global, reply slot 0, reply slot 1). A group server
+  # waits for the global server's reply: pushes and pulls at it wait meanwhile.
+  # t=1 w0: x0=0.25, forward (w0 waits for the reply). t=1.5 global applies it:
+  # xg=0.25, kept in slot 0 and sent back.  t=2 w1 on 0: x1=0.75, forward; then
+  # group 0 adopts slot 0 (0.25) and w0 pulls it.  t=2.5 global applies w1's -1.5:
+  # xg=1.0 = slot 1.  t=3 w0 on 0.25: g=-0.75, x0=0.4375, forward; group 1 adopts
+  # 1.0, w1 pulls.  t=3.5 global applies w0's -0.375: xg=1.1875 = slot 0, adopted at t=4.
   tl, xs = _golden(sync.gssp(2, 2, inter_group="global"),
-                   sync.GSSPProtocol(2, [0, 1], 3, inter_group="global"), 3, 4)
-  assert xs[:7] == [[0.25, 0.0, 0.0], [0.25, 0.0, 0.25], [0.25, 0.75, 0.25],
-                    [0.4375, 0.75, 0.25], [0.25, 0.75, 0.25], [0.25, 0.75, 1.0],
-                    [0.25, 0.75, 1.1875]]
+                   sync.GSSPProtocol(2, [0, 1], 3, inter_group="global"), 5, 4)
+  assert xs[:9] == [[0.25, 0.0, 0.0, 0.0, 0.0], [0.25, 0.0, 0.25, 0.25, 0.0],
+                    [0.25, 0.75, 0.25, 0.25, 0.0], [0.25, 0.75, 0.25, 0.25, 0.0],
+                    [0.25, 0.75, 1.0, 0.25, 1.0], [0.4375, 0.75, 1.0, 0.25, 1.0],
+                    [0.4375, 1.0, 1.0, 0.25, 1.0], [0.4375, 1.0, 1.1875, 1.1875, 1.0],
+                    [1.1875, 1.0, 1.1875, 1.1875, 1.0]]
+  assert [np.flatnonzero(r.pulls).tolist() for r in tl.rounds[:9]] == [
+      [], [], [], [0], [], [], [1], [], [0]]
+  assert tl.blocked_time.tolist() == [2.0, 1.0]   # each waited for its group's round trip
 
 
 def test_golden_inhad():
@@ -516,6 +523,83 @@ def test_gssp_forwards_every_group_size_pushes():
   forwards = sum(int(r.forward.sum()) for r in tl.rounds)
   delivers = sum(int(r.deliver.sum()) for r in tl.rounds)
   assert forwards == 20 and delivers in (19, 20)   # every 2 pushes; the last may be in flight
+
+
+def _gssp_global_replay(protocol, speeds, max_pushes, message_delay, targets):
+  """Scalar x, worker w's gradient x_read - targets[w], SGD lr 0.5; states after each round."""
+  tl = sync.run_timeline(protocol, lambda w, k: speeds[w], max_pushes=max_pushes,
+                         message_delay=message_delay)
+  W, G = protocol.num_workers, protocol.num_groups
+  chain = optax.chain(sync.gssp(W, G, inter_group="global", assignment=protocol.route),
+                      sync.replicated(optax.sgd(0.5), protocol.num_replicas))
+  seen = []
+  replay.replay(chain, {"x": jnp.zeros([])}, tl.rounds,
+                lambda wp, i: {"x": wp["x"] - jnp.asarray(targets)},
+                num_replicas=protocol.num_replicas, num_workers=W,
+                on_round=lambda i, st: seen.append(jax.tree.map(np.asarray, st)))
+  return tl, seen
+
+
+def test_gssp_global_adopts_the_weights_sent_not_those_at_arrival():
+  # Group 0's reply takes 1 s; group 1's sum reaches the global server meanwhile.
+  delay = lambda m: 1.0 if (m.kind, m.group) == ("adopt", 0) else 0.1
+  protocol = sync.GSSPProtocol(2, [0, 1], 3, inter_group="global")
+  tl, seen = _gssp_global_replay(protocol, [1.0, 1.3], 6, delay, [1.0, 3.0])
+  sent = next(i for i, r in enumerate(tl.rounds) if r.deliver[0])
+  adopt = next(i for i, r in enumerate(tl.rounds) if r.adopt[0] >= 0)
+  assert any(r.deliver[1] for r in tl.rounds[sent + 1:adopt])   # group 1 lands in between
+  x = lambda i: seen[i].replica_params["x"]
+  assert x(adopt - 1)[2] != x(sent)[2]          # the global server moved on ...
+  assert x(adopt)[0] == x(sent)[2]              # ... group 0 adopts what was sent to it
+
+
+def test_gssp_global_group_server_waits_for_the_reply():
+  # Group 0 = workers 0, 1 (forward every 2 pushes), group 1 = worker 2 (never pushes
+  # here). t=1.5 w1's push completes group 0's sum: it is forwarded (delivered at 2,
+  # reply at 2.5). w0's push at t=2 waits for the reply, then is applied on top of it.
+  protocol = sync.GSSPProtocol(3, [0, 0, 1], 3, inter_group="global")
+  targets = np.array([1.0, 3.0, 5.0])
+  tl, seen = _gssp_global_replay(protocol, [1.0, 1.5, 10.0], 4, lambda m: 0.5, targets)
+  adopt = next(i for i, r in enumerate(tl.rounds) if r.adopt[0] >= 0)
+  pushes0 = [i for i, r in enumerate(tl.rounds) if r.arrived[0]]
+  assert pushes0[1] == adopt + 1 and tl.rounds[adopt + 1].time == 2.5
+  read = seen[adopt].worker_params["x"][0]    # what w0 computed its gradient on (t=1)
+  after = seen[adopt + 1].replica_params["x"]
+  expected = seen[adopt].replica_params["x"][0] - 0.5 * (read - targets[0]) / 3
+  np.testing.assert_allclose(after[0], expected, rtol=1e-6)
+  assert seen[adopt].replica_params["x"][0] == seen[adopt].replica_params["x"][3]  # slot 0
+  # w0 waited from its push (t=2) to the reply (2.5); w1 from the forward (1.5).
+  np.testing.assert_allclose(tl.blocked_time[:2], [0.5, 1.0])
+
+
+def test_gssp_regrouping_restarts_ssp_clocks():
+  # Speed groups {0, 1} fast and {2, 3} slow for 40 s; then 1 and 2 swap speeds and the
+  # workers regroup into the new homogeneous pairs {0, 2} and {1, 3}. Their push counts
+  # differ by about 40 and 20 from the old groups; that must not make anyone wait.
+  speeds = [1.0, 1.0, 2.0, 2.0]
+  protocol = sync.GSSPProtocol(4, [0, 0, 1, 1], 3)
+  engine = sync.TimelineEngine(protocol, lambda w, k: speeds[w])
+  while engine.now < 40.0:
+    engine.step()
+  protocol.request_regroup([0, 1, 0, 1])
+  speeds[:] = [1.0, 2.0, 1.0, 2.0]
+  while not protocol.regroups:
+    engine.step()
+  assert np.abs(protocol.clock[[0, 1]] - protocol.clock[[2, 3]]).min() > 10
+  start, blocked = engine.now, engine.blocked_time.copy()
+  while engine.now < start + 60.0:
+    engine.step()
+  assert (engine.blocked_time - blocked).max() < 1.0   # was 20 s and 40 s
+
+
+def test_gssp_server_payloads_count_every_message():
+  peer = sync.GSSPProtocol(3, [0, 1, 2], 3)
+  deliver = peer.on_message(sync.Message("deliver", 0), 0.0).rounds[0]
+  assert peer.server_payloads(deliver) == 2          # to each of the G - 1 others
+  glob = sync.GSSPProtocol(3, [0, 1, 2], 3, inter_group="global")
+  deliver = glob.on_message(sync.Message("deliver", 0), 0.0).rounds[0]
+  reply = glob.on_message(sync.Message("adopt", 0), 0.5).rounds[0]
+  assert glob.server_payloads(deliver) == 1 and glob.server_payloads(reply) == 1
 
 
 @pytest.mark.parametrize("num_workers,group_size", [(16, 4), (16, 2), (12, 3), (8, 8), (6, 2)])

@@ -126,7 +126,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
       pull_delay=lambda w: cluster.link_time(w, pull_bytes),
       message_delay=lambda m: cluster.server_time(pull_bytes), record=False)
   acct = sync.accounting.Accounting(W, R, aggregating=scheme.name == "inhad")
-  eval_replica = R - 1 if (scheme.name == "gssp" and config.sync.inter_group == "global") else None
+  eval_replica = getattr(engine.protocol, "global_replica", None)   # GSSP global: its server
 
   host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
           "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
@@ -253,7 +253,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         acct.apply(rnd)
         host["rounds"] += 1
         host["updates"] += int(rnd.applies.any())
-        host["server_bytes"] += int(rnd.deliver.sum() + (rnd.adopt >= 0).sum()) * pull_bytes
+        host["server_bytes"] += engine.protocol.server_payloads(rnd) * pull_bytes
         pulled = np.flatnonzero(rnd.pulls)
         host["pulls_per_worker"][pulled] += 1
         if pulled.size:

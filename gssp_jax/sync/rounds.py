@@ -31,6 +31,10 @@ class Round(NamedTuple):
     aggregate: ``[]`` bool, InHAD's server pulls the node aggregates.
     adopt: ``[R]`` int32, replica whose weights each replica copies (-1: none).
     average: ``[R]`` int32, averaging group of each replica (-1: not averaged).
+    stats_mean: ``[R]`` int32; ``n >= 1``: the replica's model state
+      (BatchNorm statistics, not weights) becomes the mean of replicas
+      ``0..n-1``'s (GSSP global: the global server takes its group servers'
+      mean); -1: unchanged.
   """
   time: float
   arrived: np.ndarray
@@ -42,6 +46,7 @@ class Round(NamedTuple):
   aggregate: np.ndarray
   adopt: np.ndarray
   average: np.ndarray
+  stats_mean: np.ndarray
 
 
 def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: int,
@@ -52,7 +57,8 @@ def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: in
                applies=np.zeros([num_replicas], bool), forward=np.zeros([num_groups], bool),
                deliver=np.zeros([num_groups], bool), aggregate=np.zeros([], bool),
                adopt=np.full([num_replicas], -1, np.int32),
-               average=np.full([num_replicas], -1, np.int32))
+               average=np.full([num_replicas], -1, np.int32),
+               stats_mean=np.full([num_replicas], -1, np.int32))
 
 
 def round_args(rnd: Round) -> dict[str, Any]:
@@ -80,6 +86,20 @@ def average_replicas(tree, average: jax.Array):
   return jax.tree.map(one, tree)
 
 
+def mean_of_first(tree, count: jax.Array):
+  """Replaces each replica with ``count[r] >= 1`` by the mean of replicas ``0..count[r]-1``."""
+  num = count.shape[0]
+  weights = (jnp.arange(num)[None, :] < count[:, None]).astype(jnp.float32)   # [R, R]
+  weights = weights / jnp.maximum(weights.sum(1, keepdims=True), 1.0)
+  take = count >= 1
+
+  def one(x):
+    flat = x.reshape(num, -1).astype(jnp.float32)
+    means = jnp.matmul(weights, flat, precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(transforms.rows(take, x), means.reshape(x.shape).astype(x.dtype), x)
+  return jax.tree.map(one, tree)
+
+
 def adopt_replicas(tree, adopt: jax.Array):
   """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values."""
   src = jnp.where(adopt >= 0, adopt, jnp.arange(adopt.shape[0]))
@@ -90,6 +110,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
                 worker_params, worker_grads, args: dict, replica_model_state=None,
                 worker_model_state=None):
   """Applies one round: the chain's updates, averaging, adoption, then the workers' pulls.
+
+  Model state, in order: arrived workers' statistics, ``stats_mean``,
+  averaging, adoption, pulls.
 
   Args:
     tx: ``optax.chain(<compressor>, <sync transform>, replicated(<optimizer>, R))``.
@@ -129,6 +152,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
       mean = (onehot.T @ flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
       return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
     replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
+    if "stats_mean" in args:   # absent from args built before the field existed
+      replica_model_state = mean_of_first(replica_model_state,
+                                          jnp.asarray(args["stats_mean"], jnp.int32))
     replica_model_state = adopt_replicas(average_replicas(replica_model_state, average), adopt)
     worker_model_state = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
                                       worker_model_state, replica_model_state)

@@ -293,15 +293,17 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
          assignment=None, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
   """GSSP: SSP inside groups at group servers, asynchronous exchange between groups.
 
-  Replicas: the ``G`` group servers, plus a global server at index ``G`` when
-  ``inter_group="global"``. A worker's scaled gradient is applied at once by
+  Replicas: the ``G`` group servers, plus, when ``inter_group="global"``, a
+  global server at index ``G`` and ``G`` reply slots ``G+1..2G`` (the global
+  weights as sent back to each group; they never apply anything). A worker's scaled gradient is applied at once by
   its group server and added to the group's ``pending`` sum. ``forward[g]``
   moves that sum to ``outbox[g]``; ``deliver[g]`` applies it (peer: at every
   other group server; global: at the global server) and empties the outbox.
   Delivery happens before a forward of the same round, so a protocol delivers
-  a zero-delay forward in the next round. ``adopt[r] = G`` (global) makes group
-  server ``r`` copy the global weights (done by ``rounds.apply_round``; here it
-  only advances the version).
+  a zero-delay forward in the next round. ``adopt[r] = a`` makes replica ``r``
+  copy replica ``a`` (global: slot ``G+1+g`` copies the global server when
+  ``g``'s sum is delivered, group ``g`` copies the slot when the reply lands;
+  done by ``rounds.apply_round``, here it only advances the version).
 
   Args:
     num_workers: W.
@@ -323,7 +325,7 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
                   else check_assignment("gssp", "assignment", assignment, num_workers, num_groups))
   scale = check_scale("gssp", 1.0 / num_workers if scale is None else scale)
   is_global = inter_group == "global"
-  num_replicas = num_groups + int(is_global)
+  num_replicas = num_groups + int(is_global) * (num_groups + 1)
 
   def init(params):
     return GSSPState(**_init_clocks(num_workers, num_replicas),
@@ -348,9 +350,9 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
       """Deliveries and forwards: only in the rounds that have some (lax.cond skips the rest)."""
       contrib, pending, outbox = operand
       sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
-      if is_global:
-        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True)]),
-                                contrib, sent)
+      if is_global:   # groups, the global server, the (never applied) reply slots
+        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
+                                                              jnp.zeros_like(c)]), contrib, sent)
       else:  # Every group server applies the other groups' delivered sums.
         incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
       outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
@@ -360,14 +362,16 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
 
     def no_exchange(operand):
       contrib, pending, outbox = operand
-      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1])]), contrib)
+      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1]),
+                                                          jnp.zeros_like(c)]), contrib)
                   if is_global else contrib)
       return incoming, pending, outbox
 
     incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
                                              no_exchange, (contrib, pending, state.outbox))
     if is_global:
-      derived = jnp.concatenate([arrived_at, jnp.any(deliver)[None]])
+      derived = jnp.concatenate([arrived_at, jnp.any(deliver)[None],
+                                 jnp.zeros([num_groups], bool)])
     else:
       got_peer = (jnp.sum(deliver) - deliver.astype(jnp.int32)) > 0
       derived = arrived_at | got_peer

@@ -69,6 +69,10 @@ class Protocol:
   def on_message(self, message: Message, time: float) -> Reaction:
     raise ValueError(f"{self.name} protocol got unexpected message {message!r}")
 
+  def server_payloads(self, rnd: rounds_lib.Round) -> int:
+    """Payloads sent between servers in ``rnd`` (the simulator counts their bytes)."""
+    return int(rnd.deliver.sum() + (rnd.adopt >= 0).sum())
+
   def check_worker(self, worker: int) -> int:
     if not 0 <= int(worker) < self.num_workers:
       raise ValueError(f"{self.name} worker={worker!r} is invalid; allowed: "

@@ -16,14 +16,24 @@ class GSSPProtocol(Protocol):
 
   * A worker's push is applied at once by its group server. The worker may go
     on while it is at most ``s`` clocks ahead of the slowest worker **of its
-    own group**; nothing outside the group ever blocks it.
+    own group**; nothing outside the group ever blocks it. A clock counts the
+    pushes its group server has processed since the last regrouping.
   * Every ``forward_every`` pushes (default: the group's size) the group
     server forwards the sum of those pushes: a ``forward`` round, then a
     ``Message("deliver", g)`` the caller delivers after the link's delay.
-    * ``peer``: delivery applies the sum at every other group server.
+    * ``peer``: delivery applies the sum at every other group server; the
+      group server does not wait for it.
     * ``global``: delivery applies it at the global server (replica ``G``),
-      which returns its weights: a ``Message("adopt", g)``; on arrival the
-      group server copies them.
+      whose weights right after that update are kept in group ``g``'s reply
+      slot (replica ``G + 1 + g``, never applied to, never pulled from) and
+      sent back: a ``Message("adopt", g)``; on arrival the group server copies
+      the slot. The group server waits for that round trip, as the authors'
+      does: pushes that reach it meanwhile are held, unapplied (their workers
+      stay blocked), and so are pulls; after the adopt, the held pushes are
+      processed in arrival order like new ones. At each delivery the global
+      server's BatchNorm statistics become the mean of the group servers'
+      (``Round.stats_mean``), so evaluation and the adopted statistics follow
+      training (the authors' code does not synchronise them at all).
     A group has at most one forward in flight; pushes that complete another
     ``forward_every`` meanwhile are forwarded as soon as the previous one
     lands, so no gradient is lost or sent twice.
@@ -51,7 +61,9 @@ class GSSPProtocol(Protocol):
     if inter_group not in transforms.INTER_GROUP:
       raise ValueError(f"gssp inter_group={inter_group!r} is invalid; allowed: "
                        f"{', '.join(transforms.INTER_GROUP)}")
-    super().__init__(num_workers, num_groups + (inter_group == "global"), num_groups, route)
+    is_global = inter_group == "global"
+    # global: the group servers, the global server, one reply slot per group.
+    super().__init__(num_workers, num_groups + is_global * (num_groups + 1), num_groups, route)
     self.staleness = transforms.check_int("gssp", "staleness", staleness, 0)
     self.inter_group = inter_group
     sizes = np.bincount(route, minlength=num_groups)
@@ -59,15 +71,28 @@ class GSSPProtocol(Protocol):
         [num_groups], transforms.check_int("gssp", "forward_every", forward_every, 1), np.int64))
     self.since_forward = np.zeros([num_groups], np.int64)
     self.in_flight = np.zeros([num_groups], bool)
+    self.held: list[list[int]] = [[] for _ in range(num_groups)]   # global: pushes in arrival order
+    self.baseline = np.zeros([num_workers], np.int64)   # clocks at the last regrouping
     self.next_route = None   # a regrouping waiting for its barrier
     self.regroups: list[tuple[float, list]] = []
+
+  @property
+  def global_replica(self) -> int | None:
+    """The global server's replica index (``G``), or None for ``peer``."""
+    return self.num_groups if self.inter_group == "global" else None
+
+  def reply_slot(self, group: int) -> int:
+    """Replica holding the global weights sent back to ``group`` (global only)."""
+    return self.num_groups + 1 + int(group)
 
   def request_regroup(self, groups) -> None:
     """Moves workers to new groups at the next barrier (e.g. by speed measured over an epoch).
 
-    Every worker finishes its current iteration and waits; when all wait, the new
-    groups take effect and everyone pulls from its new group server. Group ids
-    stay the servers' ids, so pending sums and forwards in flight are unaffected.
+    Every worker finishes its current iteration and waits; when all wait (and
+    no held push is left), the new groups take effect and everyone pulls from
+    its new group server. Group ids stay the servers' ids, so pending sums and
+    forwards in flight are unaffected. SSP clocks restart: a worker is bounded
+    by the pushes its new mates make from then on, not by those made elsewhere.
     """
     route = transforms.check_assignment("gssp", "groups", groups, self.num_workers,
                                         self.num_groups)
@@ -76,6 +101,27 @@ class GSSPProtocol(Protocol):
                        f"0..{self.num_groups - 1} used by at least one worker")
     self.next_route = route
 
+  def server_payloads(self, rnd) -> int:
+    """Server-to-server payloads sent in ``rnd``.
+
+    peer: each delivery goes to the G - 1 other group servers; global: one sum
+    to the global server per delivery and one reply (weights) per adopt.
+    Copies into the reply slots stay inside the global server.
+    """
+    if self.inter_group == "peer":
+      return int(rnd.deliver.sum()) * (self.num_groups - 1)
+    return int(rnd.deliver.sum() + (rnd.adopt[:self.num_groups] >= 0).sum())
+
+  def _busy(self, group: int) -> bool:
+    """The group server waits for the global server's reply (global only)."""
+    return self.inter_group == "global" and bool(self.in_flight[group])
+
+  def _held_mask(self) -> np.ndarray:
+    mask = np.zeros([self.num_workers], bool)
+    for queue in self.held:
+      mask[queue] = True
+    return mask
+
   def _maybe_forward(self, group: int, rnd, reaction) -> None:
     if self.since_forward[group] >= self.forward_every[group] and not self.in_flight[group]:
       rnd.forward[group] = True
@@ -83,8 +129,38 @@ class GSSPProtocol(Protocol):
       self.in_flight[group] = True
       reaction.messages.append(Message("deliver", group))
 
+  def _release_group(self, group: int, rnd, reaction) -> None:
+    """SSP inside ``group``: release its blocked workers within ``s`` of its slowest."""
+    mine = self.route == group
+    clock = self.clock - self.baseline
+    ahead = clock - clock[mine].min()
+    release_where(self, rnd, mine & (ahead <= self.staleness) & ~self._held_mask(), reaction)
+
+  def _maybe_regroup(self, time, reaction) -> None:
+    """The regrouping barrier: everyone blocked, nothing held."""
+    if self.next_route is None or not self.blocked.all() or any(self.held):
+      return
+    self.route = self.next_route
+    self.next_route = None
+    self.baseline = self.clock.copy()
+    self.regroups.append((float(time), self.route.tolist()))
+    regroup = self.new_round(time)   # no arrivals; pulls routed by the new groups
+    reaction.rounds.append(regroup)
+    # A group server waiting for its reply serves its new members after the adopt.
+    busy = np.array([self._busy(g) for g in range(self.num_groups)], bool)
+    release_where(self, regroup, ~busy[self.route], reaction)
+
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
+    g = int(self.route[worker])
+    self.blocked[worker] = True
+    if self._busy(g):
+      self.held[g].append(worker)
+      return Reaction()
+    return self._process(worker, time)
+
+  def _process(self, worker: int, time) -> Reaction:
+    """Applies ``worker``'s push at its group server (blocked until released)."""
     g = int(self.route[worker])
     self.clock[worker] += 1
     self.since_forward[g] += 1
@@ -93,19 +169,11 @@ class GSSPProtocol(Protocol):
     rnd.applies[g] = True
     reaction = Reaction(rounds=[rnd])
     self._maybe_forward(g, rnd, reaction)
-    self.blocked[worker] = True
     if self.next_route is not None:
-      if self.blocked.all():   # the barrier: regroup, everyone pulls from its new server
-        self.route = self.next_route
-        self.next_route = None
-        self.regroups.append((float(time), self.route.tolist()))
-        regroup = self.new_round(time)   # no arrivals; pulls routed by the new groups
-        reaction.rounds.append(regroup)
-        release_where(self, regroup, np.ones([self.num_workers], bool), reaction)
+      self._maybe_regroup(time, reaction)
       return reaction
-    mine = self.route == g
-    ahead = self.clock - self.clock[mine].min()
-    release_where(self, rnd, mine & (ahead <= self.staleness), reaction)
+    if not self._busy(g):
+      self._release_group(g, rnd, reaction)
     return reaction
 
   def on_message(self, message, time):
@@ -120,11 +188,24 @@ class GSSPProtocol(Protocol):
     elif message.kind == "deliver":
       rnd.deliver[g] = True
       rnd.applies[self.num_groups] = True
+      rnd.stats_mean[self.num_groups] = self.num_groups
+      # Adoption runs after the update: the slot keeps the weights as they leave.
+      rnd.adopt[self.reply_slot(g)] = self.num_groups
       reaction.messages.append(Message("adopt", g))
     elif message.kind == "adopt" and self.inter_group == "global":
-      rnd.adopt[g] = self.num_groups
+      rnd.adopt[g] = self.reply_slot(g)
       self.in_flight[g] = False
       self._maybe_forward(g, rnd, reaction)
+      if self.next_route is None and not self._busy(g):
+        self._release_group(g, rnd, reaction)
+      # The held pushes, in arrival order, after the new weights; one may
+      # forward again, and the rest then wait for that reply.
+      while self.held[g] and not self._busy(g):
+        more = self._process(self.held[g].pop(0), time)
+        reaction.rounds.extend(more.rounds)
+        reaction.release.extend(more.release)
+        reaction.messages.extend(more.messages)
+      self._maybe_regroup(time, reaction)
     else:
       return super().on_message(message, time)
     return reaction
