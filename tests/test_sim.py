@@ -131,19 +131,58 @@ def test_host_accounting_matches_device_staleness(name):
   acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=name == "inhad")
   tx = scheme.chain(optax.sgd(0.01))
   checked = []
+  before = {"clock": np.zeros([4], np.int64), "total": np.zeros([4], np.int64)}
 
   def check(i, state):
     workers, values = acct.apply(tl.rounds[i])
-    device = np.asarray(sync.find_sync_state(state.tx_state).staleness)
-    np.testing.assert_array_equal(device[workers], values)
-    np.testing.assert_array_equal(np.asarray(sync.find_sync_state(state.tx_state).version),
-                                  acct.version)
+    sync_state = sync.find_sync_state(state.tx_state)
+    device = np.asarray(sync_state.staleness)
+    clock = np.asarray(sync_state.clock)
+    # Every applied gradient: per worker, how many (clock), the latest one's staleness,
+    # and (InHAD, where a worker may have several) the sum of their staleness.
+    for w in range(4):
+      mine = values[workers == w]
+      assert clock[w] - before["clock"][w] == mine.size
+      if mine.size:
+        assert device[w] == mine[-1]
+      if name == "inhad":
+        total = np.asarray(sync_state.staleness_total)
+        assert total[w] - before["total"][w] == mine.sum()
+        before["total"][w] = total[w]
+    before["clock"][:] = clock
+    np.testing.assert_array_equal(np.asarray(sync_state.version), acct.version)
     checked.append(len(workers))
   replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
                 num_replicas=scheme.num_replicas, num_workers=4, on_round=check)
   assert sum(checked) >= 30
   if name not in ("bsp", "dssync"):
     assert acct.staleness_max > 0 or name == "casp"
+
+
+def test_inhad_counts_every_push_between_aggregations():
+  # Node 0 = workers 0, 1; threshold 4. w0 (1 s) pushes at 1, 2, 3 while w1 (3.5 s) has not
+  # pushed; w1 pushes at 3.5: 4 counted, the server applies. w0's three gradients and w1's
+  # one are all applied: 4 gradients, none stale (nothing was applied before). Then w0
+  # (pulled at 3) pushes at 4, 5, 6, w1 (pulled at 3.5) at 7: again 4; w0's gradient of 4
+  # was computed on version 0 (read at 3) -> staleness 1, its others on version 1 -> 0;
+  # w1's read version 1 at 3.5 -> 0.
+  protocol = sync.InHADProtocol(2, [0, 0], threshold=4)
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 3.5][w], max_pushes=8)
+  acct = sync.accounting.Accounting(2, 1, aggregating=True)
+  applied = [acct.apply(r) for r in tl.rounds]
+  got = [(w.tolist(), v.tolist()) for w, v in applied if w.size]
+  assert got == [([0, 0, 0, 1], [0, 0, 0, 0]), ([0, 0, 0, 1], [1, 0, 0, 0])]
+  assert acct.summary()["hist"] == [7, 1] and acct.applied == 8
+  tx = optax.chain(sync.inhad(2, 1), sync.replicated(optax.sgd(0.1), 1))
+  states = []
+  replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
+                num_replicas=1, num_workers=2, on_round=lambda i, s: states.append(s))
+  first = sync.find_sync_state(states[3].tx_state)    # after w1's push at 3.5
+  assert np.asarray(first.clock).tolist() == [3, 1]
+  last = sync.find_sync_state(states[-1].tx_state)
+  assert np.asarray(last.clock).tolist() == [6, 2]
+  assert np.asarray(last.staleness_total).tolist() == [1, 0]
+  assert np.asarray(last.staleness).tolist() == [0, 0]
 
 
 # ---------------------------------------------------------------- end to end
