@@ -188,10 +188,16 @@ def test_one_worker_equals_plain_optimizer(name):
   _, state = _run(scheme.transform, scheme.make_protocol(), scheme.num_replicas, [1.0], 15,
                   target, opt, message_delay=0.3)
   x, opt_state = {"x": jnp.zeros([2])}, opt.init({"x": jnp.zeros([2])})
-  for _ in range(15):
-    g = jax.tree.map(lambda v: v[0], _quad_grad(target)({"x": x["x"][None]}, 0))
+  # InHAD's worker pulls right after its iteration number reaches the server, before the
+  # server's pull of the aggregate lands: its gradients are one update late (and the 15th
+  # update is still in flight after the 15th push).
+  delay = 1 if name == "inhad" else 0
+  seen = [x] * (delay + 1)
+  for _ in range(15 - delay):
+    g = jax.tree.map(lambda v: v[0], _quad_grad(target)({"x": seen[0]["x"][None]}, 0))
     u, opt_state = opt.update(g, opt_state, x)
     x = optax.apply_updates(x, u)
+    seen = seen[1:] + [x]
   for r in range(scheme.num_replicas):   # GSSP-global's server holds the same weights
     _close(jax.tree.map(lambda v: v[r], state.replica_params), x)
 
@@ -450,12 +456,14 @@ def test_golden_gssp_global():
 
 
 def test_golden_inhad():
-  # One node, threshold 3 iteration numbers. t=1 w0 on 0: g=-1; t=2 w1 on 0: g=-3;
-  # t=2 w0 on 0: g=-1 -> 3 counted: x = 0 + (1 + 3 + 1)/4 = 1.25.
-  # t=3 w0 on 1.25: 0.25; t=4 w1 on 0 (pulled at t=2, before the update): -3;
-  # t=4 w0 on 1.25: 0.25 -> x = 1.25 + 2.5/4 = 1.875; w1's gradient was 1 stale.
-  tl, xs = _golden(sync.inhad(2, 1), sync.InHADProtocol(2, [0, 0], 3), 1, 6)
-  assert xs == [[0.0], [0.0], [1.25], [1.25], [1.25], [1.875]]
+  # One node, threshold 3 iteration numbers; the server's pull of the aggregates takes
+  # 0.5 s. t=1 w0 on 0: g=-1; t=2 w1 on 0: g=-3; t=2 w0 on 0: g=-1 -> 3 counted, the pull
+  # starts; w0 and w1 pull 0 (the update is not there yet). t=2.5: x = (1+3+1)/4 = 1.25.
+  # t=3 w0 on 0: g=-1; t=4 w1 on 0: -3; t=4 w0 on 1.25 (pulled at 3): 0.25 -> pull;
+  # t=4.5: x = 1.25 + (1 + 3 - 0.25)/4 = 2.1875; w0's and w1's first gradients were 1 stale.
+  tl, xs = _golden(sync.inhad(2, 1), sync.InHADProtocol(2, [0, 0], 3), 1, 7)
+  assert xs[:8] == [[0.0], [0.0], [0.0], [1.25], [1.25], [1.25], [1.25], [2.1875]]
+  assert [r.time for r in tl.rounds if r.aggregate] == [2.5, 4.5]
 
 
 def test_golden_dssync():
@@ -475,8 +483,11 @@ def test_golden_casp_two_communities():
 
 def test_golden_casp_one_community():
   protocol = sync.CASPProtocol(2, max_communities=2, initial_communities=1, reconfigure_every=100)
-  _, xs = _golden(sync.casp(2), protocol, 1, 6)
-  assert xs == [[1.0], [1.5], [1.75]]
+  # One community: w1's push and w0's reach the leader (w0) at t=2, the community's one
+  # push reaches the server 0.5 s later (t=2.5, 5.0, 7.5): BSP's values.
+  tl, xs = _golden(sync.casp(2), protocol, 1, 7)
+  assert xs[:3] == [[1.0], [1.5], [1.75]]
+  assert [r.time for r in tl.rounds][:3] == [2.5, 5.0, 7.5]
 
 
 # ---------------------------------------------------------------- protocols on timelines
@@ -610,7 +621,8 @@ def test_gdtopk_gives_the_slowest_group_the_densest_ratio():
 
 def test_inhad_updates_every_threshold_and_never_blocks():
   protocol = sync.InHADProtocol(4, [0, 0, 1, 1], threshold=6)
-  tl = sync.run_timeline(protocol, _jittered([1, 2, 3, 4]), max_pushes=60)
+  # The 60th iteration number starts the 10th pull of the aggregates; it lands before the 61st.
+  tl = sync.run_timeline(protocol, _jittered([1, 2, 3, 4]), max_pushes=61)
   assert sum(bool(r.aggregate) for r in tl.rounds) == 10
   assert tl.blocked_time.tolist() == [0.0] * 4
 
