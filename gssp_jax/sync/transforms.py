@@ -429,10 +429,10 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
   scale = check_scale("inhad", 1.0 / num_workers if scale is None else scale)
 
   def init(params):
-    zeros = jnp.zeros([num_workers], jnp.int32)
+    zeros = lambda: jnp.zeros([num_workers], jnp.int32)   # distinct buffers (donated)
     return InHADState(**_init_clocks(num_workers, 1), node_acc=_zeros_like_stacked(params, num_nodes),
-                      waiting=zeros, pending_staleness=zeros, pending_staleness_sum=zeros,
-                      staleness_total=zeros, count=jnp.zeros([], jnp.int32))
+                      waiting=zeros(), pending_staleness=zeros(), pending_staleness_sum=zeros(),
+                      staleness_total=zeros(), count=jnp.zeros([], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
              aggregate=None, **extra):
