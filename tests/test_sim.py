@@ -261,27 +261,27 @@ def test_inhad_and_casp_report_their_traffic_end_to_end(tmp_path, data_dir):
 
 
 def test_inhad_counts_every_push_between_aggregations():
-  # Node 0 = workers 0, 1; threshold 4. w0 (1 s) pushes at 1, 2, 3 while w1 (3.5 s) has not
-  # pushed; w1 pushes at 3.5: 4 counted, the server applies. w0's three gradients and w1's
-  # one are all applied: 4 gradients, none stale (nothing was applied before). Then w0
-  # (pulled at 3) pushes at 4, 5, 6, w1 (pulled at 3.5) at 7: again 4; w0's gradient of 4
-  # was computed on version 0 (read at 3) -> staleness 1, its others on version 1 -> 0;
-  # w1's read version 1 at 3.5 -> 0.
+  # Node 0 = workers 0, 1; threshold 4; the aggregates' pull takes no time. w0 (1 s) pushes
+  # at 1, 2, 3 while w1 (3.6 s) has not pushed; w1 pushes at 3.6: 4 counted, the server
+  # applies. w0's three gradients and w1's one are all applied: 4 gradients, none stale
+  # (nothing was applied before). Then w0 (pulled at 3) pushes at 4, 5, 6, 7: 4 counted;
+  # its gradient of 4 was computed on version 0 (read at 3) -> staleness 1, the others on
+  # version 1 -> 0.
   protocol = sync.InHADProtocol(2, [0, 0], threshold=4)
-  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 3.5][w], max_pushes=8)
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 3.6][w], max_pushes=9)
   acct = sync.accounting.Accounting(2, 1, aggregating=True)
   applied = [acct.apply(r) for r in tl.rounds]
   got = [(w.tolist(), v.tolist()) for w, v in applied if w.size]
-  assert got == [([0, 0, 0, 1], [0, 0, 0, 0]), ([0, 0, 0, 1], [1, 0, 0, 0])]
+  assert got == [([0, 0, 0, 1], [0, 0, 0, 0]), ([0, 0, 0, 0], [1, 0, 0, 0])]
   assert acct.summary()["hist"] == [7, 1] and acct.applied == 8
   tx = optax.chain(sync.inhad(2, 1), sync.replicated(optax.sgd(0.1), 1))
   states = []
   replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
                 num_replicas=1, num_workers=2, on_round=lambda i, s: states.append(s))
-  first = sync.find_sync_state(states[3].tx_state)    # after w1's push at 3.5
+  first = sync.find_sync_state(states[4].tx_state)    # the update after w1's push at 3.6
   assert np.asarray(first.clock).tolist() == [3, 1]
   last = sync.find_sync_state(states[-1].tx_state)
-  assert np.asarray(last.clock).tolist() == [6, 2]
+  assert np.asarray(last.clock).tolist() == [7, 1]
   assert np.asarray(last.staleness_total).tolist() == [1, 0]
   assert np.asarray(last.staleness).tolist() == [0, 0]
 
