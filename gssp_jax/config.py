@@ -95,6 +95,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.latency = 1e-4            # seconds per message on a worker link; or one per worker
   c.cluster.server_bandwidth = 1.25e9  # between servers (GSSP forwards, global weights)
   c.cluster.server_latency = 1e-4
+  c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
+  c.cluster.node_latency = 5e-6
   c.compress = ml_collections.ConfigDict()
   c.compress.name = "none"
   c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)

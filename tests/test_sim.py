@@ -11,6 +11,7 @@ import pytest
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import traffic
 from gssp_jax.sync import replay
 from gssp_jax.train import loop
 
@@ -117,6 +118,92 @@ def test_one_worker_ten_times_slower_slows_bsp_tenfold_not_asp():
   assert per["asp"] < 1.2   # the fast workers keep pushing; the slow one pushes less often
 
 
+def _traffic_run(name, pushes, bandwidth, payload=1_000_000, **kw):
+  """A timeline with the simulator's traffic model; returns (engine, rounds, host counters)."""
+  speeds = [1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 3.0, 3.0]
+  config = _config(**{"num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1,
+                      "cluster.speeds": tuple(speeds), "cluster.bandwidth": bandwidth})
+  cluster = cluster_lib.cluster_from_config(config)
+  scheme = sync.build_scheme(name, 8, worker_times=speeds, num_nodes=2, **kw)
+  links = traffic.Traffic(name, cluster, lambda w, k: payload, payload, payload)
+  engine = sync.TimelineEngine(
+      scheme.make_protocol(), cluster.compute_time,
+      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
+      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
+      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration))
+  host = {"pushed_per_worker": np.zeros([8], np.int64), "pulls_per_worker": np.zeros([8], np.int64),
+          "local_bytes": 0, "node_push_bytes": 0}
+  rounds = []
+  while engine.num_pushes < pushes:
+    for rnd in engine.step():
+      links.count_round(engine.protocol, rnd, engine.iteration, host)
+      rounds.append(rnd)
+  return engine, rounds, host
+
+
+def test_inhad_pushes_iteration_numbers_and_node_aggregates_not_gradients():
+  # 8 workers on 2 nodes, 1 MB gradients, slow worker links (10 MB/s: 0.1 s a push).
+  asp, _, asp_host = _traffic_run("asp", 800, 1e7)
+  inhad, rounds, host = _traffic_run("inhad", 800, 1e7)
+  updates = sum(bool(r.aggregate) for r in rounds)
+  assert 90 <= updates <= 100   # about one per 8 iteration numbers (fewer: pulls take time)
+  to_server = host["pushed_per_worker"].sum() + host["node_push_bytes"]
+  assert host["pushed_per_worker"].sum() == 8 * inhad.num_pushes          # the INs
+  assert host["node_push_bytes"] == updates * 2 * 1_000_000               # 2 aggregates each
+  assert host["local_bytes"] == inhad.num_pushes * 1_000_000              # gradients stay local
+  assert to_server < 0.3 * asp.num_pushes * 1_000_000   # ASP: every push a dense gradient
+  # Same pulls, but no gradient crosses a slow worker link: the 800 pushes take less time.
+  assert inhad.now < 0.85 * asp.now
+
+
+def test_casp_sends_one_payload_per_community_round():
+  engine, rounds, host = _traffic_run("casp", 400, 1e8, casp_max_communities=2,
+                                      casp_reconfigure_every=10_000)
+  protocol = engine.protocol
+  k = len(set(protocol.communities.tolist()))
+  assert k == 1 and protocol.members(0).size == 8    # the first partition: one community
+  community_rounds = [r for r in rounds if r.arrived.any()]
+  assert all(r.arrived.sum() == 8 for r in community_rounds)
+  # One payload per community round reaches the server (from the leader), 7 go to it.
+  assert host["pushed_per_worker"].tolist() == [len(community_rounds) * 1_000_000] + [0] * 7
+  assert host["local_bytes"] == len(community_rounds) * 7 * 1_000_000 * 2  # reduce + broadcast
+  assert host["pulls_per_worker"].tolist() == [len(community_rounds)] + [0] * 7
+  # Each round: the slowest member's compute, its 0.01 s push to the leader, the leader's
+  # 0.01 s push to the server, then the reply to the leader and on to the members.
+  comm = 1e-4 + 1e6 / 1e8
+  times = [r.time for r in community_rounds]
+  assert times[0] == pytest.approx(0.3 + 2 * comm)
+  assert times[1] - times[0] == pytest.approx(2 * comm + 0.3 + 2 * comm)
+
+
+def test_casp_with_two_communities_pushes_two_payloads_per_round_of_both():
+  # The registry's CASP starts with one community; build two directly.
+  speeds = [1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 3.0, 3.0]
+  config = _config(**{"num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1,
+                      "cluster.speeds": tuple(speeds), "cluster.bandwidth": 1e8})
+  cluster = cluster_lib.cluster_from_config(config)
+  links = traffic.Traffic("casp", cluster, lambda w, k: 1_000_000, 1_000_000, 1_000_000)
+  protocol = sync.CASPProtocol(8, max_communities=2, initial_communities=2,
+                               reconfigure_every=10_000)
+  engine = sync.TimelineEngine(
+      protocol, cluster.compute_time,
+      push_delay=lambda w, k: links.push_delay(protocol, w, k),
+      pull_delay=lambda w: links.pull_delay(protocol, w),
+      message_delay=lambda m: links.message_delay(protocol, m, engine.iteration))
+  host = {"pushed_per_worker": np.zeros([8], np.int64), "pulls_per_worker": np.zeros([8], np.int64),
+          "local_bytes": 0, "node_push_bytes": 0}
+  applied = []
+  while engine.num_pushes < 400:
+    for rnd in engine.step():
+      links.count_round(protocol, rnd, engine.iteration, host)
+      applied.append(np.flatnonzero(rnd.arrived).tolist())
+  assert sorted(set(map(tuple, applied))) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+  per = {c: sum(a == list(range(4 * c, 4 * c + 4)) for a in applied) for c in (0, 1)}
+  # k = 2 payloads per round of both communities reach the server, not W = 8.
+  assert host["pushed_per_worker"].tolist() == [per[0] * 1_000_000, 0, 0, 0,
+                                                per[1] * 1_000_000, 0, 0, 0]
+
+
 # ---------------------------------------------------------------- accounting = device staleness
 
 
@@ -131,19 +218,72 @@ def test_host_accounting_matches_device_staleness(name):
   acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=name == "inhad")
   tx = scheme.chain(optax.sgd(0.01))
   checked = []
+  before = {"clock": np.zeros([4], np.int64), "total": np.zeros([4], np.int64)}
 
   def check(i, state):
     workers, values = acct.apply(tl.rounds[i])
-    device = np.asarray(sync.find_sync_state(state.tx_state).staleness)
-    np.testing.assert_array_equal(device[workers], values)
-    np.testing.assert_array_equal(np.asarray(sync.find_sync_state(state.tx_state).version),
-                                  acct.version)
+    sync_state = sync.find_sync_state(state.tx_state)
+    device = np.asarray(sync_state.staleness)
+    clock = np.asarray(sync_state.clock)
+    # Every applied gradient: per worker, how many (clock), the latest one's staleness,
+    # and (InHAD, where a worker may have several) the sum of their staleness.
+    for w in range(4):
+      mine = values[workers == w]
+      assert clock[w] - before["clock"][w] == mine.size
+      if mine.size:
+        assert device[w] == mine[-1]
+      if name == "inhad":
+        total = np.asarray(sync_state.staleness_total)
+        assert total[w] - before["total"][w] == mine.sum()
+        before["total"][w] = total[w]
+    before["clock"][:] = clock
+    np.testing.assert_array_equal(np.asarray(sync_state.version), acct.version)
     checked.append(len(workers))
   replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
                 num_replicas=scheme.num_replicas, num_workers=4, on_round=check)
   assert sum(checked) >= 30
   if name not in ("bsp", "dssync"):
     assert acct.staleness_max > 0 or name == "casp"
+
+
+def test_inhad_and_casp_report_their_traffic_end_to_end(tmp_path, data_dir):
+  lines = {}
+  for scheme in ("asp", "inhad", "casp"):
+    config = _sim_config(scheme, **{"sync.num_nodes": 2, "cluster.bandwidth": 1e7})
+    config.data_dir = data_dir
+    config.train.num_epochs = 1.0
+    loop.train_and_evaluate(config, str(tmp_path / scheme))
+    lines[scheme] = _metrics(tmp_path / scheme)[-1]
+  assert lines["inhad"]["bytes_pushed"] < 0.5 * lines["asp"]["bytes_pushed"]
+  assert lines["inhad"]["bytes_local"] > 0 and lines["asp"]["bytes_local"] == 0
+  assert lines["inhad"]["virtual_time"] < lines["asp"]["virtual_time"]
+  assert lines["casp"]["bytes_local"] >= 0
+
+
+def test_inhad_counts_every_push_between_aggregations():
+  # Node 0 = workers 0, 1; threshold 4; the aggregates' pull takes no time. w0 (1 s) pushes
+  # at 1, 2, 3 while w1 (3.6 s) has not pushed; w1 pushes at 3.6: 4 counted, the server
+  # applies. w0's three gradients and w1's one are all applied: 4 gradients, none stale
+  # (nothing was applied before). Then w0 (pulled at 3) pushes at 4, 5, 6, 7: 4 counted;
+  # its gradient of 4 was computed on version 0 (read at 3) -> staleness 1, the others on
+  # version 1 -> 0.
+  protocol = sync.InHADProtocol(2, [0, 0], threshold=4)
+  tl = sync.run_timeline(protocol, lambda w, k: [1.0, 3.6][w], max_pushes=9)
+  acct = sync.accounting.Accounting(2, 1, aggregating=True)
+  applied = [acct.apply(r) for r in tl.rounds]
+  got = [(w.tolist(), v.tolist()) for w, v in applied if w.size]
+  assert got == [([0, 0, 0, 1], [0, 0, 0, 0]), ([0, 0, 0, 0], [1, 0, 0, 0])]
+  assert acct.summary()["hist"] == [7, 1] and acct.applied == 8
+  tx = optax.chain(sync.inhad(2, 1), sync.replicated(optax.sgd(0.1), 1))
+  states = []
+  replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
+                num_replicas=1, num_workers=2, on_round=lambda i, s: states.append(s))
+  first = sync.find_sync_state(states[4].tx_state)    # the update after w1's push at 3.6
+  assert np.asarray(first.clock).tolist() == [3, 1]
+  last = sync.find_sync_state(states[-1].tx_state)
+  assert np.asarray(last.clock).tolist() == [7, 1]
+  assert np.asarray(last.staleness_total).tolist() == [1, 0]
+  assert np.asarray(last.staleness).tolist() == [0, 0]
 
 
 # ---------------------------------------------------------------- end to end

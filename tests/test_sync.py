@@ -188,10 +188,16 @@ def test_one_worker_equals_plain_optimizer(name):
   _, state = _run(scheme.transform, scheme.make_protocol(), scheme.num_replicas, [1.0], 15,
                   target, opt, message_delay=0.3)
   x, opt_state = {"x": jnp.zeros([2])}, opt.init({"x": jnp.zeros([2])})
-  for _ in range(15):
-    g = jax.tree.map(lambda v: v[0], _quad_grad(target)({"x": x["x"][None]}, 0))
+  # InHAD's worker pulls right after its iteration number reaches the server, before the
+  # server's pull of the aggregate lands: its gradients are one update late (and the 15th
+  # update is still in flight after the 15th push).
+  delay = 1 if name == "inhad" else 0
+  seen = [x] * (delay + 1)
+  for _ in range(15 - delay):
+    g = jax.tree.map(lambda v: v[0], _quad_grad(target)({"x": seen[0]["x"][None]}, 0))
     u, opt_state = opt.update(g, opt_state, x)
     x = optax.apply_updates(x, u)
+    seen = seen[1:] + [x]
   for r in range(scheme.num_replicas):   # GSSP-global's server holds the same weights
     _close(jax.tree.map(lambda v: v[r], state.replica_params), x)
 
@@ -374,12 +380,56 @@ def test_golden_dssp():
   # at 6, w0's at 4 and 5 an iteration of 1 s: r = floor((6 - 5) / 1) = 1 extra, so w0
   # goes on (threshold 3). w0 on 1.60546875: g=0.60546875, x=1.4541015625.
   # t=6 w1 on 1.640625: g=-1.359375, x=1.7939453125; w0 on 1.4541015625:
-  # g=0.4541015625, x=1.680419921875. t=7: w0 4 ahead > 3: waits.
-  tl, xs = _golden(sync.dssp(2, (2, 4)), sync.DSSPProtocol(2, (2, 4)), 1, 10)
+  # g=0.4541015625, x=1.680419921875 (w0 3 ahead; re-decided: w1 next at 8, w0's pushes
+  # at 6, 7, 8 -> r=2, threshold min(3-1+2, 4) = 4). t=7: w0 on 1.680419921875:
+  # g=0.680419921875, x=1.51031494140625; w0 is 4 ahead, re-decided again: w1 next at 8,
+  # w0's pushes at 7, 8 -> r=1, threshold 4: w0 goes on (a one-off grant of 3 would block).
+  protocol = sync.DSSPProtocol(2, (2, 4))
+  tl, xs = _golden(sync.dssp(2, (2, 4)), protocol, 1, 10)
   assert xs[:10] == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.60546875],
                      [1.4541015625], [1.7939453125], [1.680419921875], [1.51031494140625]]
   assert tl.rounds[6].pulls.tolist() == [True, False]      # granted: SSP(2) would block here
-  assert tl.rounds[9].pulls.tolist() == [False, False]
+  assert tl.rounds[9].pulls.tolist() == [True, False]
+  assert protocol.thresholds[:3] == [(5.0, 0, 3), (6.0, 0, 4), (7.0, 0, 4)]
+
+
+def test_dssp_controller_picks_the_push_closest_to_the_slowest_next_one():
+  # Hand-computed: 3 workers, s=(1, 6). Pushes: w2 (slowest) at 0.5 and 4.0 -> its next
+  # is predicted at 7.5; w0 (fastest) at 5.0 and 5.8 -> an iteration of 0.8 s. w0 is
+  # 4 - 1 = 3 ahead: candidates r = 0..6-3+1 = 0..4 land at 5.8, 6.6, 7.4, 8.2, 9.0;
+  # |7.4 - 7.5| = 0.1 is the least: r = 2, threshold 3 - 1 + 2 = 4.
+  protocol = sync.DSSPProtocol(3, (1, 6))
+  protocol.clock[:] = [3, 2, 1]
+  protocol.last[:] = [5.0, 5.5, 4.0]
+  protocol.prev[:] = [4.2, 3.0, 0.5]
+  reaction = protocol.on_push(0, 5.8)
+  assert protocol.extra_iterations(0, 5.8) == 2
+  assert protocol.thresholds == [(5.8, 0, 4)]
+  assert reaction.release == [0]
+  # Same, but the slowest pushed at 0.1 and 3.0: next predicted at 5.9, nearest to
+  # w0's push now (5.8, r=0): threshold 3 - 1 + 0 = 2, w0 waits for the slowest's push.
+  protocol = sync.DSSPProtocol(3, (1, 6))
+  protocol.clock[:] = [3, 2, 1]
+  protocol.last[:] = [5.0, 5.5, 3.0]
+  protocol.prev[:] = [4.2, 3.0, 0.1]
+  assert protocol.on_push(0, 5.8).release == []
+  assert protocol.thresholds == [(5.8, 0, 2)]
+  assert sorted(protocol.on_push(2, 5.9).release) == [0, 2]   # the slowest pushed: w0 goes
+
+
+def test_dssp_re_decides_under_persistent_heterogeneity():
+  # Two tiers (1 s and 3 s), s=(3, 15): the fastest is never back within s_L, so a
+  # one-off decision would never be revisited. Each of its pushes beyond s_L re-decides.
+  speeds = [1.0, 1.0, 3.0, 3.0]
+  dssp = sync.DSSPProtocol(4, (3, 15))
+  tl_dssp = sync.run_timeline(dssp, lambda w, k: speeds[w], max_pushes=400)
+  tl_ssp = sync.run_timeline(sync.SSPProtocol(4, 3), lambda w, k: speeds[w], max_pushes=400)
+  decisions = [t for _, w, t in dssp.thresholds if w == 0]
+  assert len(decisions) > 50
+  assert len(set(decisions)) >= 5                      # several distinct decisions over time
+  assert all(3 <= t <= 15 for t in decisions)
+  assert tl_dssp.blocked_time[0] < 0.95 * tl_ssp.blocked_time[0]
+  assert tl_dssp.end_time < 0.97 * tl_ssp.end_time
 
 
 def test_golden_gssp_peer():
@@ -413,12 +463,14 @@ def test_golden_gssp_global():
 
 
 def test_golden_inhad():
-  # One node, threshold 3 iteration numbers. t=1 w0 on 0: g=-1; t=2 w1 on 0: g=-3;
-  # t=2 w0 on 0: g=-1 -> 3 counted: x = 0 + (1 + 3 + 1)/4 = 1.25.
-  # t=3 w0 on 1.25: 0.25; t=4 w1 on 0 (pulled at t=2, before the update): -3;
-  # t=4 w0 on 1.25: 0.25 -> x = 1.25 + 2.5/4 = 1.875; w1's gradient was 1 stale.
-  tl, xs = _golden(sync.inhad(2, 1), sync.InHADProtocol(2, [0, 0], 3), 1, 6)
-  assert xs == [[0.0], [0.0], [1.25], [1.25], [1.25], [1.875]]
+  # One node, threshold 3 iteration numbers; the server's pull of the aggregates takes
+  # 0.5 s. t=1 w0 on 0: g=-1; t=2 w1 on 0: g=-3; t=2 w0 on 0: g=-1 -> 3 counted, the pull
+  # starts; w0 and w1 pull 0 (the update is not there yet). t=2.5: x = (1+3+1)/4 = 1.25.
+  # t=3 w0 on 0: g=-1; t=4 w1 on 0: -3; t=4 w0 on 1.25 (pulled at 3): 0.25 -> pull;
+  # t=4.5: x = 1.25 + (1 + 3 - 0.25)/4 = 2.1875; w0's and w1's first gradients were 1 stale.
+  tl, xs = _golden(sync.inhad(2, 1), sync.InHADProtocol(2, [0, 0], 3), 1, 7)
+  assert xs[:8] == [[0.0], [0.0], [0.0], [1.25], [1.25], [1.25], [1.25], [2.1875]]
+  assert [r.time for r in tl.rounds if r.aggregate] == [2.5, 4.5]
 
 
 def test_golden_dssync():
@@ -438,8 +490,11 @@ def test_golden_casp_two_communities():
 
 def test_golden_casp_one_community():
   protocol = sync.CASPProtocol(2, max_communities=2, initial_communities=1, reconfigure_every=100)
-  _, xs = _golden(sync.casp(2), protocol, 1, 6)
-  assert xs == [[1.0], [1.5], [1.75]]
+  # One community: w1's push and w0's reach the leader (w0) at t=2, the community's one
+  # push reaches the server 0.5 s later (t=2.5, 5.0, 7.5): BSP's values.
+  tl, xs = _golden(sync.casp(2), protocol, 1, 7)
+  assert xs[:3] == [[1.0], [1.5], [1.75]]
+  assert [r.time for r in tl.rounds][:3] == [2.5, 5.0, 7.5]
 
 
 # ---------------------------------------------------------------- protocols on timelines
@@ -650,7 +705,8 @@ def test_gdtopk_gives_the_slowest_group_the_densest_ratio():
 
 def test_inhad_updates_every_threshold_and_never_blocks():
   protocol = sync.InHADProtocol(4, [0, 0, 1, 1], threshold=6)
-  tl = sync.run_timeline(protocol, _jittered([1, 2, 3, 4]), max_pushes=60)
+  # The 60th iteration number starts the 10th pull of the aggregates; it lands before the 61st.
+  tl = sync.run_timeline(protocol, _jittered([1, 2, 3, 4]), max_pushes=61)
   assert sum(bool(r.aggregate) for r in tl.rounds) == 10
   assert tl.blocked_time.tolist() == [0.0] * 4
 

@@ -71,7 +71,10 @@ class Cluster:
     jitter: sigma of the per-iteration log-normal noise.
     straggler_prob, straggler_slowdown, straggler_duration: transient stragglers.
     bandwidth, latency: ``[W]`` each worker's link (bytes/s, s) for pushes and pulls.
-    server_bandwidth, server_latency: links between servers (GSSP forwards).
+    server_bandwidth, server_latency: links between servers (GSSP forwards) and
+      into the server from nodes (InHAD's aggregates).
+    node_bandwidth, node_latency: the link inside a machine (PCIe/NVLink class)
+      from a worker to its node's aggregator (InHAD).
     trace: ``[T, W]`` iteration times replacing the model (cycled), or None.
     seed: the draws' seed.
   """
@@ -85,6 +88,8 @@ class Cluster:
   latency: np.ndarray | None = None
   server_bandwidth: float = 1.25e9
   server_latency: float = 1e-4
+  node_bandwidth: float = 2.5e10
+  node_latency: float = 5e-6
   trace: np.ndarray | None = None
   seed: int = 0
 
@@ -129,6 +134,10 @@ class Cluster:
 
   def server_time(self, num_bytes: int) -> float:
     return float(self.server_latency + num_bytes / self.server_bandwidth)
+
+  def node_time(self, num_bytes: int) -> float:
+    """Seconds to move ``num_bytes`` inside a machine (worker -> node aggregator)."""
+    return float(self.node_latency + num_bytes / self.node_bandwidth)
 
   def __hash__(self):   # lru_cache on a method needs a hashable self
     return id(self)
@@ -185,4 +194,6 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
       straggler_duration=duration, bandwidth=bandwidth, latency=np.asarray(cfg.latency),
       server_bandwidth=_positive("server_bandwidth", cfg.server_bandwidth),
       server_latency=_non_negative("server_latency", cfg.server_latency),
+      node_bandwidth=_positive("node_bandwidth", cfg.get("node_bandwidth", 2.5e10)),
+      node_latency=_non_negative("node_latency", cfg.get("node_latency", 5e-6)),
       trace=read_trace(cfg.trace_file, W) if cfg.profile == "trace" else None, seed=config.seed)

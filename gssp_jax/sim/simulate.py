@@ -30,6 +30,7 @@ from gssp_jax import sync
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
+from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import loop as loop_lib
 from gssp_jax.train import optim
@@ -120,17 +121,21 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     return compress.expected_push_bytes(sizes, ratio_of(w, k),
                                         scope=config.compress.scope) + stats_bytes
 
+  links = traffic_lib.Traffic(scheme.name, cluster, push_payload, dense_bytes + stats_bytes,
+                              pull_bytes)
   engine = sync.TimelineEngine(
       scheme.make_protocol(), cluster.compute_time,
-      push_delay=lambda w, k: cluster.link_time(w, push_payload(w, k)),
-      pull_delay=lambda w: cluster.link_time(w, pull_bytes),
-      message_delay=lambda m: cluster.server_time(pull_bytes), record=False)
+      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
+      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
+      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
+      record=False)
   acct = sync.accounting.Accounting(W, R, aggregating=scheme.name == "inhad")
   eval_replica = getattr(engine.protocol, "global_replica", None)   # GSSP global: its server
 
   host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
           "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
-          "server_bytes": 0, "updates": 0, "next_eval": eval_pushes,
+          "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0, "updates": 0,
+          "next_eval": eval_pushes,
           "num_evals": 0, "rounds": 0, "next_epoch_end": W * spe,
           "groups": [scheme.groups.tolist()]}
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -147,7 +152,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
       saved = pickle.load(f)
     engine.load_state_dict(saved["engine"])
     acct.load_state_dict(saved["acct"])
-    host = saved["host"]
+    host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
     logging.info("resumed from the checkpoint at %d pushes", latest)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   history = workdir_lib.restart_metrics(metrics_path, engine.num_pushes, key="pushes")
@@ -209,9 +214,10 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
 
   def traffic() -> dict[str, int]:
     """Bytes so far; the totals are sums of the per-worker counts (pushes counted at evaluations)."""
-    return {"bytes_pushed": int(host["pushed_per_worker"].sum()),
+    return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + host["node_push_bytes"],
             "bytes_pulled": int(host["pulls_per_worker"].sum()) * pull_bytes,
-            "bytes_between_servers": host["server_bytes"]}
+            "bytes_between_servers": host["server_bytes"],
+            "bytes_local": host["local_bytes"]}
 
   def evaluate():
     nonlocal state
@@ -222,7 +228,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
           f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
           f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
           f"({config.optimizer.learning_rate}) or set optimizer.grad_clip")
-    host["pushed_per_worker"] += np.asarray(pushed, np.int64)
+    if links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
+      host["pushed_per_worker"] += np.asarray(pushed, np.int64)
     state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
                           push_bytes=jnp.zeros([W], jnp.int32))
     params_eval, ms_eval = executor.served_weights(state, eval_replica)
@@ -254,8 +261,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         host["rounds"] += 1
         host["updates"] += int(rnd.applies.any())
         host["server_bytes"] += engine.protocol.server_payloads(rnd) * pull_bytes
+        links.count_round(engine.protocol, rnd, engine.iteration, host)
         pulled = np.flatnonzero(rnd.pulls)
-        host["pulls_per_worker"][pulled] += 1
         if pulled.size:
           dispatch(pulled)
         if host["rounds"] % 64 == 0:

@@ -19,15 +19,17 @@ class Accounting:
     num_workers: W.
     num_replicas: R.
     aggregating: InHAD semantics (gradients wait in node aggregates and are
-      applied when the round's ``aggregate`` is set).
+      applied when the round's ``aggregate`` is set). Every push is one
+      gradient: a worker that pushes k times before an update contributes k
+      applied gradients, each with its own staleness (fixed on arrival, since
+      the version cannot change while gradients wait).
   """
 
   def __init__(self, num_workers: int, num_replicas: int, aggregating: bool = False,
                max_staleness_bin: int = 64):
     self.version = np.zeros([num_replicas], np.int64)
     self.read = np.zeros([num_workers], np.int64)
-    self.pending_read = np.zeros([num_workers], np.int64)
-    self.waiting = np.zeros([num_workers], bool)
+    self.pending = [[] for _ in range(num_workers)]   # aggregating: staleness of waiting gradients
     self.aggregating = aggregating
     self.hist = np.zeros([max_staleness_bin + 1], np.int64)  # last bin: >= max_staleness_bin
     self.applied = 0
@@ -35,21 +37,24 @@ class Accounting:
     self.staleness_max = 0
 
   def apply(self, rnd: Round) -> tuple[np.ndarray, np.ndarray]:
-    """Accounts for ``rnd``; returns (workers whose gradient was applied, their staleness)."""
+    """Accounts for ``rnd``; returns (the worker of each applied gradient, its staleness).
+
+    A worker appears once per gradient applied (InHAD: as often as it pushed
+    since the last update, in push order).
+    """
     route = rnd.groups
     if self.aggregating:
-      fresh = rnd.arrived & ~self.waiting
-      self.pending_read = np.where(fresh, self.read, self.pending_read)
-      self.waiting |= rnd.arrived
-      applied = self.waiting & bool(rnd.applies[0])
-      stale = self.version[0] - self.pending_read
+      for w in np.flatnonzero(rnd.arrived):
+        self.pending[w].append(int(self.version[0] - self.read[w]))
+      workers = np.zeros([0], np.int64)
+      values = np.zeros([0], np.int64)
       if rnd.applies[0]:
-        self.waiting[:] = False
+        workers = np.array([w for w, p in enumerate(self.pending) for _ in p], np.int64)
+        values = np.array([v for p in self.pending for v in p], np.int64)
+        self.pending = [[] for _ in self.pending]
     else:
-      applied = rnd.arrived
-      stale = self.version[route] - self.read
-    workers = np.flatnonzero(applied)
-    values = stale[workers]
+      workers = np.flatnonzero(rnd.arrived)
+      values = (self.version[route] - self.read)[workers]
     self.version += rnd.applies.astype(np.int64) + (rnd.adopt >= 0)
     reads = self.version[0] if self.aggregating else self.version[route]
     self.read = np.where(rnd.pulls, reads, self.read)

@@ -84,12 +84,21 @@ class GSSPState(NamedTuple):
 class InHADState(NamedTuple):
   """InHAD: ``ServerState`` fields plus the node aggregates the server pulls.
 
+  A worker may push several times before the server pulls the aggregates; each
+  push is one gradient, applied (and counted in ``clock``) when the server
+  pulls. The version cannot change while a gradient waits (the server applies
+  every waiting gradient at once), so a gradient's staleness is fixed when it
+  reaches its node: the version then minus the version its worker read.
+
   Attributes:
     node_acc: pytree of ``[N, ...]`` float32, each node's sum of scaled gradients
       not yet pulled by the server.
-    waiting: ``[W]`` bool, the worker has a gradient in its node's aggregate.
-    pending_read: ``[W]`` int32 version the worker's oldest waiting gradient was
-      computed on (its staleness is measured from it when the server applies).
+    waiting: ``[W]`` int32 gradients of the worker in its node's aggregate.
+    pending_staleness: ``[W]`` int32 staleness of the worker's latest waiting gradient.
+    pending_staleness_sum: ``[W]`` int32 summed staleness of its waiting gradients.
+    staleness_total: ``[W]`` int32 summed staleness of its applied gradients
+      (saturating); with ``clock`` and ``staleness`` (the latest applied
+      gradient's) it pins every applied gradient's staleness.
     count: ``[]`` int32 iteration numbers the server counted since its last update.
   """
   clock: jax.Array
@@ -98,7 +107,9 @@ class InHADState(NamedTuple):
   version: jax.Array
   node_acc: Any
   waiting: jax.Array
-  pending_read: jax.Array
+  pending_staleness: jax.Array
+  pending_staleness_sum: jax.Array
+  staleness_total: jax.Array
   count: jax.Array
 
 
@@ -422,10 +433,10 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
   scale = check_scale("inhad", 1.0 / num_workers if scale is None else scale)
 
   def init(params):
+    zeros = lambda: jnp.zeros([num_workers], jnp.int32)   # distinct buffers (donated)
     return InHADState(**_init_clocks(num_workers, 1), node_acc=_zeros_like_stacked(params, num_nodes),
-                      waiting=jnp.zeros([num_workers], bool),
-                      pending_read=jnp.zeros([num_workers], jnp.int32),
-                      count=jnp.zeros([], jnp.int32))
+                      waiting=zeros(), pending_staleness=zeros(), pending_staleness_sum=zeros(),
+                      staleness_total=zeros(), count=jnp.zeros([], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
              aggregate=None, **extra):
@@ -435,22 +446,29 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
     pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
     aggregate = jnp.asarray(True if aggregate is None else aggregate, bool)
     applies = aggregate[None] if applies is None else _mask(applies, [1], bool, True)
+    apply = applies[0]
     acc = jax.tree.map(lambda a, c: a + c, state.node_acc,
                        route_sum(updates, arrived, route, num_nodes, scale))
-    out = jax.tree.map(lambda a: jnp.where(applies[0], a.sum(0, keepdims=True), 0.0), acc)
-    acc = jax.tree.map(lambda a: jnp.where(applies[0], 0.0, a), acc)
-    # A gradient waits in its node's aggregate; its staleness counts from the
-    # version it was computed on, even if its worker has pulled since.
-    pending_read = jnp.where(arrived & ~state.waiting, state.read, state.pending_read)
-    waiting = state.waiting | arrived
-    applied = waiting & applies[0]   # every gradient in the aggregates is applied now
-    server = jnp.zeros_like(route)
-    clocks = _account(state._replace(read=pending_read), arrived=applied, route=server,
-                      pulls=jnp.zeros_like(pulls), applies=applies)
-    clocks["read"] = jnp.where(pulls, clocks["version"][0], state.read)
-    count = jnp.where(applies[0], 0, _saturating_add(state.count, jnp.sum(arrived)))
-    return out, InHADState(**clocks, node_acc=acc, waiting=waiting & ~applies[0],
-                           pending_read=pending_read, count=count.astype(jnp.int32))
+    out = jax.tree.map(lambda a: jnp.where(apply, a.sum(0, keepdims=True), 0.0), acc)
+    acc = jax.tree.map(lambda a: jnp.where(apply, 0.0, a), acc)
+    # Every push is its own gradient in the node's aggregate; the version is
+    # constant while it waits, so its staleness is known on arrival.
+    arriving = jnp.where(arrived, state.version[0] - state.read, 0)
+    waiting = _saturating_add(state.waiting, arrived)
+    latest = jnp.where(arrived, arriving, state.pending_staleness)
+    pending_sum = _saturating_add(state.pending_staleness_sum, arriving)
+    applied = (waiting > 0) & apply   # every gradient in the aggregates is applied now
+    staleness = jnp.where(applied, latest, state.staleness)
+    clock = _saturating_add(state.clock, jnp.where(apply, waiting, 0))
+    total = _saturating_add(state.staleness_total, jnp.where(apply, pending_sum, 0))
+    version = _saturating_add(state.version, applies)
+    read = jnp.where(pulls, version[0], state.read)
+    count = jnp.where(apply, 0, _saturating_add(state.count, jnp.sum(arrived)))
+    keep = lambda x: jnp.where(apply, 0, x).astype(jnp.int32)
+    return out, InHADState(clock=clock, read=read, staleness=staleness.astype(jnp.int32),
+                           version=version, node_acc=acc, waiting=keep(waiting),
+                           pending_staleness=keep(latest), pending_staleness_sum=keep(pending_sum),
+                           staleness_total=total, count=count.astype(jnp.int32))
 
   return optax.GradientTransformationExtraArgs(init, update)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
 
@@ -68,8 +69,13 @@ class CASPProtocol(Protocol):
   """Communities push as one (synchronous inside); the server applies each push at once.
 
   Members of a community start every iteration together from the weights they
-  pulled together; when the last member finishes, the community's gradients are
-  applied as one round and its members pull. Communities never wait for each
+  pulled together. A community of one pushes straight to the server (its push
+  is applied on arrival). In a larger one every member's push goes to the
+  community's leader (its lowest-index member), which reduces them; when the
+  last has arrived the leader sends ONE payload to the server, a
+  ``Message("community", c)`` whose delay is that transfer, applied on arrival
+  as one round; the members then pull (the server's reply goes to the leader,
+  which broadcasts it inside the community). Communities never wait for each
   other. Every ``reconfigure_every`` community pushes the protocol drains (each
   community finishes its iteration, then everyone waits) and the agent picks
   the next partition from the measured speeds; the reward of its previous
@@ -116,6 +122,7 @@ class CASPProtocol(Protocol):
     self.progress = 0.0
     self.reported = None
     self.draining = False
+    self.in_flight = np.zeros([num_workers], bool)    # community id c: its push travels
     self.history: list[tuple[float, int]] = [(0.0, k0)]   # (time, k) of every configuration
 
   def report_progress(self, progress: float) -> None:
@@ -146,14 +153,37 @@ class CASPProtocol(Protocol):
     self.started[:] = time
     reaction.release.extend(range(self.num_workers))
 
+  def members(self, worker: int) -> np.ndarray:
+    """The workers of ``worker``'s community, in index order (the first is its leader)."""
+    return np.flatnonzero(self.communities == self.communities[worker])
+
+  def leader(self, worker: int) -> int:
+    """The member that reduces the community's pushes and talks to the server."""
+    return int(self.members(worker)[0])
+
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
     self.clock[worker] += 1
     self.blocked[worker] = True
     self.iteration_time[worker] = time - self.started[worker]
-    members = np.flatnonzero(self.communities == self.communities[worker])
+    members = self.members(worker)
     if not self.blocked[members].all():
       return Reaction()
+    if members.size > 1:   # the leader has every member's gradient: one push to the server
+      c = int(self.communities[worker])
+      self.in_flight[c] = True
+      return Reaction(messages=[Message("community", c)])
+    return self._apply(members, time)
+
+  def on_message(self, message, time):
+    c = int(message.group)
+    if message.kind != "community" or not 0 <= c < self.num_workers or not self.in_flight[c]:
+      return super().on_message(message, time)
+    self.in_flight[c] = False
+    return self._apply(np.flatnonzero(self.communities == c), time)
+
+  def _apply(self, members: np.ndarray, time: float) -> Reaction:
+    """The server applies a community's push; its members pull unless the protocol drains."""
     rnd = self.new_round(time)
     rnd.arrived[members] = True
     rnd.applies[0] = True
@@ -170,6 +200,6 @@ class CASPProtocol(Protocol):
       self.read[members] = self.version
       self.started[members] = time
       reaction.release.extend(int(m) for m in members)
-    elif self.blocked.all():
+    elif self.blocked.all() and not self.in_flight.any():
       self._reconfigure(time, rnd, reaction)
     return reaction

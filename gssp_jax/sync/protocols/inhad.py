@@ -5,18 +5,25 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
 
 
 class InHADProtocol(Protocol):
-  """Workers never wait; the server updates once every ``threshold`` iterations.
+  """Workers never wait; the server pulls the node aggregates once every ``threshold`` iterations.
 
-  A worker's gradient joins its node's aggregate and the node reports only its
-  iteration number (IN) to the server. When the INs counted since the last
-  update reach ``threshold`` (default W: on average one iteration per worker)
-  the server pulls every node's aggregate and applies their sum in one update.
-  A worker pulls after each push, so it starts from the newest global model.
+  A worker's gradient joins its node's aggregate (over the node's local link)
+  and the node reports only its iteration number (IN) to the server: that
+  report is the push event. When the INs counted since the last update reach
+  ``threshold`` (default W: on average one iteration per worker) the server
+  pulls every node's aggregate: a ``Message("aggregate", 0)`` whose delay is
+  the transfer of the N aggregates; on its arrival the server applies their
+  sum in one update (an ``aggregate`` round). One pull is in flight at a time.
+  Gradients that reach a node while the aggregates travel join this update
+  (the device applies the aggregates as they are on arrival; a simplification:
+  a real node would hold them for the next one). A worker pulls the global
+  model after each push, so it starts from the newest model the server has.
 
   Args:
     num_workers: W.
@@ -36,6 +43,7 @@ class InHADProtocol(Protocol):
     self.threshold = (num_workers if threshold is None
                       else transforms.check_int("inhad", "threshold", threshold, 1))
     self.count = 0
+    self.in_flight = False
 
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
@@ -43,9 +51,19 @@ class InHADProtocol(Protocol):
     self.count += 1
     rnd = self.new_round(time)
     rnd.arrived[worker] = True
-    if self.count >= self.threshold:
-      rnd.aggregate[...] = True
-      rnd.applies[0] = True
-      self.count = 0
     rnd.pulls[worker] = True
-    return Reaction(rounds=[rnd], release=[worker])
+    reaction = Reaction(rounds=[rnd], release=[worker])
+    if self.count >= self.threshold and not self.in_flight:
+      self.in_flight = True
+      reaction.messages.append(Message("aggregate", 0))
+    return reaction
+
+  def on_message(self, message, time):
+    if message.kind != "aggregate" or not self.in_flight:
+      return super().on_message(message, time)
+    rnd = self.new_round(time)
+    rnd.aggregate[...] = True
+    rnd.applies[0] = True
+    self.count = 0       # every gradient in the aggregates is applied now
+    self.in_flight = False
+    return Reaction(rounds=[rnd])

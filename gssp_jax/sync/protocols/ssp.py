@@ -80,18 +80,30 @@ class ASPProtocol(SSPProtocol):
 
 
 class DSSPProtocol(SSPProtocol):
-  """DSSP (Zhao et al. 2019): SSP whose threshold moves in ``[s_L, s_U]``.
+  """DSSP (Zhao et al., ICDCS 2019): SSP whose threshold is re-decided in ``[s_L, s_U]``.
 
-  A worker within ``s_L`` of the slowest goes on. When the *fastest* worker
-  (the one with the most pushes) would exceed ``s_L``, the controller predicts
-  from the last two push timestamps the slowest worker's next push and the
-  fastest worker's iteration time, and grants the fastest
-  ``r = floor((t_slowest_next - now) / t_iter_fastest)`` extra iterations,
-  clipped to ``[0, s_U - s_L]``: the most it can run without outpacing the
-  slowest's next push, so it waits as little as possible. Everyone else waits
-  at ``s_L``. A grant lasts until the worker is back within ``s_L`` or is no
-  longer the fastest.
-  ``thresholds`` records ``(time, worker, threshold)`` for every decision.
+  The paper's server rule (Sec. III, Algorithms 1-2, as we read it): a worker
+  within ``s_L`` iterations of the slowest goes on at once. When the *fastest*
+  worker pushes beyond ``s_L``, the synchronization controller predicts, from
+  the last two push timestamps kept per worker, the slowest worker's next push
+  (``t_slow + I_slow``) and the fastest worker's iteration time ``I_fast``,
+  simulates the fastest worker's next pushes ``now + r * I_fast`` and gives it
+  the ``r`` extra iterations whose push lands **closest** to the slowest's
+  next push, so that when it must wait it waits least. This is re-decided at
+  **every** push of the fastest worker beyond ``s_L`` (the prediction uses the
+  newest timestamps each time), never granted once for good.
+
+  Here: the extra iterations ``r`` count from now, and the worker never runs
+  more than ``s_U`` ahead, so the candidates are ``r in [0, s_U - ahead + 1]``
+  (exactly the paper's ``[0, s_U - s_L]`` at the first push beyond ``s_L``);
+  ties go to the smaller ``r``. The decision sets the worker's threshold to
+  ``ahead - 1 + r``: ``r = 0`` blocks it until the slowest pushes, ``r >= 1``
+  lets it start its next iteration. Without two pushes of both workers there
+  is nothing to predict from and the worker waits at ``s_L`` (SSP(s_L)).
+  Every other worker beyond ``s_L`` waits at ``s_L``; a waiting worker keeps
+  its last threshold until someone's push releases it.
+  ``thresholds`` records ``(time, worker, threshold)`` of every controller
+  decision.
   """
 
   name = "dssp"
@@ -104,27 +116,32 @@ class DSSPProtocol(SSPProtocol):
     self.prev = np.full([self.num_workers], np.nan)   # the one before
     self.granted = np.full([self.num_workers], low, np.int64)
     self.thresholds: list[tuple[float, int, int]] = []
+    self._pusher = -1
 
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
     self.prev[worker], self.last[worker] = self.last[worker], float(time)
+    self._pusher = worker
     return super().on_push(worker, time)
 
-  def _extra(self, worker: int, time: float) -> int:
+  def extra_iterations(self, worker: int, time: float) -> int | None:
+    """The controller's ``r`` for ``worker`` pushing at ``time`` (None: no history yet)."""
     slow = int(np.argmin(self.clock))
-    t_fast = self.last[worker] - self.prev[worker]
-    t_slow = self.last[slow] - self.prev[slow]
-    if not (np.isfinite(t_fast) and np.isfinite(t_slow)) or t_fast <= 0:
-      return 0  # Not enough history to predict: behave as SSP(s_L).
-    slow_next = self.last[slow] + t_slow
-    r = int(np.floor((slow_next - time) / t_fast))
-    return int(np.clip(r, 0, self.high - self.low))
+    i_fast = self.last[worker] - self.prev[worker]
+    i_slow = self.last[slow] - self.prev[slow]
+    if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0:
+      return None
+    slow_next = self.last[slow] + i_slow
+    ahead = int(self.clock[worker] - self.clock.min())
+    candidates = np.arange(0, self.high - ahead + 2)
+    return int(candidates[np.argmin(np.abs(time + candidates * i_fast - slow_next))])
 
   def allowance(self, worker, time):
     ahead = self.clock[worker] - self.clock.min()
     if ahead <= self.low or self.clock[worker] != self.clock.max():
       self.granted[worker] = self.low
-    elif self.granted[worker] == self.low:
-      self.granted[worker] = self.low + self._extra(worker, time)
-    self.thresholds.append((float(time), int(worker), int(self.granted[worker])))
+    elif worker == self._pusher:   # the fastest pushed beyond s_L: the controller decides
+      r = self.extra_iterations(worker, time)
+      self.granted[worker] = self.low if r is None else min(ahead - 1 + r, self.high)
+      self.thresholds.append((float(time), int(worker), int(self.granted[worker])))
     return self.granted[worker]

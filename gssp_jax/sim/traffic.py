@@ -1,0 +1,117 @@
+"""Who sends what to whom, over which link: the delays a timeline uses and the bytes it moves.
+
+Most schemes send every push and pull over the worker's own link
+(``Cluster.link_time``) and server-to-server messages over the server link.
+Two schemes move data differently:
+
+* InHAD: a worker's gradient goes to its node's aggregator over the node's
+  local link (``Cluster.node_time``), then only its iteration number
+  (``IN_BYTES``) goes to the server over the worker's link. The server's pull
+  of the N node aggregates (``Message("aggregate")``) is N dense payloads over
+  the server link. Workers pull the global model over their own link.
+* CASP: a community of one pushes and pulls over its own link. In a larger
+  community each member's gradient goes to the leader over the member's link
+  (the leader's own costs nothing), the leader sends one payload to the server
+  (``Message("community")``) and gets one reply over its link, then forwards it
+  to every member over the member's link.
+
+Byte counters (``host`` keys): ``pushed_per_worker`` (to a server, by the
+worker), ``node_push_bytes`` (InHAD's aggregates, node -> server),
+``pulls_per_worker`` (pulls from a server), ``local_bytes`` (inside a node or
+a community: InHAD's worker -> aggregator, CASP's member <-> leader).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+IN_BYTES = 8   # an iteration number (int64)
+
+
+class Traffic:
+  """Link delays and byte counts of one scheme on one cluster.
+
+  Args:
+    scheme: the scheme's name.
+    cluster: a ``cluster.Cluster``.
+    push_payload: ``(worker, iteration) -> bytes`` of a worker's push.
+    dense_payload: bytes of a dense gradient (what an aggregate or a community
+      sum costs: a sum of sparse gradients is not sparse).
+    pull_bytes: bytes of the weights a worker pulls.
+  """
+
+  def __init__(self, scheme: str, cluster, push_payload: Callable[[int, int], int],
+               dense_payload: int, pull_bytes: int):
+    self.scheme, self.cluster = scheme, cluster
+    self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
+
+  # ------------------------------------------------------------ time
+
+  def push_delay(self, protocol, worker: int, iteration: int) -> float:
+    """End of compute -> the push event (arrival at the server, or at the leader)."""
+    c = self.cluster
+    if self.scheme == "inhad":
+      return c.node_time(self.push_payload(worker, iteration)) + c.link_time(worker, IN_BYTES)
+    if self.scheme == "casp" and protocol.members(worker).size > 1:
+      if protocol.leader(worker) == worker:
+        return 0.0
+    return c.link_time(worker, self.push_payload(worker, iteration))
+
+  def pull_delay(self, protocol, worker: int) -> float:
+    c = self.cluster
+    if self.scheme == "casp" and protocol.members(worker).size > 1:
+      leader = protocol.leader(worker)
+      local = 0.0 if leader == worker else c.link_time(worker, self.pull_bytes)
+      return c.link_time(leader, self.pull_bytes) + local
+    return c.link_time(worker, self.pull_bytes)
+
+  def message_delay(self, protocol, message, iteration: np.ndarray) -> float:
+    """``iteration``: pushes per worker so far (the engine's), to size a community's push."""
+    c = self.cluster
+    if self.scheme == "inhad" and message.kind == "aggregate":
+      return c.server_time(protocol.num_nodes * self.dense_payload)
+    if self.scheme == "casp" and message.kind == "community":
+      members = np.flatnonzero(protocol.communities == message.group)
+      return c.link_time(int(members[0]), self.community_bytes(members, iteration))
+    return c.server_time(self.pull_bytes)
+
+  def community_bytes(self, members: np.ndarray, iteration: np.ndarray) -> int:
+    """One community push: the sum of its members' last pushes, at most dense."""
+    return int(min(self.dense_payload,
+                   sum(self.push_payload(int(w), int(iteration[w]) - 1) for w in members)))
+
+  # ------------------------------------------------------------ bytes
+
+  @property
+  def counts_device_pushes(self) -> bool:
+    """Whether the device's per-worker push bytes reached a server (else counted here)."""
+    return self.scheme not in ("inhad", "casp")
+
+  def count_round(self, protocol, rnd, iteration: np.ndarray, host: dict) -> None:
+    """Adds ``rnd``'s bytes to ``host``'s counters (see the module docstring)."""
+    pulled = np.flatnonzero(rnd.pulls)
+    if self.scheme == "inhad":
+      for w in np.flatnonzero(rnd.arrived):
+        host["pushed_per_worker"][w] += IN_BYTES
+        host["local_bytes"] += self.push_payload(int(w), int(iteration[w]) - 1)
+      if rnd.aggregate:
+        host["node_push_bytes"] += protocol.num_nodes * self.dense_payload
+    if self.scheme != "casp":
+      host["pulls_per_worker"][pulled] += 1
+      return
+    arrived = np.flatnonzero(rnd.arrived)
+    if arrived.size == 1:
+      w = int(arrived[0])
+      host["pushed_per_worker"][w] += self.push_payload(w, int(iteration[w]) - 1)
+    elif arrived.size:
+      leader = int(arrived[0])
+      host["pushed_per_worker"][leader] += self.community_bytes(arrived, iteration)
+      host["local_bytes"] += sum(self.push_payload(int(w), int(iteration[w]) - 1)
+                                 for w in arrived[1:])
+    for w in pulled:   # the server replies to leaders; leaders forward inside the community
+      if protocol.leader(int(w)) == w:
+        host["pulls_per_worker"][w] += 1
+      else:
+        host["local_bytes"] += self.pull_bytes
