@@ -9,8 +9,13 @@ config) and ``get_sweep()`` (the trials, built with :func:`sweep`,
 
 Every trial is the base config with its overrides; each runs in its own
 workdir under the sweep's workdir, so a rerun skips finished trials
-(``done``, ``diverged``), retries the others (``failed``, ``interrupted``,
-``stopped``) and resumes a trial from its checkpoint.
+(``done``, ``collapsed``, ``diverged``), retries the others (``failed``,
+``interrupted``, ``stopped``) and resumes a trial from its checkpoint.
+
+An axis declared with :func:`tune` instead of :func:`sweep` (e.g. the learning
+rate) is a hyperparameter to tune, not a factor to compare: every trial
+records the tuned keys in its ``trial.json`` and the report shows each
+configuration at its best tuned value (``gssp_jax.report``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,19 @@ import ml_collections
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 
-FINISHED = ("done", "diverged")
+FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
+
+
+class Grid(list):
+  """A list of override dicts that also knows which of its keys are tuned (:func:`tune`)."""
+
+  def __init__(self, items=(), tuned: Sequence[str] = ()):
+    super().__init__(items)
+    self.tuned = tuple(dict.fromkeys(tuned))
+
+
+def _tuned(axes) -> tuple[str, ...]:
+  return tuple(k for a in axes for k in getattr(a, "tuned", ()))
 
 
 def sweep(key: str, values: Sequence[Any]) -> list[dict]:
@@ -44,18 +61,31 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict]:
   return [{key: v} for v in values]
 
 
-def product(*axes: list[dict]) -> list[dict]:
+def tune(key: str, values: Sequence[Any]) -> Grid:
+  """An axis of a hyperparameter tuned per configuration, e.g. ``tune("optimizer.learning_rate",
+  [0.02, 0.05, 0.1])``: every value runs, the report picks each configuration's best."""
+  if key == "seed":
+    raise ValueError("tune('seed', ...) is invalid; allowed: any config key but seed (seeds "
+                     "are repetitions, declared with sweep('seed', ...))")
+  axis = sweep(key, values)
+  if not axis:
+    raise ValueError(f"tune {key!r}: values={values!r} is invalid; allowed: at least one value")
+  return Grid(axis, tuned=(key,))
+
+
+def product(*axes: list[dict]) -> Grid:
   """Every combination of the axes (the first varies slowest)."""
-  return [dict(itertools.chain.from_iterable(d.items() for d in combo))
-          for combo in itertools.product(*axes)]
+  return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
+               for combo in itertools.product(*axes)], tuned=_tuned(axes))
 
 
-def zipped(*axes: list[dict]) -> list[dict]:
+def zipped(*axes: list[dict]) -> Grid:
   """Axes taken together element by element; they must have the same length."""
   lengths = {len(a) for a in axes}
   if len(lengths) > 1:
     raise ValueError(f"zipped axes have different lengths {sorted(lengths)}; allowed: equal")
-  return [dict(itertools.chain.from_iterable(d.items() for d in combo)) for combo in zip(*axes)]
+  return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
+               for combo in zip(*axes)], tuned=_tuned(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +93,7 @@ class Trial:
   name: str
   overrides: dict
   config: ml_collections.ConfigDict
+  tuned: tuple[str, ...] = ()   # the overrides' keys that are tuned, not compared
 
 
 def trial_name(overrides: dict) -> str:
@@ -136,7 +167,8 @@ def expand(path: str) -> list[Trial]:
     if name in names:
       raise ValueError(f"sweep file {path}: trial {overrides} appears twice")
     names.add(name)
-    trials.append(Trial(name, dict(overrides), config))
+    trials.append(Trial(name, dict(overrides), config,
+                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides)))
   return trials
 
 
@@ -156,7 +188,8 @@ def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attemp
   os.makedirs(trial_dir, exist_ok=True)
   workdir_lib.write_json(os.path.join(trial_dir, "trial.json"),
                          {"name": trial.name, "overrides": trial.overrides, "status": status,
-                          "error": error, "attempts": attempts}, default=str)
+                          "error": error, "attempts": attempts, "tuned": list(trial.tuned)},
+                         default=str)
 
 
 def _attempts(trial_dir: str) -> int:
