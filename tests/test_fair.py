@@ -35,6 +35,11 @@ def test_final_accuracy_at_chance_after_the_warm_up_is_a_collapse():
   history = _evals(EPOCHS, [0.6, 0.3] + [0.1135] * 14, [1.2, 2.4] + [2.301] * 14)
   reason = health.collapse_reason(history, metric="test_accuracy", num_classes=10)
   assert reason.startswith("chance:") and "0.1135" in reason
+  # Above 1.5x chance (15 % for 10 classes) at the end: not at chance (its loss still says
+  # it stopped learning).
+  recovered = history[:-2] + _evals(EPOCHS[-2:], [0.1135, 0.16], [2.301, 2.2])
+  assert health.collapse_reason(recovered, metric="test_accuracy",
+                                num_classes=10).startswith("loss:")
 
 
 def test_loss_that_stopped_falling_is_a_collapse_even_above_chance():
@@ -57,9 +62,12 @@ def test_a_healthy_plateau_is_not_a_collapse():
   history = _evals(EPOCHS, accs, losses)
   assert health.collapse_reason(history, metric="test_accuracy", num_classes=10,
                                 warmup_epochs=1.0) is None
-  # Fewer than four post-warm-up evaluations: the loss rule does not judge.
-  short = _evals([0.5, 1.0, 1.5], [0.5, 0.6, 0.6], [1.0, 1.0, 1.0])
+  # Fewer than four post-warm-up evaluations (a smoke run, still near chance): not judged.
+  short = _evals([0.5, 1.0, 1.5], [0.11, 0.12, 0.13], [2.3, 2.3, 2.3])
   assert health.collapse_reason(short, metric="test_accuracy", num_classes=10) is None
+  # One evaluation at chance is a dip, not a collapse: it must sit there.
+  dip = _evals(EPOCHS, accs[:-1] + [0.12], losses)
+  assert health.collapse_reason(dip, metric="test_accuracy", num_classes=10) is None
 
 
 def test_the_warm_up_is_not_judged():
@@ -107,7 +115,7 @@ def test_a_real_simulated_run_that_collapses_says_so(tmp_path, data_dir):
   config = mnist_lenet5.get_config("smoke")
   config.data_dir = data_dir
   config.data.train_size, config.data.test_size = 256, 200
-  config.train.num_epochs, config.train.eval_every = 1.0, 0.5
+  config.train.num_epochs, config.train.eval_every = 2.0, 0.5   # 4 evaluations: judged
   config.sync.scheme, config.sync.num_groups = "gssp", 2
   config.cluster.profile, config.cluster.tiers = "tiers", (1.0, 2.0)
   config.optimizer.learning_rate = 3.0

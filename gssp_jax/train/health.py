@@ -9,9 +9,12 @@ Collapse. A run that ends at ``done`` but learned nothing (MNIST GSSP without
 a warm-up: 11.35 % test accuracy, the share of the most frequent test digit)
 is recorded as ``collapsed`` with a ``collapse_reason``. Only evaluations after
 the learning-rate warm-up are judged (a warm-up may legitimately raise the
-loss), by two rules:
+loss), and only when there are at least ``MIN_EVALS`` (4) of them: collapse is
+a state a run stays in, and a run too short to show that (a smoke run of 16
+updates, still near chance but learning) is not judged. Two rules:
 
-* ``chance``: a classifier's final test accuracy is at most
+* ``chance``: a classifier's test accuracy sits at chance: the last
+  ``CHANCE_EVALS`` (2) evaluations are both at most
   ``CHANCE_FACTOR / num_classes``. A constant predictor scores the test share
   of the class it predicts (MNIST: up to 11.35 %, CIFAR-10: 10 %), a nearly
   constant one a little more; 1.5x chance (15 % for 10 classes) covers both,
@@ -23,8 +26,7 @@ loss), by two rules:
   below that of the first half, *and* the last one is not below the first one.
   Both must hold, so a healthy run on a plateau (BSP at 99 %, whose loss still
   drifts down under the decaying schedule while it wobbles from evaluation to
-  evaluation) is not flagged by noise. Needs at least 4 post-warm-up
-  evaluations (2 per half); with fewer the rule does not apply.
+  evaluation) is not flagged by noise.
 
 Time to target. Evaluations are points; the first one at or above the target
 over-states the time by up to one evaluation interval. ``time_to_target`` is
@@ -38,8 +40,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-CHANCE_FACTOR = 1.5      # "at chance": final accuracy <= CHANCE_FACTOR / num_classes
-MIN_LOSS_EVALS = 4       # post-warm-up evaluations the loss rule needs (2 per half)
+CHANCE_FACTOR = 1.5      # "at chance": accuracy <= CHANCE_FACTOR / num_classes
+CHANCE_EVALS = 2         # ... in this many last evaluations ("sits" at chance)
+MIN_EVALS = 4            # post-warm-up evaluations needed to judge a run at all
 COLLAPSED = "collapsed"
 INTERPOLATION = ("interpolated linearly in virtual time between the last evaluation below the target and the "
                  "first at or above it")
@@ -72,15 +75,16 @@ def collapse_reason(history: Sequence[dict], *, metric: str, num_classes: int | 
   if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 2):
     raise ValueError(f"num_classes={num_classes!r} is invalid; allowed: an int >= 2 or None")
   after = [m for m in history if m.get("epoch", 0.0) > warmup_epochs]
-  if not after:
+  if len(after) < MIN_EVALS:
     return None
-  final = after[-1].get(metric)
-  if (num_classes is not None and metric == "test_accuracy" and final is not None
-      and final <= CHANCE_FACTOR / num_classes):
-    return (f"chance: final {metric} {final:.4f} <= {CHANCE_FACTOR} / {num_classes} classes "
-            f"at epoch {after[-1]['epoch']:.2f}, after the {warmup_epochs:g}-epoch warm-up")
+  last = [m.get(metric) for m in after[-CHANCE_EVALS:]]
+  if (num_classes is not None and metric == "test_accuracy"
+      and all(v is not None and v <= CHANCE_FACTOR / num_classes for v in last)):
+    return (f"chance: {metric} {last[-1]:.4f} at epoch {after[-1]['epoch']:.2f} and "
+            f"<= {CHANCE_FACTOR} / {num_classes} classes in the last {CHANCE_EVALS} evaluations, "
+            f"after the {warmup_epochs:g}-epoch warm-up")
   losses = [m["train_loss"] for m in after if m.get("train_loss") is not None]
-  if len(losses) >= MIN_LOSS_EVALS:
+  if len(losses) >= MIN_EVALS:
     half = len(losses) // 2
     first, second = losses[:half], losses[len(losses) - half:]
     mean_first, mean_second = sum(first) / half, sum(second) / half
