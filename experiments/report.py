@@ -4,6 +4,9 @@
 
 --target recomputes every trial's time to target from its recorded evaluations
 (e.g. a lower accuracy for a reduced run); without it the runs' own target is used.
+Times to target are interpolated between evaluations; collapsed or diverged
+trials never count as reaching it; a sweep with tune(...) axes is reported at
+each configuration's best tuned value, with the tuning disclosed in report.md.
 """
 
 from absl import app

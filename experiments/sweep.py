@@ -2,7 +2,7 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N]
 
-A rerun with the same workdir skips finished trials (done, diverged), retries
+A rerun with the same workdir skips finished trials (done, collapsed, diverged), retries
 failed or interrupted ones and resumes each from its checkpoint. Ctrl-C or
 ``kill`` of this process stops every trial it started (each records
 ``interrupted``). Everything is

@@ -376,7 +376,8 @@ def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[st
     lines.append("| " + " | ".join(
         [_fmt(a.get(k), k, metric) for k in head_cols]
         + [_fmt(a["speedup_vs_bsp_median"], "speedup_vs_bsp"),
-           f"{_fmt(lo, 'speedup_vs_bsp')}–{_fmt(hi, 'speedup_vs_bsp')}" if lo is not None else "–",
+           (f"{_fmt(lo, 'speedup_vs_bsp')}–{_fmt(hi, 'speedup_vs_bsp')}"
+            if lo is not None else "–"),
            f"{a['speedup_vs_bsp_n']}/{a['seeds']}", f"{a['collapsed']}/{a['seeds']}",
            f"{a['diverged']}/{a['seeds']}"]) + " |")
   lines += ["", "Speedup per seed: BSP's time to target with the same seed divided by the "

@@ -173,7 +173,8 @@ def expand(path: str) -> list[Trial]:
 
 
 def trial_status(trial_dir: str) -> str | None:
-  """``done``/``diverged``/``failed``/… from the trial's summary, or None if it never ran."""
+  """``done``/``collapsed``/``diverged``/``failed``/… from the trial's summary, or None if it
+  never ran."""
   path = os.path.join(trial_dir, "summary.json")
   if not os.path.exists(path):
     return None

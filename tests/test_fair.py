@@ -101,7 +101,8 @@ def test_the_loop_summary_records_collapsed_instead_of_done():
   summary = loop._summary(config, collapsed, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
   assert summary["status"] == "collapsed"
   assert summary["collapse_reason"].startswith("chance:")
-  healthy = _evals(EPOCHS, [0.9 + 0.005 * i for i in range(16)], [0.5 - 0.02 * i for i in range(16)])
+  healthy = _evals(EPOCHS, [0.9 + 0.005 * i for i in range(16)],
+                   [0.5 - 0.02 * i for i in range(16)])
   summary = loop._summary(config, healthy, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
   assert summary["status"] == "done" and summary["collapse_reason"] is None
   # Only a run that finished is judged: an interrupted one stays interrupted.
