@@ -6,6 +6,9 @@
 (e.g. a lower accuracy for a reduced run); without it the runs' own target is used.
 A sweep's report covers its current grid (DIR/sweep.json); trial directories
 left from an older grid are listed as orphans and left out.
+Times to target are interpolated between evaluations; collapsed or diverged
+trials never count as reaching it; a sweep with tune(...) axes is reported at
+each configuration's best tuned value, with the tuning disclosed in report.md.
 """
 
 from absl import app

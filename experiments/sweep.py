@@ -2,9 +2,9 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N]
 
-A rerun with the same workdir skips finished trials (done, diverged), retries
-failed or interrupted ones and resumes each from its checkpoint. If the sweep
-file changed a trial's config since it ran, the rerun refuses, naming the
+A rerun with the same workdir skips finished trials (done, collapsed, diverged),
+retries failed or interrupted ones and resumes each from its checkpoint. If the
+sweep file changed a trial's config since it ran, the rerun refuses, naming the
 trials and keys; --rerun_changed moves those trials to DIR/_stale/<time>/ and
 runs them again. Ctrl-C or
 ``kill`` of this process stops every trial it started (each records

@@ -1,16 +1,24 @@
 """A sweep's results: one row per trial, speedups against BSP, mean ± std over seeds, plots.
 
-Numbers are read from each trial's ``summary.json`` and ``metrics.jsonl``;
-nothing is recomputed, so the report says exactly what the runs recorded.
+Numbers are read from each trial's ``summary.json`` and ``metrics.jsonl``; the
+only figure derived here is the time to target, from the recorded evaluations
+with the same function the runs use (``gssp_jax.train.health.time_to``:
+interpolated linearly between the last evaluation below the target and the
+first at or above it), so old and new runs are measured alike.
 
 A trial is identified by its overrides: a sweep's ``trial.json`` records them;
 for plain runs gathered under one directory (no ``trial.json``) they are the
 config keys whose values differ between the runs, read from each
 ``summary.json``. Runs that differ only in ``seed`` are seeds of one setting.
-
 Where the sweep runner recorded its current grid (``sweep.json``), only that
 grid's trials are reported; other trial directories (left from an older grid)
 are orphans, listed but left out.
+
+Fairness: a ``collapsed`` or ``diverged`` trial never counts as reaching the
+target; speedups are per seed (against BSP with the same seed and other swept
+values) and summarised by their median and min–max over seeds; in a sweep with
+tuned keys (``gssp_jax.sweep.tune``) every configuration is reported at its
+best tuned value (:func:`select_tuned`), disclosed in ``report.md``.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ import statistics
 from typing import Any
 
 from gssp_jax.sweep import GRID_FILE
+from gssp_jax.train import health
 
 _SCHEME_KEYS = ("sync.", "compress.")
+UNHEALTHY = ("collapsed", "diverged")   # never count as reaching the target
 # Keys that say where data comes from or how a run is checkpointed and logged, not what it
 # computes: two runs differing only in them are the same setting.
 _BOOKKEEPING_KEYS = ("data_dir", "data_download", "data_url", "train.checkpoint_every",
@@ -87,27 +97,39 @@ def _load(trial_dir: str) -> dict | None:
     return None
   with open(summary_path) as f:
     summary = json.load(f)
-  overrides = {}
+  overrides, tuned = {}, []
   trial_path = os.path.join(trial_dir, "trial.json")
   from_sweep = os.path.exists(trial_path)
   if from_sweep:
     with open(trial_path) as f:
-      overrides = json.load(f)["overrides"]
+      record = json.load(f)
+    overrides, tuned = record["overrides"], record.get("tuned", [])
   metrics = []
   metrics_path = os.path.join(trial_dir, "metrics.jsonl")
   if os.path.exists(metrics_path):
     with open(metrics_path) as f:
       metrics = [json.loads(line) for line in f if line.strip()]
   return {"name": os.path.basename(trial_dir), "overrides": overrides, "summary": summary,
-          "metrics": metrics, "from_sweep": from_sweep}
+          "metrics": metrics, "from_sweep": from_sweep, "tuned": tuned}
 
 
-def time_to(metrics: list[dict], metric: str, target: float) -> float | None:
-  """Virtual time of the first evaluation with ``metric >= target`` (None if never)."""
-  for m in metrics:
-    if m.get(metric) is not None and m[metric] >= target and m.get("virtual_time") is not None:
-      return m["virtual_time"]
-  return None
+def time_to(metrics: list[dict], metric: str, target: float, *,
+            interpolate: bool = True) -> float | None:
+  """Virtual time at which ``metric`` reaches ``target`` (None if never): interpolated linearly
+  between the last evaluation below it and the first at or above it, or (``interpolate=False``)
+  the first evaluation's time."""
+  return health.time_to(metrics, metric, target, interpolate=interpolate)
+
+
+def _times_to_target(trial: dict, metric: str, target: float | None) -> tuple:
+  """(interpolated, first evaluation) virtual times to ``target``; None for an unhealthy run."""
+  s = trial["summary"]
+  if s["status"] in UNHEALTHY:
+    return None, None
+  if not any(m.get("virtual_time") is not None for m in trial["metrics"]):
+    return s.get("time_to_target"), s.get("time_to_target_first_eval", s.get("time_to_target"))
+  return (time_to(trial["metrics"], metric, target),
+          time_to(trial["metrics"], metric, target, interpolate=False))
 
 
 def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
@@ -136,19 +158,21 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
     final = s.get("final") or {}
     totals = s.get("totals", {})
     metric = s.get("metric", "test_accuracy")
+    row_target = target if target is not None else s.get("target")
+    ttt, ttt_first = _times_to_target(trial, metric, row_target)
     rows.append({
         "trial": trial["name"], **{k: v for k, v in trial["overrides"].items()},
         "scheme": s["config"]["sync"]["scheme"], "seed": s["config"]["seed"],
-        "status": s["status"], "metric": metric, "final": final.get(metric),
-        "target": target if target is not None else s.get("target"),
-        "time_to_target": (s.get("time_to_target") if target is None
-                           else time_to(trial["metrics"], metric, target)),
+        "status": s["status"], "collapse_reason": s.get("collapse_reason"),
+        "metric": metric, "final": final.get(metric), "target": row_target,
+        "time_to_target": ttt, "time_to_target_first_eval": ttt_first,
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
         "_named": not trial["from_sweep"],
+        "_tuned": [k for k in trial["tuned"] if k in trial["overrides"]],
     })
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
   _add_baselines(rows)
@@ -169,21 +193,25 @@ def label(row: dict) -> str:
   return " ".join(parts) or row["trial"]
 
 
-def _context(row: dict) -> tuple:
-  """What a trial shares with its BSP baseline: every swept value but the scheme's own keys."""
+def _context(row: dict, ignore=()) -> tuple:
+  """What a trial shares with its BSP baseline: every swept value but the scheme's own keys
+  (and the ``ignore``d ones, e.g. tuned keys: each side at its own best value)."""
   return tuple(sorted((k, json.dumps(v)) for k, v in row["_overrides"].items()
-                      if not k.startswith(_SCHEME_KEYS)))
+                      if not k.startswith(_SCHEME_KEYS) and k not in ignore))
 
 
-def _add_baselines(rows: list[dict]) -> None:
-  """Speedup (BSP's time to target / the trial's) and final-metric delta vs the matching BSP."""
+def _add_baselines(rows: list[dict], ignore=()) -> None:
+  """Speedup (BSP's time to target / the trial's) and final-metric delta vs the matching BSP.
+
+  The seed is part of the match, so a speedup is per seed (same seed, same other keys).
+  """
   bsp: dict[tuple, dict] = {}
   for r in rows:   # per context, the BSP trial (uncompressed if there are several)
-    if r["scheme"] == "bsp" and (_context(r) not in bsp
+    if r["scheme"] == "bsp" and (_context(r, ignore) not in bsp
                                  or r["_overrides"].get("compress.name", "none") == "none"):
-      bsp[_context(r)] = r
+      bsp[_context(r, ignore)] = r
   for row in rows:
-    base = bsp.get(_context(row))
+    base = bsp.get(_context(row, ignore))
     row["speedup_vs_bsp"] = (base["time_to_target"] / row["time_to_target"]
                              if base and base["time_to_target"] and row["time_to_target"]
                              else None)
@@ -214,8 +242,83 @@ def aggregate(rows: list[dict]) -> list[dict]:
       agg[col + "_n"] = len(values)
       agg[col] = statistics.fmean(values) if values else None
       agg[col + "_std"] = statistics.stdev(values) if len(values) > 1 else (0.0 if values else None)
+    agg.update(seed_statistics(members))
     out.append(agg)
   return out
+
+
+def seed_statistics(members: list[dict]) -> dict[str, Any]:
+  """Over one configuration's seeds: the per-seed speedup's median and min–max (seeds where it
+  or BSP never reached the target, or either run collapsed, have none), unhealthy seed counts."""
+  speedups = sorted(m["speedup_vs_bsp"] for m in members if m.get("speedup_vs_bsp") is not None)
+  return {
+      "speedup_vs_bsp_n": len(speedups),
+      "speedup_vs_bsp_median": statistics.median(speedups) if speedups else None,
+      "speedup_vs_bsp_min": speedups[0] if speedups else None,
+      "speedup_vs_bsp_max": speedups[-1] if speedups else None,
+      "collapsed": sum(m["status"] == "collapsed" for m in members),
+      "diverged": sum(m["status"] == "diverged" for m in members),
+  }
+
+
+TUNING_CRITERION = ("the fewest collapsed or diverged seeds (a value that breaks a seed is not a "
+                    "usable setting), then the lowest median over seeds of the (interpolated) "
+                    "virtual time to target, a seed that never reached it counting as infinitely "
+                    "slow; ties, including never reached at every value, broken by the higher "
+                    "median final metric (an unhealthy seed's counting as the worst); then the "
+                    "smaller value")
+
+
+def _tuning_score(members: list[dict]) -> tuple[int, float, float]:
+  """Lower is better: (unhealthy seeds, median time to target, -median final)."""
+  inf = float("inf")
+  times = [m["time_to_target"] if m["time_to_target"] is not None else inf for m in members]
+  finals = [m["final"] if m["final"] is not None and m["status"] not in UNHEALTHY else -inf
+            for m in members]
+  return (sum(m["status"] in UNHEALTHY for m in members), statistics.median(times),
+          -statistics.median(finals))
+
+
+def _value_order(value: tuple) -> tuple:
+  """Sort key of JSON-encoded tuned values: numbers by size, anything else after, by text."""
+  loaded = [json.loads(v) for v in value]
+  return tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in loaded)
+
+
+def select_tuned(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+  """Each configuration's trials at its best tuned value (criterion: :data:`TUNING_CRITERION`).
+
+  A configuration is every swept value but the tuned keys and the seed.
+
+  Returns:
+    ``(selected, choices)``: the chosen trials (copies, their speedups and
+    deltas recomputed against BSP at BSP's own best value, same seed), and per
+    configuration a dict with its swept values, ``chosen`` (tuned key -> value),
+    ``median_time_to_target``, ``median_final`` and ``candidates`` (how many
+    values were compared). Without tuned keys: ``(rows, [])``.
+  """
+  tuned = list(dict.fromkeys(k for r in rows for k in r.get("_tuned", ())))
+  if not tuned:
+    return rows, []
+  configs: dict[tuple, dict[tuple, list[dict]]] = {}
+  for r in rows:
+    cfg = tuple(sorted((k, json.dumps(v)) for k, v in r["_overrides"].items()
+                       if k not in tuned and k != "seed"))
+    value = tuple(json.dumps(r["_overrides"].get(k)) for k in tuned)
+    configs.setdefault(cfg, {}).setdefault(value, []).append(r)
+  selected, choices = [], []
+  for cfg, by_value in configs.items():
+    best = min(by_value, key=lambda v: (_tuning_score(by_value[v]), _value_order(v)))
+    score = _tuning_score(by_value[best])
+    selected += [dict(r) for r in by_value[best]]
+    choices.append({**{k: json.loads(v) for k, v in cfg},
+                    "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},
+                    "median_time_to_target": score[1] if score[1] != float("inf") else None,
+                    "median_final": -score[2] if score[2] != float("inf") else None,
+                    "unhealthy_seeds": score[0],
+                    "candidates": len(by_value)})
+  _add_baselines(selected, ignore=tuned)
+  return selected, choices
 
 
 def _fmt(value, col: str, metric: str = "") -> str:
@@ -247,6 +350,9 @@ def write_report(workdir: str, out_dir: str | None = None,
   """Writes ``report.md``, ``report.csv`` (per trial) and ``summary.csv`` (over seeds) and plots.
 
   ``target`` recomputes every time to target for that metric value (see :func:`collect`).
+  In a sweep with tuned keys, ``summary.csv``, the headline tables and the
+  plots show each configuration at its best tuned value; ``summary_all.csv``
+  and ``tuning.csv`` hold every value and the choices.
   """
   out_dir = out_dir or workdir
   rows = collect(workdir, target)
@@ -256,23 +362,80 @@ def write_report(workdir: str, out_dir: str | None = None,
   swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
   swept = [k for i, k in sorted(enumerate(swept), key=lambda ik: _column_order(ik[1], ik[0]))]
   metric = rows[0]["metric"]
+  selected, choices = select_tuned(rows)
+  chosen_trials = {r["trial"] for r in selected}
+  for r in rows:
+    r["selected_by_tuning"] = r["trial"] in chosen_trials if choices else None
   cols = ["trial", *swept, "status", "metric", "target", *COLUMNS]
+  csv_cols = cols + ["time_to_target_first_eval", "collapse_reason"]
+  csv_cols += ["selected_by_tuning"] if choices else []
   paths = {"csv": os.path.join(out_dir, "report.csv"),
            "summary_csv": os.path.join(out_dir, "summary.csv"),
            "md": os.path.join(out_dir, "report.md")}
   with open(paths["csv"], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+    writer = csv.DictWriter(f, fieldnames=csv_cols, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-  agg = aggregate(rows)
+  agg = aggregate(selected)
   head_cols = [k for k in swept if k != "seed"] + ["seeds", "target"]
-  agg_cols = head_cols + [c for col in COLUMNS for c in (col, col + "_std")]
-  with open(paths["summary_csv"], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=agg_cols, extrasaction="ignore")
+  agg_cols = (head_cols + [c for col in COLUMNS for c in (col, col + "_std")]
+              + [*_SEED_STAT_COLUMNS])
+  _write_csv(paths["summary_csv"], agg_cols, agg)
+  if choices:
+    paths["summary_all_csv"] = os.path.join(out_dir, "summary_all.csv")
+    _write_csv(paths["summary_all_csv"], agg_cols, aggregate(rows))
+    paths["tuning_csv"] = os.path.join(out_dir, "tuning.csv")
+    _write_csv(paths["tuning_csv"], list(choices[0]), choices)
+  title = "Mean ± std over seeds" + (", each configuration at its best tuned value"
+                                     if choices else "")
+  lines = [f"# Sweep report: {workdir}", "", f"## {title}", ""]
+  lines += _mean_table(agg, head_cols, metric)
+  lines += ["", "## Speedup against BSP, per seed", ""] + speedup_table(agg, head_cols, metric)
+  if choices:
+    lines += ["", *tuning_section(rows, choices, metric), "",
+              "## Every tuned value: mean ± std over seeds", ""]
+    every = aggregate(rows)
+    lines += _mean_table(every, head_cols, metric)
+    lines += ["", "## Every tuned value: speedup against BSP at the same value, per seed", ""]
+    lines += speedup_table(every, head_cols, metric)
+  lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
+  reasons = [f"- {r['trial']}: {r['collapse_reason']}" for r in rows if r.get("collapse_reason")]
+  if reasons:
+    lines += ["", "Collapsed trials (finished, but learned nothing after the warm-up):", *reasons]
+  left_out = orphans(workdir)
+  if left_out:
+    lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "
+              f"left out of this report): {', '.join(left_out)}"]
+  lines += ["", "time_to_target: virtual (simulated-cluster) seconds until the metric reached the "
+            "target, " + health.INTERPOLATION + " (report.csv also has "
+            "time_to_target_first_eval, the first such evaluation's own time); – if never "
+            "reached. A collapsed or diverged trial never counts as reaching it. speedup_vs_bsp: "
+            "the matching BSP trial's time to target divided by this trial's (same seed, same "
+            "swept values but the sync/compress keys" + (" and, in the headline tables, the "
+            "tuned keys: BSP at its own best value" if choices else "") + "); delta_vs_bsp: "
+            "final metric minus BSP's.", ""]
+  for name in plot(selected, out_dir):
+    lines.append(f"![{name}]({name})")
+  with open(paths["md"], "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return paths
+
+
+_SEED_STAT_COLUMNS = ("speedup_vs_bsp_median", "speedup_vs_bsp_min", "speedup_vs_bsp_max",
+                      "speedup_vs_bsp_n", "collapsed", "diverged")
+
+
+def _write_csv(path: str, columns: list[str], rows: list[dict]) -> None:
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
     writer.writeheader()
-    writer.writerows(agg)
-  lines = [f"# Sweep report: {workdir}", "", "## Mean ± std over seeds", "",
-           "| " + " | ".join(head_cols + list(COLUMNS)) + " |",
+    writer.writerows(rows)
+
+
+def _mean_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:
+  """Markdown lines: one row per configuration, every figure as mean ± std over seeds."""
+  lines = ["| " + " | ".join(head_cols + list(COLUMNS)) + " |",
            "|" + "---|" * (len(head_cols) + len(COLUMNS))]
   for a in agg:
     head = [_fmt(a.get(k), k, metric) for k in head_cols]
@@ -280,21 +443,54 @@ def write_report(workdir: str, out_dir: str | None = None,
              + (f" ({a[c + '_n']}/{a['seeds']} seeds)" if a[c + "_n"] < a["seeds"] else ""))
             if a[c] is not None else "–" for c in COLUMNS]
     lines.append("| " + " | ".join(head + body) + " |")
-  lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
-  left_out = orphans(workdir)
-  if left_out:
-    lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "
-              f"left out of this report): {', '.join(left_out)}"]
-  lines += ["", "time_to_target: virtual (simulated-cluster) seconds to the first evaluation at or "
-            "above the target; – if never reached. speedup_vs_bsp: the matching BSP trial's time "
-            "to target divided by this trial's (same swept values but the sync/compress keys); "
-            "delta_vs_bsp: final metric minus BSP's.", ""]
-  for name in plot(rows, out_dir):
-    lines.append(f"![{name}]({name})")
-  with open(paths["md"], "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return paths
+  return lines
+
+
+def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:
+  """Markdown lines: per configuration the per-seed speedup's median and min–max, and how many
+  seeds have one, collapsed or diverged."""
+  cols = head_cols + ["speedup median", "speedup min–max", "seeds with a speedup", "collapsed",
+                      "diverged"]
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for a in agg:
+    lo, hi = a["speedup_vs_bsp_min"], a["speedup_vs_bsp_max"]
+    lines.append("| " + " | ".join(
+        [_fmt(a.get(k), k, metric) for k in head_cols]
+        + [_fmt(a["speedup_vs_bsp_median"], "speedup_vs_bsp"),
+           (f"{_fmt(lo, 'speedup_vs_bsp')}–{_fmt(hi, 'speedup_vs_bsp')}"
+            if lo is not None else "–"),
+           f"{a['speedup_vs_bsp_n']}/{a['seeds']}", f"{a['collapsed']}/{a['seeds']}",
+           f"{a['diverged']}/{a['seeds']}"]) + " |")
+  lines += ["", "Speedup per seed: BSP's time to target with the same seed divided by the "
+            "trial's; the median and the range (min–max) over the seeds where both reached the "
+            "target. A seed without one (never reached, collapsed or diverged) is left out and "
+            "counted in 'seeds with a speedup'."]
+  return lines
+
+
+def tuning_section(rows: list[dict], choices: list[dict], metric: str) -> list[str]:
+  """Markdown lines disclosing the tuning: the grid, the criterion, each configuration's choice."""
+  tuned = list(choices[0]["chosen"])
+  grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in rows if k in r["_overrides"]},
+                    key=lambda v: _value_order((v,))) for k in tuned}
+  cfg_cols = [k for k in choices[0] if k not in ("chosen", "median_time_to_target",
+                                                 "median_final", "unhealthy_seeds", "candidates")]
+  cfg_cols.sort(key=lambda k: _column_order(k, 0))
+  lines = ["## Tuning (disclosed)", "",
+           "Tuned per configuration, over the same grid for every scheme (BSP included): "
+           + "; ".join(f"{k} in {{{', '.join(v)}}}" for k, v in grid.items()) + ". "
+           "Each configuration (every other swept value but the seed) is reported at the value "
+           f"with {TUNING_CRITERION}. The full per-value table follows.", "",
+           "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
+                            + ["unhealthy seeds", "median time_to_target", "median final",
+                               "values compared"])
+           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 4)]
+  for c in choices:
+    lines.append("| " + " | ".join(
+        [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"][k]) for k in tuned]
+        + [str(c["unhealthy_seeds"]), _fmt(c["median_time_to_target"], "time_to_target"),
+           _fmt(c["median_final"], "final", metric), str(c["candidates"])]) + " |")
+  return lines
 
 
 def plot(rows: list[dict], out_dir: str) -> list[str]:

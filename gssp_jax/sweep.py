@@ -9,14 +9,19 @@ config) and ``get_sweep()`` (the trials, built with :func:`sweep`,
 
 Every trial is the base config with its overrides; each runs in its own
 workdir under the sweep's workdir, so a rerun skips finished trials
-(``done``, ``diverged``), retries the others (``failed``, ``interrupted``,
-``stopped``) and resumes a trial from its checkpoint.
+(``done``, ``collapsed``, ``diverged``), retries the others (``failed``,
+``interrupted``, ``stopped``) and resumes a trial from its checkpoint.
 
 A rerun after the sweep file changed refuses to mix old and new results: a
 trial whose recorded config differs from the one the file now builds is named
 with the changed keys, and only ``rerun_changed`` moves such trials aside
 (into ``_stale/<time>/``, nothing is deleted) and runs them again. The current
 grid is written to ``sweep.json``, which the report keeps to.
+
+An axis declared with :func:`tune` instead of :func:`sweep` (e.g. the learning
+rate) is a hyperparameter to tune, not a factor to compare: every trial
+records the tuned keys in its ``trial.json`` and the report shows each
+configuration at its best tuned value (``gssp_jax.report``).
 """
 
 from __future__ import annotations
@@ -40,13 +45,25 @@ import ml_collections
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 
-FINISHED = ("done", "diverged")
+FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
 STALE_DIR = "_stale"       # changed trials moved aside by `rerun_changed`
 
 
 class ChangedTrialsError(ValueError):
   """Trials in the sweep's directory were run with a config the sweep file no longer builds."""
+
+
+class Grid(list):
+  """A list of override dicts that also knows which of its keys are tuned (:func:`tune`)."""
+
+  def __init__(self, items=(), tuned: Sequence[str] = ()):
+    super().__init__(items)
+    self.tuned = tuple(dict.fromkeys(tuned))
+
+
+def _tuned(axes) -> tuple[str, ...]:
+  return tuple(k for a in axes for k in getattr(a, "tuned", ()))
 
 
 def sweep(key: str, values: Sequence[Any]) -> list[dict]:
@@ -56,18 +73,31 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict]:
   return [{key: v} for v in values]
 
 
-def product(*axes: list[dict]) -> list[dict]:
+def tune(key: str, values: Sequence[Any]) -> Grid:
+  """An axis of a hyperparameter tuned per configuration, e.g. ``tune("optimizer.learning_rate",
+  [0.02, 0.05, 0.1])``: every value runs, the report picks each configuration's best."""
+  if key == "seed":
+    raise ValueError("tune('seed', ...) is invalid; allowed: any config key but seed (seeds "
+                     "are repetitions, declared with sweep('seed', ...))")
+  axis = sweep(key, values)
+  if not axis:
+    raise ValueError(f"tune {key!r}: values={values!r} is invalid; allowed: at least one value")
+  return Grid(axis, tuned=(key,))
+
+
+def product(*axes: list[dict]) -> Grid:
   """Every combination of the axes (the first varies slowest)."""
-  return [dict(itertools.chain.from_iterable(d.items() for d in combo))
-          for combo in itertools.product(*axes)]
+  return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
+               for combo in itertools.product(*axes)], tuned=_tuned(axes))
 
 
-def zipped(*axes: list[dict]) -> list[dict]:
+def zipped(*axes: list[dict]) -> Grid:
   """Axes taken together element by element; they must have the same length."""
   lengths = {len(a) for a in axes}
   if len(lengths) > 1:
     raise ValueError(f"zipped axes have different lengths {sorted(lengths)}; allowed: equal")
-  return [dict(itertools.chain.from_iterable(d.items() for d in combo)) for combo in zip(*axes)]
+  return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
+               for combo in zip(*axes)], tuned=_tuned(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +105,7 @@ class Trial:
   name: str
   overrides: dict
   config: ml_collections.ConfigDict
+  tuned: tuple[str, ...] = ()   # the overrides' keys that are tuned, not compared
 
 
 def trial_name(overrides: dict) -> str:
@@ -148,12 +179,14 @@ def expand(path: str) -> list[Trial]:
     if name in names:
       raise ValueError(f"sweep file {path}: trial {overrides} appears twice")
     names.add(name)
-    trials.append(Trial(name, dict(overrides), config))
+    trials.append(Trial(name, dict(overrides), config,
+                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides)))
   return trials
 
 
 def trial_status(trial_dir: str) -> str | None:
-  """``done``/``diverged``/``failed``/… from the trial's summary, or None if it never ran."""
+  """``done``/``collapsed``/``diverged``/``failed``/… from the trial's summary, or None if it
+  never ran."""
   path = os.path.join(trial_dir, "summary.json")
   if not os.path.exists(path):
     return None
@@ -168,7 +201,8 @@ def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attemp
   os.makedirs(trial_dir, exist_ok=True)
   workdir_lib.write_json(os.path.join(trial_dir, "trial.json"),
                          {"name": trial.name, "overrides": trial.overrides, "status": status,
-                          "error": error, "attempts": attempts}, default=str)
+                          "error": error, "attempts": attempts, "tuned": list(trial.tuned)},
+                         default=str)
 
 
 def _attempts(trial_dir: str) -> int:
@@ -268,11 +302,11 @@ def _move_aside(workdir: str, names: Sequence[str]) -> str:
 
 
 def write_grid(workdir: str, path: str, trials: Sequence[Trial]) -> None:
-  """Records the current grid (trial names and overrides) in ``<workdir>/sweep.json``."""
+  """Records the current grid (trial names, overrides, tuned keys) in ``<workdir>/sweep.json``."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  workdir_lib.write_json(os.path.join(workdir, GRID_FILE),
-                         {"sweep": path, "trials": [{"name": t.name, "overrides": t.overrides}
-                                                    for t in trials]}, default=str)
+  grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned)} for t in trials]
+  workdir_lib.write_json(os.path.join(workdir, GRID_FILE), {"sweep": path, "trials": grid},
+                         default=str)
 
 
 def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,

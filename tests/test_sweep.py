@@ -96,15 +96,24 @@ def test_tiny_sweep_resumes_without_redoing_finished_trials(tmp_path, data_dir, 
     assert (tmp_path / "report" / png).stat().st_size > 1000
     assert png in open(paths["md"]).read()
 
-  # Time to a target chosen after the fact: the first recorded evaluation reaching it.
+  # Time to a target chosen after the fact: interpolated between the recorded evaluations
+  # around it (the first evaluation reaching it kept as time_to_target_first_eval).
   for name in second:
     summary = json.load(open(os.path.join(workdir, name, "summary.json")))
     metrics = [json.loads(line) for line in open(os.path.join(workdir, name, "metrics.jsonl"))]
     accs = [m["test_accuracy"] for m in metrics]
     mid = sorted(accs)[len(accs) // 2]
-    expected = next(m["virtual_time"] for m in metrics if m["test_accuracy"] >= mid)
+    i = next(i for i, m in enumerate(metrics) if m["test_accuracy"] >= mid)
+    expected = metrics[i]["virtual_time"]
+    if i:
+      (a0, t0), (a1, t1) = ((metrics[j]["test_accuracy"], metrics[j]["virtual_time"])
+                            for j in (i - 1, i))
+      expected = t0 + (mid - a0) / (a1 - a0) * (t1 - t0)
     row = next(r for r in report.collect(workdir, target=mid) if r["trial"] == name)
-    assert row["time_to_target"] == expected and row["target"] == mid
+    assert row["time_to_target"] == pytest.approx(expected) and row["target"] == mid
+    assert row["time_to_target_first_eval"] == metrics[i]["virtual_time"]
+    assert summary["time_to_target_first_eval"] == next(
+        (m["virtual_time"] for m in metrics if m["test_accuracy"] >= summary["target"]), None)
     never = next(r for r in report.collect(workdir, target=0.999) if r["trial"] == name)
     assert never["time_to_target"] is None and never["speedup_vs_bsp"] is None
     assert row["final"] == summary["final"]["test_accuracy"]
@@ -135,7 +144,10 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
     sweep.expand(_sweep_file(tmp_path, 'sweep("seed", [0])') + ":x")
 
   mnist = sweep.expand(str(REPO / "configs" / "sweeps" / "paper_mnist.py"))
-  assert len(mnist) == 18
+  assert len(mnist) == 27 and {t.config.seed for t in mnist} == {0, 1, 2}
+  tuned = sweep.expand(str(REPO / "configs" / "sweeps" / "paper_mnist.py") + ":tune")
+  assert len(tuned) == 81 and {t.tuned for t in tuned} == {("optimizer.learning_rate",)}
+  assert {t.config.optimizer.learning_rate for t in tuned} == {0.02, 0.05, 0.1}
   assert {(t.config.sync.scheme, t.config.compress.name) for t in mnist} == {
       ("bsp", "none"), ("asp", "none"), ("ssp", "none"), ("dssp", "none"), ("gssp", "none"),
       ("gssp", "gdtopk"), ("inhad", "none"), ("dssync", "none"), ("casp", "none")}
@@ -143,6 +155,7 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
     assert t.config.num_workers == 16 and t.config.cluster.profile == "tiers"
     assert tuple(t.config.cluster.tiers) == (1.0, 1.5, 2.0, 3.0)
     assert t.config.optimizer.warmup_epochs == 1.0 and t.config.train.target_accuracy == 0.98
+    assert t.config.train.eval_every == 0.25
   for name, reduced, full in (("paper_cifar10_resnet18", 4, 27), ("paper_cifar10_vgg19", 4, 27),
                               ("paper_multi30k_seq2seq", 3, 27)):
     spec = str(REPO / "configs" / "sweeps" / f"{name}.py")
@@ -330,4 +343,5 @@ def test_a_changed_sweep_file_is_refused_or_its_changed_trials_rerun(tmp_path, d
   assert sweep.changed_trials(sweep.expand(path), str(workdir)) == {}
   # The current grid, which the report keeps to.
   grid = json.load(open(workdir / "sweep.json"))
-  assert grid["trials"] == [{"name": "sync.scheme=bsp", "overrides": {"sync.scheme": "bsp"}}]
+  assert grid["trials"] == [{"name": "sync.scheme=bsp", "overrides": {"sync.scheme": "bsp"},
+                             "tuned": []}]

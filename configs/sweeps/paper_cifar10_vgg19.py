@@ -15,7 +15,8 @@ Reduced: VGG-19-BN at a quarter of the width (1,256,922 parameters,
 ``model_args.width=0.25``), 8 workers x 32, 8,192 / 2,000 images, 4 epochs,
 BSP, SSP, GSSP and GSSP + GDTopK, seed 0, target 50 %.
 Full (``:full``): the paper-size VGG-19-BN (20,040,522 parameters), 16 workers,
-all images, 30 epochs, target 90 %, every scheme, seeds 0-2.
+all images, 30 epochs, target 90 %, every scheme, seeds 0-2, evaluated every
+quarter epoch (27 trials; an estimate of the cost is that of the ResNet-18 file).
 """
 
 from configs import cifar10_vgg19

@@ -32,6 +32,7 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import health
 from gssp_jax.train import loop as loop_lib
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
@@ -300,13 +301,15 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   finally:
     checkpointer.close()
     reached = next((m for m in history if target and m.get(metric_name, 0) >= target), None)
+    status, collapse = health.judge(status, history, config, metric_name)
     summary = {
         "config": json.loads(config.to_json()),
         "status": status,
+        "collapse_reason": collapse,
         "final": history[-1] if history else None,
         "metric": metric_name,
         "target": target or None,
-        "time_to_target": reached["virtual_time"] if reached else None,
+        **health.time_to_target_fields(history, metric_name, target),
         "wall_time_to_target": reached["wall_time"] if reached else None,
         "pushes_to_target": reached["pushes"] if reached else None,
         "epochs_to_target": reached["epoch"] if reached else None,

@@ -22,6 +22,7 @@ from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
 from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import health
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
@@ -191,9 +192,11 @@ def _traffic(updates: int, plan: _Plan, meta: dict, pull_payload: int) -> dict[s
 def _summary(config, history, status, metric_name, target, wall_time, updates, plan,
              traffic) -> dict[str, Any]:
   reached = next((m for m in history if target and m.get(metric_name, 0) >= target), None)
+  status, collapse = health.judge(status, history, config, metric_name)
   return {
       "config": json.loads(config.to_json()),
       "status": status,
+      "collapse_reason": collapse,
       "final": history[-1] if history else None,
       "metric": metric_name,
       "target": target or None,

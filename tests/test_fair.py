@@ -1,0 +1,294 @@
+"""A fair comparison: collapse detection, tuned sweeps, interpolated time to target, per-seed
+speedups with their median and spread (issue 11). Hand-written metrics and trial directories:
+nothing here trains but the one small collapsing run."""
+
+import csv
+import json
+import math
+import os
+import textwrap
+import types
+
+import pytest
+
+from configs import mnist_lenet5
+from gssp_jax import report
+from gssp_jax import sweep
+from gssp_jax.train import health
+from gssp_jax.train import loop
+
+
+def _evals(epochs, accs, losses, times=None):
+  times = times or [e * 10.0 for e in epochs]
+  return [{"epoch": e, "test_accuracy": a, "train_loss": l, "virtual_time": t}
+          for e, a, l, t in zip(epochs, accs, losses, times)]
+
+
+EPOCHS = [0.5 * i for i in range(1, 17)]   # 8 epochs, evaluated every half epoch
+
+
+# ---------------------------------------------------------------- the collapse rule
+
+
+def test_final_accuracy_at_chance_after_the_warm_up_is_a_collapse():
+  # MNIST GSSP without warm-up: the model predicts one digit, 11.35 % of the test set.
+  history = _evals(EPOCHS, [0.6, 0.3] + [0.1135] * 14, [1.2, 2.4] + [2.301] * 14)
+  reason = health.collapse_reason(history, metric="test_accuracy", num_classes=10)
+  assert reason.startswith("chance:") and "0.1135" in reason
+  # Above 1.5x chance (15 % for 10 classes) at the end: not at chance (its loss still says
+  # it stopped learning).
+  recovered = history[:-2] + _evals(EPOCHS[-2:], [0.1135, 0.16], [2.301, 2.2])
+  assert health.collapse_reason(recovered, metric="test_accuracy",
+                                num_classes=10).startswith("loss:")
+
+
+def test_loss_that_stopped_falling_is_a_collapse_even_above_chance():
+  # Stuck at 40 %: above 1.5x chance, but the loss rose and stayed up after the warm-up.
+  history = _evals(EPOCHS, [0.8, 0.6] + [0.4] * 14, [0.9, 1.1] + [1.6, 1.7] * 7)
+  reason = health.collapse_reason(history, metric="test_accuracy", num_classes=10,
+                                  warmup_epochs=1.0)
+  assert reason.startswith("loss:")
+  # Translation (no chance level): the loss rule alone.
+  bleu = [{"epoch": e, "bleu": 1.0, "train_loss": 5.0 + 0.01 * (i % 2)} for i, e in
+          enumerate(EPOCHS)]
+  assert health.collapse_reason(bleu, metric="bleu", num_classes=None).startswith("loss:")
+
+
+def test_a_healthy_plateau_is_not_a_collapse():
+  # BSP at 99 %: accuracy flat, the loss wobbles from evaluation to evaluation but drifts down.
+  accs = [0.97, 0.98] + [0.990 + 0.001 * (i % 3) for i in range(14)]
+  losses = [0.30, 0.08, 0.050, 0.046, 0.049, 0.041, 0.044, 0.037, 0.040, 0.033, 0.036, 0.030,
+            0.033, 0.029, 0.031, 0.030]
+  history = _evals(EPOCHS, accs, losses)
+  assert health.collapse_reason(history, metric="test_accuracy", num_classes=10,
+                                warmup_epochs=1.0) is None
+  # Fewer than four post-warm-up evaluations (a smoke run, still near chance): not judged.
+  short = _evals([0.5, 1.0, 1.5], [0.11, 0.12, 0.13], [2.3, 2.3, 2.3])
+  assert health.collapse_reason(short, metric="test_accuracy", num_classes=10) is None
+  # One evaluation at chance is a dip, not a collapse: it must sit there.
+  dip = _evals(EPOCHS, accs[:-1] + [0.12], losses)
+  assert health.collapse_reason(dip, metric="test_accuracy", num_classes=10) is None
+
+
+def test_the_warm_up_is_not_judged():
+  # At chance and a rising loss during a 2-epoch warm-up, learning afterwards: healthy.
+  history = _evals(EPOCHS, [0.1, 0.11, 0.1, 0.1135] + [0.9 + 0.005 * i for i in range(12)],
+                   [2.3, 2.4, 2.5, 2.6] + [0.5 - 0.03 * i for i in range(12)])
+  assert health.collapse_reason(history, metric="test_accuracy", num_classes=10,
+                                warmup_epochs=2.0) is None
+  # Ending inside the warm-up: nothing to judge, even at chance.
+  assert health.collapse_reason(history[:4], metric="test_accuracy", num_classes=10,
+                                warmup_epochs=2.0) is None
+  # ... but the same run judged without a warm-up has a rising loss over its first half.
+  flat = _evals(EPOCHS[:8], [0.1] * 8, [2.3, 2.4, 2.5, 2.6, 2.6, 2.7, 2.6, 2.7])
+  assert health.collapse_reason(flat, metric="test_accuracy", num_classes=10) is not None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"warmup_epochs": -1.0}, r"warmup_epochs=-1.0 is invalid"),
+    ({"num_classes": 1}, r"num_classes=1 is invalid"),
+])
+def test_bad_collapse_arguments_name_the_value(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    health.collapse_reason([], metric="test_accuracy", **{"num_classes": 10, **kwargs})
+
+
+def test_the_loop_summary_records_collapsed_instead_of_done():
+  config = mnist_lenet5.get_config()
+  config.optimizer.warmup_epochs = 1.0
+  plan = types.SimpleNamespace(num_workers=4, batch_size=32)
+  collapsed = _evals(EPOCHS, [0.6] + [0.1135] * 15, [1.0] + [2.30] * 15)
+  summary = loop._summary(config, collapsed, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
+  assert summary["status"] == "collapsed"
+  assert summary["collapse_reason"].startswith("chance:")
+  healthy = _evals(EPOCHS, [0.9 + 0.005 * i for i in range(16)],
+                   [0.5 - 0.02 * i for i in range(16)])
+  summary = loop._summary(config, healthy, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
+  assert summary["status"] == "done" and summary["collapse_reason"] is None
+  # Only a run that finished is judged: an interrupted one stays interrupted.
+  summary = loop._summary(config, collapsed, "interrupted", "test_accuracy", 0.98, 1.0, 10, plan,
+                          {})
+  assert summary["status"] == "interrupted"
+
+
+def test_a_real_simulated_run_that_collapses_says_so(tmp_path, data_dir):
+  # Four simulated GSSP workers at SGD 3.0: the loss explodes but stays finite; accuracy at chance.
+  config = mnist_lenet5.get_config("smoke")
+  config.data_dir = data_dir
+  config.data.train_size, config.data.test_size = 256, 200
+  config.train.num_epochs, config.train.eval_every = 2.0, 0.5   # 4 evaluations: judged
+  config.sync.scheme, config.sync.num_groups = "gssp", 2
+  config.cluster.profile, config.cluster.tiers = "tiers", (1.0, 2.0)
+  config.optimizer.learning_rate = 3.0
+  summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  assert summary["status"] == "collapsed", summary["final"]
+  on_disk = json.load(open(tmp_path / "run" / "summary.json"))
+  assert on_disk["status"] == "collapsed" and on_disk["collapse_reason"]
+
+
+# ---------------------------------------------------------------- time to target
+
+
+def test_time_to_target_is_interpolated_between_evaluations():
+  history = _evals([1, 2, 3, 4], [0.90, 0.96, 0.99, 0.995], [1.0] * 4, times=[10, 20, 30, 40])
+  # 0.98 lies 2/3 of the way from 0.96 (t=20) to 0.99 (t=30).
+  assert health.time_to(history, "test_accuracy", 0.98) == pytest.approx(20 + 10 * 2 / 3)
+  assert health.time_to(history, "test_accuracy", 0.98, interpolate=False) == 30
+  assert health.time_to(history, "test_accuracy", 0.85) == 10   # the first evaluation already
+  assert health.time_to(history, "test_accuracy", 0.999) is None
+  assert health.time_to(history, "test_accuracy", 0.0) is None  # no target
+  fields = health.time_to_target_fields(history, "test_accuracy", 0.99)
+  assert fields["time_to_target"] == fields["time_to_target_first_eval"] == 30
+  assert "interpol" in fields["time_to_target_method"]
+
+
+# ---------------------------------------------------------------- tuned sweeps
+
+
+def test_tune_declares_the_tuned_key_through_product_and_zipped(tmp_path):
+  grid = sweep.product(sweep.zipped(sweep.sweep("sync.scheme", ["bsp", "gssp"])),
+                       sweep.tune("optimizer.learning_rate", [0.02, 0.05]),
+                       sweep.sweep("seed", [0, 1]))
+  assert len(grid) == 8 and grid.tuned == ("optimizer.learning_rate",)
+  assert sweep.product(sweep.sweep("seed", [0])).tuned == ()
+  with pytest.raises(ValueError, match=r"tune\('seed', \.\.\.\) is invalid"):
+    sweep.tune("seed", [0, 1])
+  path = tmp_path / "t.py"
+  path.write_text(textwrap.dedent("""
+      from configs import mnist_lenet5
+      from gssp_jax.sweep import product, sweep, tune
+      def get_config():
+        return mnist_lenet5.get_config("smoke")
+      def get_sweep():
+        return product(sweep("sync.scheme", ["bsp"]), tune("optimizer.learning_rate", [0.1, 0.2]))
+      """))
+  trials = sweep.expand(str(path))
+  assert [t.tuned for t in trials] == [("optimizer.learning_rate",)] * 2
+  assert [t.config.optimizer.learning_rate for t in trials] == [0.1, 0.2]
+  sweep._record(str(tmp_path / "d"), trials[0], "running", None, 1)
+  assert json.load(open(tmp_path / "d" / "trial.json"))["tuned"] == ["optimizer.learning_rate"]
+
+
+def test_a_collapsed_trial_is_finished_and_not_rerun(tmp_path):
+  path = tmp_path / "c.py"
+  path.write_text(textwrap.dedent("""
+      from configs import mnist_lenet5
+      from gssp_jax.sweep import sweep
+      def get_config():
+        c = mnist_lenet5.get_config("smoke")
+        c.data_dir, c.data_download = "/nonexistent/data", False   # a rerun would fail
+        return c
+      def get_sweep():
+        return sweep("seed", [0])
+      """))
+  workdir = tmp_path / "sweep"
+  (workdir / "seed=0").mkdir(parents=True)
+  (workdir / "seed=0" / "summary.json").write_text(json.dumps({"status": "collapsed"}))
+  assert "collapsed" in sweep.FINISHED
+  assert sweep.run_sweep(str(path), str(workdir)) == {"seed=0": "collapsed"}
+  assert not (workdir / "seed=0" / "trial.json").exists()   # nothing ran
+
+
+def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
+           times=(10.0, 20.0, 30.0, 40.0)):
+  """A trial directory as the runner leaves it (summary.json, metrics.jsonl, trial.json)."""
+  overrides = {"sync.scheme": scheme, "optimizer.learning_rate": lr, "seed": seed}
+  name = sweep.trial_name(overrides)
+  d = root / name
+  d.mkdir(parents=True)
+  metrics = [{"epoch": i + 1.0, "virtual_time": t, "test_accuracy": a, "train_loss": 1.0}
+             for i, (t, a) in enumerate(zip(times, accs))]
+  (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+  (d / "summary.json").write_text(json.dumps({
+      "config": {"sync": {"scheme": scheme}, "seed": seed}, "status": status,
+      "collapse_reason": reason, "final": metrics[-1], "metric": "test_accuracy", "target": 0.98,
+      "totals": {"virtual_time": times[-1], "bytes_pushed": 1}}))
+  (d / "trial.json").write_text(json.dumps({
+      "name": name, "overrides": overrides, "status": status,
+      "tuned": ["optimizer.learning_rate"] if tuned else []}))
+  return name
+
+
+def _tuned_sweep(root):
+  """BSP is best at 0.05, GSSP at 0.1; GSSP at 0.05 collapses in seed 1."""
+  slow, mid, fast = [0.9, 0.95, 0.97, 0.985], [0.9, 0.97, 0.99, 0.99], [0.97, 0.99, 0.99, 0.99]
+  for seed in (0, 1, 2):
+    _trial(root, "bsp", seed, 0.05, mid)                            # reaches 0.98 at 25.0
+    _trial(root, "bsp", seed, 0.1, slow)                            # at 36.67
+    _trial(root, "gssp", seed, 0.1, fast,                           # at 10 + 10 * (1/2) = 15
+           times=(10.0, 20.0, 30.0, 40.0) if seed != 2 else (5.0, 10.0, 15.0, 20.0))   # 7.5
+    if seed == 1:
+      _trial(root, "gssp", seed, 0.05, [0.99, 0.99, 0.5, 0.1135], status="collapsed",
+             reason="chance: ...")
+    else:
+      _trial(root, "gssp", seed, 0.05, [0.99, 0.99, 0.99, 0.99])     # at 10.0, but 1/3 collapsed
+
+
+def test_report_picks_each_scheme_at_its_best_rate_and_discloses_it(tmp_path):
+  root = tmp_path / "sweep"
+  _tuned_sweep(root)
+  rows = report.collect(str(root))
+  selected, choices = report.select_tuned(rows)
+  chosen = {c["sync.scheme"]: c["chosen"]["optimizer.learning_rate"] for c in choices}
+  # GSSP at 0.05 would be faster by the median ({10, never, 10} = 10 against 0.1's
+  # {15, 15, 7.5} = 15), but a seed collapsed there: 0.1 is chosen.
+  assert chosen == {"bsp": 0.05, "gssp": 0.1}
+  by = {(r["scheme"], r["seed"]): r for r in selected}
+  assert len(selected) == 6
+  # Speedups against BSP at BSP's own best rate (0.05, not GSSP's 0.1), same seed.
+  assert [by[("gssp", s)]["speedup_vs_bsp"] for s in (0, 1, 2)] == pytest.approx(
+      [25.0 / 15.0, 25.0 / 15.0, 25.0 / 7.5])
+  # The collapsed seed reached 0.99 before collapsing: it never counts as reaching the target.
+  collapsed = next(r for r in rows if r["status"] == "collapsed")
+  assert collapsed["time_to_target"] is None and collapsed["speedup_vs_bsp"] is None
+
+  paths = report.write_report(str(root), str(tmp_path / "out"))
+  md = open(paths["md"]).read()
+  assert "## Tuning (disclosed)" in md and "optimizer.learning_rate in {0.05, 0.1}" in md
+  assert "lowest median over seeds" in md and "## Every tuned value" in md
+  with open(paths["summary_csv"]) as f:
+    agg = {r["sync.scheme"]: r for r in csv.DictReader(f)}
+  assert float(agg["gssp"]["optimizer.learning_rate"]) == 0.1
+  assert float(agg["bsp"]["optimizer.learning_rate"]) == 0.05
+  assert float(agg["gssp"]["speedup_vs_bsp_median"]) == pytest.approx(25.0 / 15.0)
+  assert float(agg["gssp"]["speedup_vs_bsp_max"]) == pytest.approx(25.0 / 7.5)
+  assert int(agg["gssp"]["speedup_vs_bsp_n"]) == 3
+  with open(paths["tuning_csv"]) as f:
+    assert {r["sync.scheme"]: r["candidates"] for r in csv.DictReader(f)} == {"bsp": "2",
+                                                                                "gssp": "2"}
+  with open(paths["summary_all_csv"]) as f:
+    every = list(csv.DictReader(f))
+  assert len(every) == 4   # every (scheme, rate), the collapse counted where it happened
+  assert {(r["sync.scheme"], float(r["optimizer.learning_rate"])): int(r["collapsed"])
+          for r in every} == {("bsp", 0.05): 0, ("bsp", 0.1): 0, ("gssp", 0.05): 1,
+                              ("gssp", 0.1): 0}
+  assert "| 1/3 | 0/3 |" in md   # the per-rate speedup table counts the collapsed seed
+  with open(paths["csv"]) as f:
+    trials = {r["trial"]: r for r in csv.DictReader(f)}
+  collapsed = trials["sync.scheme=gssp,optimizer.learning_rate=0.05,seed=1"]
+  assert collapsed["status"] == "collapsed" and collapsed["collapse_reason"] == "chance: ..."
+  assert collapsed["time_to_target"] == ""
+  assert trials["sync.scheme=bsp,optimizer.learning_rate=0.1,seed=0"]["selected_by_tuning"] == \
+      "False"
+
+
+def test_speedup_median_and_spread_over_seeds(tmp_path):
+  root = tmp_path / "sweep"
+  mid = [0.9, 0.97, 0.99, 0.99]
+  for seed, gssp_scale in ((0, 1.0), (1, 0.5), (2, 0.25)):
+    _trial(root, "bsp", seed, 0.05, mid, tuned=False)      # 25.0
+    _trial(root, "gssp", seed, 0.05, mid, tuned=False,
+           times=tuple(t * gssp_scale for t in (10.0, 20.0, 30.0, 40.0)))   # 25 * scale
+  rows = report.collect(str(root))
+  assert report.select_tuned(rows) == (rows, [])   # nothing tuned
+  (gssp,) = [a for a in report.aggregate(rows) if a["sync.scheme"] == "gssp"]
+  assert gssp["speedup_vs_bsp_median"] == pytest.approx(2.0)   # speedups 1, 2, 4
+  assert (gssp["speedup_vs_bsp_min"], gssp["speedup_vs_bsp_max"]) == pytest.approx((1.0, 4.0))
+  # Interpolated: BSP reaches 0.98 halfway between 0.97 (t=20) and 0.99 (t=30).
+  bsp = next(r for r in rows if r["scheme"] == "bsp")
+  assert bsp["time_to_target"] == pytest.approx(25.0) and bsp["time_to_target_first_eval"] == 30
+  paths = report.write_report(str(root), str(tmp_path / "out"))
+  md = open(paths["md"]).read()
+  assert "## Speedup against BSP, per seed" in md and "| 2.00× | 1.00×–4.00× | 3/3 |" in md
+  assert "Tuning" not in md and "interpolated linear" in md
+  assert not math.isnan(float(next(csv.DictReader(open(paths["summary_csv"])))["final"]))
