@@ -299,18 +299,36 @@ def test_gdtopk_matches_topk_with_same_ratios():
   _assert_trees_equal((a, sa), (b, sb))
 
 
-def test_group_schedule_slowest_densest_and_floor():
+def test_gdtopk_scope_global_selects_over_the_whole_model():
+  g = _grads(5)
+  ratios = jnp.array([0.3, 0.3], jnp.float32)
+  gd, tk = compress.gdtopk(W, scope="global"), compress.topk(W, scope="global")
+  a, sa = gd.update(g, gd.init(PARAMS), ratios=ratios)
+  b, sb = tk.update(g, tk.init(PARAMS), ratios=ratios)
+  _assert_trees_equal((a, sa), (b, sb))
+  per_tensor, _ = compress.gdtopk(W).update(g, compress.gdtopk(W).init(PARAMS), ratios=ratios)
+  # Globally the 6 largest of 19 entries per worker; per tensor 5 of "w" and 2 of "b".
+  assert [int(jnp.sum(x != 0)) for x in jax.tree.leaves(a)] != [
+      int(jnp.sum(x != 0)) for x in jax.tree.leaves(per_tensor)]
+  assert all(int(jnp.sum(jnp.concatenate([x[i].ravel() for x in jax.tree.leaves(a)]) != 0)) == 6
+             for i in range(W))
+  with pytest.raises(ValueError, match=r"scope='layer'"):
+    compress.gdtopk(W, scope="layer")
+
+
+def test_group_schedule_matches_the_authors_table():
+  """0.35 until two epochs are completed, then b ** (completed - 1), floored at b ** 4."""
   ranks = [1, 2, 0]  # group 0 middle, group 1 slowest, group 2 fastest
+  fastest, middle, slowest = 0.25, 0.30, 0.35
+  table = {1: [0.35] * 3, 2: [0.35] * 3}
+  for epoch, power in ((3, 1), (4, 2), (5, 3), (6, 4), (7, 4)):
+    table[epoch] = [middle ** power, slowest ** power, fastest ** power]
   for epoch in range(1, 8):
     r = compress.gdtopk_group_ratios(epoch, ranks)
     assert r.dtype == np.float32 and r.shape == (3,)
-    if epoch == 1:
-      np.testing.assert_array_equal(r, [1.0, 1.0, 1.0])
-    else:
-      assert r[1] > r[0] > r[2]
-  np.testing.assert_allclose(compress.gdtopk_group_ratios(3, ranks),
-                             [0.30**2, 0.35**2, 0.25**2], rtol=1e-6)
-  # From epoch 5 on the floor b ** 4 holds.
+    np.testing.assert_allclose(r, table[epoch], rtol=1e-6, err_msg=f"epoch {epoch}")
+    if epoch > 2:
+      assert r[1] > r[0] > r[2]   # the slowest group sends the densest
   np.testing.assert_allclose(compress.gdtopk_group_ratios(9, ranks),
                              [0.30**4, 0.35**4, 0.25**4], rtol=1e-6)
   np.testing.assert_allclose(compress.gdtopk_group_ratios(9, ranks, floor_power=2),
@@ -320,9 +338,9 @@ def test_group_schedule_slowest_densest_and_floor():
 def test_group_schedule_classes_and_initial_ratio():
   np.testing.assert_array_equal(compress.gdtopk_group_ratios(4, [0, 1], classes_known=False),
                                 np.float32([0.35, 0.35]))
-  np.testing.assert_allclose(compress.gdtopk_group_ratios(2, [0]), [0.30])  # one group: middle
+  np.testing.assert_allclose(compress.gdtopk_group_ratios(3, [0]), [0.30])  # one group: middle
   # Two groups: slowest and fastest.
-  np.testing.assert_allclose(compress.gdtopk_group_ratios(2, [1, 0]), [0.35, 0.25])
+  np.testing.assert_allclose(compress.gdtopk_group_ratios(3, [1, 0]), [0.35, 0.25])
 
 
 def test_continuous_schedule_monotone_in_time():

@@ -54,6 +54,20 @@ def test_trace_with_the_wrong_number_of_workers_is_rejected(tmp_path):
   assert [cluster.compute_time(3, k) for k in range(3)] == [0.4, 0.5, 0.4]
 
 
+@pytest.mark.parametrize("key,value", [
+    ("speeds", (1.0, 2.0, 1.0, 1.0)), ("tiers", (1.0, 2.0)), ("sigma", 0.1),
+    ("jitter", 0.1), ("straggler_prob", 0.01), ("straggler_slowdown", 3.0),
+    ("straggler_duration", 4), ("base_time", 0.1), ("calibrate", True)])
+def test_trace_rejects_the_compute_time_model_keys(tmp_path, key, value):
+  path = tmp_path / "trace.csv"
+  path.write_text("0.1,0.2,0.3,0.4\n")
+  changes = {"cluster.profile": "trace", "cluster.trace_file": str(path)}
+  config_lib.validate_config(_config(**changes))
+  with pytest.raises(ValueError, match=rf"^config.cluster.{key}=.* cannot apply with "
+                                       r"cluster.profile='trace': the trace gives"):
+    config_lib.validate_config(_config(**changes, **{f"cluster.{key}": value}))
+
+
 def test_presets_and_determinism():
   tiers = cluster_lib.cluster_from_config(_config(**{
       "num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1}))
@@ -202,6 +216,21 @@ def test_casp_with_two_communities_pushes_two_payloads_per_round_of_both():
   # k = 2 payloads per round of both communities reach the server, not W = 8.
   assert host["pushed_per_worker"].tolist() == [per[0] * 1_000_000, 0, 0, 0,
                                                 per[1] * 1_000_000, 0, 0, 0]
+
+
+def test_blocked_time_so_far_counts_waits_in_progress():
+  engine = sync.TimelineEngine(sync.build_scheme("bsp", 3).make_protocol(),
+                               lambda w, k: [1.0, 2.0, 4.0][w])
+  while engine.now < 2.0:   # worker 0 pushed at 1, worker 1 at 2, worker 2 computes until 4
+    engine.step()
+  before = {k: np.copy(v) for k, v in engine.state_dict().items() if isinstance(v, np.ndarray)}
+  np.testing.assert_array_equal(engine.blocked_time_so_far(), [1.0, 0.0, 0.0])
+  np.testing.assert_array_equal(engine.blocked_time, [0.0, 0.0, 0.0])   # a pure accessor
+  for k, v in before.items():
+    np.testing.assert_array_equal(getattr(engine, k), v)
+  engine.step()   # worker 2 pushes at 4 and releases everyone
+  np.testing.assert_array_equal(engine.blocked_time_so_far(), [3.0, 2.0, 0.0])
+  np.testing.assert_array_equal(engine.blocked_time, [3.0, 2.0, 0.0])
 
 
 # ---------------------------------------------------------------- accounting = device staleness
@@ -533,10 +562,15 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   path = tmp_path / "trace.csv"
   path.write_text("\n".join(",".join(r) for r in rows) + "\n")
   config = _sim_config("gssp", **{"cluster.profile": "trace", "cluster.trace_file": str(path),
+                                  "cluster.tiers": (1.0, 1.5, 2.0, 3.0), "cluster.jitter": 0.0,
                                   "sync.regroup_every_epoch": True, "compress.name": "gdtopk",
                                   "train.num_epochs": 4.0, "train.eval_every": 1.0})
   config.data_dir = data_dir
   summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
+  # The summary reports the trace's mean times, not speed factors of ones.
+  assert "speeds" not in summary["cluster"]
+  assert summary["cluster"]["trace_mean_iteration_time"] == pytest.approx(
+      [(8 * 0.01 + 100 * 0.03) / 108] * 2 + [(8 * 0.03 + 100 * 0.01) / 108] * 2)
   history = summary["scheme"]["groups_history"]
   assert history[0] == [1, 1, 0, 0]   # by the trace's mean times: 2 and 3 are faster overall
   assert history[1] == [0, 0, 1, 1]   # measured over epoch 1, 0 and 1 were the fast ones
@@ -564,3 +598,114 @@ def test_gssp_protocol_regroups_at_a_barrier():
   assert protocol.blocked.sum() == 0
   with pytest.raises(ValueError, match="every id in 0..1 used"):
     protocol.request_regroup([0, 0, 0, 0])
+
+
+# ---------------------------------------------------------------- what is timed, counted, reported
+
+
+def _recording_engine(monkeypatch):
+  """Patches the simulator's engine to record every push's timed delay; returns the log."""
+  log = {"push": {}, "engines": []}
+
+  class Recording(sync.TimelineEngine):
+    def __init__(self, protocol, compute_time, *, push_delay, **kw):
+      def timed(w, k):
+        log["push"][(w, k)] = push_delay(w, k)
+        return log["push"][(w, k)]
+      super().__init__(protocol, compute_time, push_delay=timed, **kw)
+      log["engines"].append(self)
+  monkeypatch.setattr(sync, "TimelineEngine", Recording)
+  return log
+
+
+# Every scheme (arrivals differ) and every compressor (timing differs) at least once.
+@pytest.mark.parametrize("scheme,compressor", [
+    ("bsp", "dgc"), ("asp", "topk"), ("ssp", "none"), ("dssp", "dgc"), ("gssp", "gdtopk"),
+    ("inhad", "dgc"), ("dssync", "topk"), ("casp", "dgc")])
+def test_timed_push_bytes_equal_reported_bytes_pushed(tmp_path, data_dir, monkeypatch, scheme,
+                                                      compressor):
+  """With 1 byte/s links and no latency a push's delay is its byte count; summed over the
+  pushes that arrived it must equal ``bytes_pushed`` (what the device counted), per worker."""
+  log = _recording_engine(monkeypatch)
+  config = _sim_config(scheme, **{"compress.name": compressor, "compress.ratio": 0.05,
+                                  "cluster.bandwidth": 1.0, "cluster.latency": 0.0,
+                                  "train.num_epochs": 1.5 if compressor == "gdtopk" else 1.0,
+                                  "train.eval_every": 1.0})
+  config.data_dir = data_dir
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  engine = log["engines"][-1]
+  arrived = [sum(t for (w, k), t in log["push"].items() if w == v and k < engine.iteration[v])
+             for v in range(4)]
+  final = summary["final"]
+  assert final["bytes_pushed_per_worker"] == arrived
+  assert summary["totals"]["bytes_pushed"] == sum(arrived) > 0
+  assert engine.iteration.sum() == summary["totals"]["pushes"]
+  if compressor == "gdtopk":   # the last iteration of a worker's epoch is flushed: dense
+    import jax
+    from gssp_jax.train import step as step_lib
+    from gssp_jax.train import tasks
+    dense = step_lib.tree_bytes(tasks.make_task(config).init(jax.random.key(0))[0])
+    spe = 1024 // 4 // 32
+    assert all(log["push"][(w, spe - 1)] == dense for w in range(4))
+    assert all(log["push"][(w, spe - 2)] < dense for w in range(4))
+
+
+def test_blocked_time_and_totals_include_waits_in_progress(tmp_path, data_dir, monkeypatch):
+  log = _recording_engine(monkeypatch)
+  # Under SSP(1) with 4x slower workers, the run ends with worker 0 waiting for them.
+  config = _sim_config("ssp", **{"sync.staleness": 1, "cluster.tiers": (1.0, 4.0),
+                                 "train.num_epochs": 1.0, "train.eval_every": 1.0})
+  config.data_dir = data_dir
+  summary = loop.train_and_evaluate(config, str(tmp_path))
+  engine = log["engines"][-1]
+  busy = {w for _, _, kind, w in engine.queue if kind in ("start", "push")}
+  waiting = [w for w in range(4) if w not in busy]
+  assert waiting   # fast workers wait for the slow ones under SSP(1)
+  expected = engine.blocked_time + np.where(np.isin(np.arange(4), waiting),
+                                            engine.now - engine.pushed_at, 0.0)
+  assert np.any(expected[waiting] > engine.blocked_time[waiting])   # a wait in progress
+  np.testing.assert_array_equal(summary["final"]["blocked_time_per_worker"], expected)
+  np.testing.assert_array_equal(summary["totals"]["blocked_time_per_worker"], expected)
+  assert summary["final"]["blocked_time"] == pytest.approx(expected.mean())
+
+
+def _two_worker_jobs(compressor):
+  import jax
+  from gssp_jax.sim import executor
+
+  def loss_fn(p, ms, batch, rng):
+    del rng
+    return jnp.sum((p["w"] - batch["x"]) ** 2), ms
+
+  scheme = sync.build_scheme("asp", 2)
+  tx = optax.chain(scheme.transform, sync.replicated(optax.sgd(0.1), scheme.num_replicas))
+  state = executor.init_state({"w": jnp.zeros([6])}, {}, tx, compressor, 2, scheme.num_replicas,
+                              jax.random.key(0))
+  job_fn = executor.make_job_fn(loss_fn, compressor, 24)
+  args = (state, {"x": jnp.arange(24, dtype=jnp.float32).reshape(4, 6)},
+          np.array([0, 1], np.int32), np.array([[1], [2]], np.int32), np.zeros([2], np.int32),
+          np.full([2], 0.5, np.float32))
+  return scheme, executor.make_round_fn(tx), job_fn, args
+
+
+def test_a_job_counts_in_loss_and_bytes_only_once_its_push_arrives():
+  from gssp_jax import compress
+  scheme, round_fn, job_fn, args = _two_worker_jobs(compress.topk(1))
+  state = job_fn(*args)
+  assert int(state.loss_count) == 0 and float(state.loss_sum) == 0.0   # computed, not pushed
+  np.testing.assert_array_equal(state.push_bytes, [0, 0])
+  rnd = sync.rounds.empty_round(0.0, 2, scheme.num_replicas, 1, np.zeros([2], np.int32))
+  state = round_fn(state, sync.round_args(rnd._replace(
+      arrived=np.array([False, True]), applies=np.ones([scheme.num_replicas], bool))))
+  assert int(state.loss_count) == 1   # worker 1's gradient arrived, worker 0's did not
+  assert float(state.loss_sum) == pytest.approx(float(jnp.sum(jnp.arange(12, 18.0) ** 2)))
+  np.testing.assert_array_equal(state.push_bytes, [0, 3 * 8])   # 3 of 6 entries + indices
+
+
+def test_a_flushed_job_sends_dense_bytes_and_clears_its_residual():
+  from gssp_jax import compress
+  _, _, job_fn, args = _two_worker_jobs(compress.gdtopk(1))
+  state = job_fn(*args, np.array([False, True]))
+  np.testing.assert_array_equal(state.job_bytes, [3 * 8, 24])
+  res = np.asarray(state.comp_state.residual["w"])
+  assert np.count_nonzero(res[0]) == 3 and not res[1].any()

@@ -3,7 +3,10 @@
 Slow groups spend their time computing rather than communicating, so they can
 afford to send more; fast groups compress harder. The ratio schedule is
 host-side NumPy (it changes once per epoch) and reaches the jitted update as
-the traced extra arg ``ratios``, so a new epoch does not recompile.
+the traced extra arg ``ratios``, so a new epoch does not recompile. At the end
+of each of its epochs a worker flushes (the traced extra arg ``flush``): it
+sends gradient plus residual densely and starts the next epoch with an empty
+residual, as the authors' code does.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ import optax
 from gssp_jax.compress import topk as topk_lib
 
 _FASTEST, _MIDDLE, _SLOWEST = 0, 1, 2
+_WARMUP_EPOCHS = 2   # completed epochs at the initial ratio before the classes' decay starts
 
 
-def gdtopk(num_workers: int, *, error_feedback: bool = True, value_bytes: int = 4,
-           index_bytes: int = 4) -> optax.GradientTransformationExtraArgs:
-  """Per-tensor top-k whose per-worker ratios come from the extra arg ``ratios`` every round.
+def gdtopk(num_workers: int, *, scope: str = "tensor", error_feedback: bool = True,
+           value_bytes: int = 4, index_bytes: int = 4) -> optax.GradientTransformationExtraArgs:
+  """Top-k whose per-worker ratios come from the extra arg ``ratios`` every round.
 
   Args:
     num_workers: W, the leading axis of every gradient leaf.
+    scope: ``"tensor"`` (top-k of each leaf) or ``"global"`` (of the whole
+      flattened model), as for :func:`~gssp_jax.compress.topk`.
     error_feedback: carry unsent mass to the next round.
     value_bytes: bytes per sent value.
     index_bytes: bytes per sent index.
@@ -35,9 +41,10 @@ def gdtopk(num_workers: int, *, error_feedback: bool = True, value_bytes: int = 
     honours ``flush`` (epoch-end: send everything, clear the residual).
   """
   num_workers = topk_lib.check_num_workers(num_workers)
+  topk_lib.check_scope(scope)
   value_bytes = topk_lib.check_positive_int("value_bytes", value_bytes)
   index_bytes = topk_lib.check_positive_int("index_bytes", index_bytes)
-  selector = topk_lib.topk_selector("tensor", value_bytes, index_bytes)
+  selector = topk_lib.topk_selector(scope, value_bytes, index_bytes)
   return topk_lib.build_compressor(num_workers, None, selector, error_feedback=bool(error_feedback),
                                    require_ratios="gdtopk")
 
@@ -81,16 +88,30 @@ def speed_class(rank: int, num_groups: int) -> int:
 def gdtopk_group_ratios(epoch: int, group_speed_rank: Sequence[int], *, classes_known: bool = True,
                         bases: tuple[float, float, float] = (0.25, 0.30, 0.35),
                         initial_ratio: float = 0.35, floor_power: int = 4) -> np.ndarray:
-  """The reference GDTopK schedule: one ratio per group.
+  """The reference GDTopK schedule (the GDTopK authors' rule): one ratio per group.
+
+  With ``c = epoch - 1`` epochs completed, every group sends ``initial_ratio``
+  while ``c < 2`` (the authors wait two epochs before they trust the speed
+  classes); from then on a group of class base ``b`` sends ``b ** (c - 1)``,
+  floored at ``b ** floor_power``. With the defaults, epochs 1..7 give
+
+  =========  ====  ====  ======  ======  ======  ======  ======
+  class      1     2     3       4       5       6       7
+  =========  ====  ====  ======  ======  ======  ======  ======
+  fastest    0.35  0.35  0.25    0.25^2  0.25^3  0.25^4  0.25^4
+  middle     0.35  0.35  0.30    0.30^2  0.30^3  0.30^4  0.30^4
+  slowest    0.35  0.35  0.35    0.35^2  0.35^3  0.35^4  0.35^4
+  =========  ====  ====  ======  ======  ======  ======  ======
 
   Args:
-    epoch: current epoch, counting from 1.
+    epoch: the epoch the iteration belongs to, counting from 1 (so
+      ``epoch - 1`` epochs are completed).
     group_speed_rank: for each group its speed rank, 0 the fastest; a
       permutation of ``range(G)``.
-    classes_known: until the groups' speeds are measured every group uses
-      ``initial_ratio``.
+    classes_known: False keeps every group at ``initial_ratio`` whatever the
+      epoch (the groups' speeds are not measured yet).
     bases: decay bases of the (fastest, middle, slowest) classes, each in (0, 1].
-    initial_ratio: ratio before the classes are known, in (0, 1].
+    initial_ratio: ratio of the first two epochs, in (0, 1].
     floor_power: the ratio never drops below ``base ** floor_power``.
 
   Returns:
@@ -108,10 +129,12 @@ def gdtopk_group_ratios(epoch: int, group_speed_rank: Sequence[int], *, classes_
                      "allowed: three numbers (fastest, middle, slowest) in (0, 1]")
   bases = [_check_base("bases", b) for b in bases]
   initial_ratio = _check_base("initial_ratio", initial_ratio)
-  if not classes_known:
+  completed = epoch - 1
+  if not classes_known or completed < _WARMUP_EPOCHS:
     return np.full([len(ranks)], initial_ratio, np.float32)
   group_bases = np.array([bases[speed_class(r, len(ranks))] for r in ranks])
-  return _decayed(group_bases, epoch, floor_power)
+  # _decayed(b, e) is b ** (e - 1), so e = completed gives the authors' b ** (completed - 1).
+  return _decayed(group_bases, completed, floor_power)
 
 
 def gdtopk_continuous_ratios(epoch: int, group_iteration_times: Sequence[float], *,

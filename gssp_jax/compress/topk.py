@@ -66,6 +66,13 @@ def check_unit_interval(name: str, value: Any) -> None:
     raise ValueError(f"compress {name}={value!r} is invalid; allowed: a number in (0, 1]")
 
 
+def check_scope(scope: Any) -> str:
+  """Returns ``scope`` if it is ``"tensor"`` or ``"global"``, else raises ValueError."""
+  if scope not in _SCOPES:
+    raise ValueError(f"compress scope={scope!r} is invalid; allowed: {', '.join(_SCOPES)}")
+  return scope
+
+
 def check_positive_int(name: str, value: Any) -> int:
   """Returns ``value`` if it is a positive int, else raises ValueError."""
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -207,8 +214,7 @@ def topk(num_workers: int, ratio: float = 0.01, *, scope: str = "tensor",
   """
   num_workers = check_num_workers(num_workers)
   check_unit_interval("ratio", ratio)
-  if scope not in _SCOPES:
-    raise ValueError(f"compress scope={scope!r} is invalid; allowed: {', '.join(_SCOPES)}")
+  check_scope(scope)
   value_bytes = check_positive_int("value_bytes", value_bytes)
   index_bytes = check_positive_int("index_bytes", index_bytes)
   return build_compressor(num_workers, ratio, topk_selector(scope, value_bytes, index_bytes),

@@ -22,6 +22,9 @@ import os
 import numpy as np
 
 PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
+# Keys of the compute-time model; a trace gives every iteration's time, so none applies to it.
+_MODEL_KEYS = ("speeds", "tiers", "sigma", "base_time", "calibrate", "jitter", "straggler_prob",
+               "straggler_slowdown", "straggler_duration")
 _BLOCK = 1024   # iterations drawn at once per worker
 
 
@@ -139,6 +142,13 @@ class Cluster:
     """Seconds to move ``num_bytes`` inside a machine (worker -> node aggregator)."""
     return float(self.node_latency + num_bytes / self.node_bandwidth)
 
+  def describe(self) -> dict:
+    """The cluster as ``summary.json`` reports it: a trace's mean times, else the model's factors."""
+    if self.trace is not None:
+      return {"profile": "trace", "trace_iterations": int(self.trace.shape[0]),
+              "trace_mean_iteration_time": self.trace.mean(0).tolist()}
+    return {"speeds": self.speeds.tolist(), "base_time": self.base_time}
+
   def __hash__(self):   # lru_cache on a method needs a hashable self
     return id(self)
 
@@ -164,11 +174,24 @@ def cluster_speeds(cfg, num_workers: int, seed: int) -> np.ndarray:
   return np.exp(sigma * np.random.default_rng([seed, 3]).standard_normal(num_workers))
 
 
+def check_trace_keys(cfg) -> None:
+  """Rejects a compute-time model key set beside ``profile='trace'`` (the trace gives the times)."""
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (no cycle)
+  defaults = config_lib.default_config().cluster
+  for key in _MODEL_KEYS:
+    value, default = cfg[key], defaults[key]
+    if (tuple(value) if isinstance(value, (tuple, list)) else value) != default:
+      raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile='trace':"
+                       f" the trace gives every iteration's time; leave it at {default!r}")
+
+
 def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   """Builds and validates ``config.cluster`` (``base_time`` overrides, e.g. from calibration)."""
   cfg = config.cluster
   if cfg.profile not in PROFILES:
     _fail("profile", cfg.profile, ", ".join(PROFILES))
+  if cfg.profile == "trace":
+    check_trace_keys(cfg)
   W = config.num_workers
   speeds = cluster_speeds(cfg, W, config.seed)
   bandwidth = np.asarray(cfg.bandwidth if np.ndim(cfg.bandwidth) == 0 or len(cfg.bandwidth)

@@ -50,9 +50,15 @@ class SimState(flax.struct.PyTreeNode):
     worker_model_state: ``[W, ...]`` each worker's statistics after its job.
     grad_buf: ``[W, ...]`` each worker's outstanding (compressed) gradient.
     comp_state: per-worker compressor states stacked on ``[W]`` (() without).
-    loss_sum: ``[]`` float32 sum of job losses since the last evaluation.
-    loss_count: ``[]`` int32 jobs since the last evaluation.
-    push_bytes: ``[W]`` int32 bytes pushed since the last evaluation.
+    loss_sum: ``[]`` float32 sum of the losses of the gradients that reached
+      a server since the last evaluation.
+    loss_count: ``[]`` int32 number of those gradients.
+    push_bytes: ``[W]`` int32 bytes of those gradients' pushes, per worker.
+    job_loss: ``[W]`` float32 loss of each worker's outstanding job (computed,
+      not pushed yet); moved into ``loss_sum`` in the round it arrives.
+    job_bytes: ``[W]`` int32 bytes of each worker's outstanding push (what
+      its compressor actually sends, plus its BatchNorm statistics); moved
+      into ``push_bytes`` in the round it arrives.
     rng: ``[2]`` uint32 base key of the workers' dropout.
   """
   replica_params: Any
@@ -65,6 +71,8 @@ class SimState(flax.struct.PyTreeNode):
   loss_sum: jax.Array
   loss_count: jax.Array
   push_bytes: jax.Array
+  job_loss: jax.Array
+  job_bytes: jax.Array
   rng: jax.Array
 
 
@@ -87,13 +95,23 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
       grad_buf=jax.tree.map(lambda p: jnp.zeros((num_workers, *p.shape), jnp.float32), params),
       comp_state=comp_state, loss_sum=jnp.zeros([], jnp.float32),
       loss_count=jnp.zeros([], jnp.int32), push_bytes=jnp.zeros([num_workers], jnp.int32),
-      rng=rng)
+      job_loss=jnp.zeros([num_workers], jnp.float32),
+      job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng)
 
 
-def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int):
-  """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k]) -> state``, jitted per k."""
+def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int = 0):
+  """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
 
-  def jobs(state: SimState, arrays, workers, idx, iters, ratios):
+  Jitted per k. ``flushes`` (bool, default all False) marks the jobs whose
+  compressor flushes (GDTopK's epoch end: gradient plus residual sent densely,
+  residual cleared); it is traced, so it never recompiles. A job leaves its
+  loss and its push's bytes in the worker's outstanding slots (``job_loss``,
+  ``job_bytes``); they count only once the push arrives (``make_round_fn``).
+  """
+
+  def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None):
+    if flushes is None:
+      flushes = jnp.zeros(workers.shape, bool)
     take = lambda tree, w: jax.tree.map(lambda x: x[w], tree)
     put = lambda tree, w, v: jax.tree.map(lambda x, y: x.at[w].set(y), tree, v)
     for i in range(workers.shape[0]):   # unrolled: no convolution inside a loop body
@@ -108,15 +126,16 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int):
       if compressor is not None:
         # A one-worker compressor: its state's worker axis has size 1.
         sent, one = compressor.update(jax.tree.map(lambda g: g[None], grad),
-                                      take(comp_state, w), ratios=ratios[i][None])
+                                      take(comp_state, w), ratios=ratios[i][None],
+                                      flush=flushes[i])
         grad = jax.tree.map(lambda s: s[0], sent)
         nbytes = one.last_bytes[0]
         comp_state = put(comp_state, w, one)
       state = state.replace(
           grad_buf=put(state.grad_buf, w, grad),
           worker_model_state=put(state.worker_model_state, w, new_ms),
-          comp_state=comp_state, loss_sum=state.loss_sum + loss,
-          loss_count=state.loss_count + 1, push_bytes=state.push_bytes.at[w].add(nbytes))
+          comp_state=comp_state, job_loss=state.job_loss.at[w].set(loss.astype(jnp.float32)),
+          job_bytes=state.job_bytes.at[w].set(nbytes + jnp.int32(stats_bytes)))
     return state
   return jax.jit(jobs, donate_argnums=(0,))
 
@@ -128,8 +147,13 @@ def make_round_fn(tx: optax.GradientTransformationExtraArgs):
     rp, txs, wp, rms, wms = rounds_lib.apply_round(
         tx, state.replica_params, state.tx_state, state.worker_params, state.grad_buf, args,
         state.replica_model_state, state.worker_model_state)
+    # A gradient's loss and bytes count once it reaches its server, not when computed.
+    arrived = jnp.asarray(args["arrived"], bool)
     return state.replace(replica_params=rp, tx_state=txs, worker_params=wp,
-                         replica_model_state=rms, worker_model_state=wms)
+                         replica_model_state=rms, worker_model_state=wms,
+                         loss_sum=state.loss_sum + jnp.sum(jnp.where(arrived, state.job_loss, 0.0)),
+                         loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
+                         push_bytes=state.push_bytes + jnp.where(arrived, state.job_bytes, 0))
   return jax.jit(one_round, donate_argnums=(0,))
 
 

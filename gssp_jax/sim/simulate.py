@@ -59,8 +59,13 @@ class _Ratios:
     if self.name != "gdtopk":
       return self.ratio
     epoch = iteration // self.spe + 1
-    ratios = compress.gdtopk_group_ratios(epoch, self.ranks, classes_known=epoch > 1)
+    ratios = compress.gdtopk_group_ratios(epoch, self.ranks)
     return float(ratios[self.groups[worker]])
+
+  def flush(self, worker: int, iteration: int) -> bool:
+    """GDTopK: the last iteration of a worker's epoch sends everything and clears its residual."""
+    del worker
+    return self.name == "gdtopk" and iteration % self.spe == self.spe - 1
 
 
 def _calibrate(job_fn, state, arrays, batch_size) -> float:
@@ -106,7 +111,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   stats_bytes = step_lib.tree_bytes(model_state)
   pull_bytes = step_lib.tree_bytes(params) + stats_bytes
   state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
-  job_fn = executor.make_job_fn(task.loss, compressor, dense_bytes)
+  job_fn = executor.make_job_fn(task.loss, compressor, dense_bytes, stats_bytes)
   round_fn = executor.make_round_fn(tx)
   arrays = jax.device_put(task.train)
   ratio_of = _Ratios(config, scheme, speeds, spe)
@@ -116,9 +121,32 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     cluster = cluster_lib.cluster_from_config(config, base_time=calibrated)
     logging.info("calibrated base_time: %.4f s per iteration of %d samples", calibrated, B)
 
+  sent_cache = {"job": np.full([W], -1, np.int64), "bytes": np.zeros([W], np.int64)}
+
+  def sent_bytes(w: int, k: int) -> int:
+    """The bytes worker ``w``'s job ``k`` actually pushes, read from the device (DGC only).
+
+    DGC's count depends on the gradient (a sampled threshold), so unlike top-k
+    and GDTopK it cannot be known from the ratio; a deterministic count would
+    no longer be DGC. The engine times push ``(w, k)`` at the start of
+    iteration ``k``, after job ``k`` was dispatched at the pull before it, so
+    the worker's ``job_bytes`` slot holds it. One read fetches every worker's
+    slot, so the host waits for the device about once per round with pulls,
+    not once per job.
+    """
+    if sent_cache["job"][w] != k:
+      sent_cache["bytes"][:] = np.asarray(jax.device_get(state.job_bytes), np.int64)
+      sent_cache["job"][:] = host["jobs"] - 1
+      if sent_cache["job"][w] != k:
+        raise RuntimeError(f"push ({w}, {k}) timed before its job was dispatched")
+    return int(sent_cache["bytes"][w])
+
   def push_payload(w, k):
-    if config.compress.name == "none":
+    """Bytes of push ``(w, k)``, equal to what its job adds to ``bytes_pushed``."""
+    if config.compress.name == "none" or ratio_of.flush(w, k):
       return dense_bytes + stats_bytes
+    if config.compress.name == "dgc":
+      return sent_bytes(w, k)   # the job's slot already includes stats_bytes
     return compress.expected_push_bytes(sizes, ratio_of(w, k),
                                         scope=config.compress.scope) + stats_bytes
 
@@ -174,7 +202,9 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
       ks = host["jobs"][part]
       idx = np.stack([batch_indices(int(w), int(k)) for w, k in zip(part, ks)]).astype(np.int32)
       ratios = np.array([ratio_of(int(w), int(k)) for w, k in zip(part, ks)], np.float32)
-      state = job_fn(state, arrays, part.astype(np.int32), idx, ks.astype(np.int32), ratios)
+      flushes = np.array([ratio_of.flush(int(w), int(k)) for w, k in zip(part, ks)], bool)
+      state = job_fn(state, arrays, part.astype(np.int32), idx, ks.astype(np.int32), ratios,
+                     flushes)
       host["jobs"][part] += 1
 
   if engine.num_pushes == 0 and host["jobs"].sum() == 0:
@@ -246,8 +276,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         **traffic(),
         "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
         "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
-        "blocked_time": float(engine.blocked_time.mean()),
-        "blocked_time_per_worker": engine.blocked_time.tolist(),
+        "blocked_time": float(engine.blocked_time_so_far().mean()),
+        "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
         "staleness": acct.summary(),
         "updates_per_replica": acct.version.tolist(),
     }
@@ -315,15 +345,14 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         "epochs_to_target": reached["epoch"] if reached else None,
         "scheme": {**sync.registry.describe(scheme), "groups": host["groups"][-1],
                    "groups_history": host["groups"]},
-        "cluster": {"speeds": cluster.speeds.tolist(), "base_time": cluster.base_time,
-                    "calibrated_base_time": calibrated},
+        "cluster": {**cluster.describe(), "calibrated_base_time": calibrated},
         "totals": {
             "pushes": int(engine.num_pushes), "updates": int(host["updates"]),
             "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * B,
             "virtual_time": float(engine.now),
             "wall_time": wall_base + time.perf_counter() - session_start,
             **traffic(),
-            "blocked_time_per_worker": engine.blocked_time.tolist(),
+            "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
             "staleness": acct.summary(),
         },
     }

@@ -120,6 +120,17 @@ class TimelineEngine:
       return self._react(self.protocol.on_push(w, self.now), self.now)
     return self._react(self.protocol.on_message(payload, self.now), self.now)
 
+  def blocked_time_so_far(self) -> np.ndarray:
+    """``[W]`` blocked time up to ``now``, counting waits still in progress; changes nothing.
+
+    ``blocked_time`` grows only when a worker is released; a worker that has
+    pushed and has neither a start nor a push scheduled is still waiting, since
+    its last push at ``pushed_at``.
+    """
+    busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push")}
+    waiting = np.array([w not in busy for w in range(self.blocked_time.size)])
+    return self.blocked_time + np.where(waiting, self.now - self.pushed_at, 0.0)
+
   def measured_times(self, reset: bool = True) -> np.ndarray:
     """``[W]`` mean compute time per iteration since the last reset (what a real server sees)."""
     times = self.compute_sum / np.maximum(self.compute_count, 1)

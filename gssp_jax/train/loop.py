@@ -59,7 +59,7 @@ def make_compressor(config: ml_collections.ConfigDict):
       "topk": dict(ratio=c.ratio, scope=c.scope, error_feedback=c.error_feedback),
       "dgc": dict(ratio=c.ratio, sample_ratio=c.sample_ratio, error_feedback=c.error_feedback,
                   seed=config.seed),
-      "gdtopk": dict(error_feedback=c.error_feedback),
+      "gdtopk": dict(scope=c.scope, error_feedback=c.error_feedback),
   }.get(c.name, {})
   return compress.make_compressor(c.name, config.num_workers, **kwargs)
 
