@@ -621,14 +621,20 @@ def _recording_engine(monkeypatch):
 # Every scheme (arrivals differ) and every compressor (timing differs) at least once.
 @pytest.mark.parametrize("scheme,compressor", [
     ("bsp", "dgc"), ("asp", "topk"), ("ssp", "none"), ("dssp", "dgc"), ("gssp", "gdtopk"),
-    ("inhad", "dgc"), ("dssync", "topk"), ("casp", "dgc")])
+    ("inhad", "dgc"), ("dssync", "topk"), ("asp", "dgc")])
 def test_timed_push_bytes_equal_reported_bytes_pushed(tmp_path, data_dir, monkeypatch, scheme,
                                                       compressor):
   """With 1 byte/s links and no latency a push's delay is its byte count; summed over the
-  pushes that arrived it must equal ``bytes_pushed`` (what the device counted), per worker."""
+  pushes that arrived it must equal ``bytes_pushed`` (what the device counted), per worker.
+
+  InHAD's gradient goes to its node (1 byte/s here too) and only its iteration number to
+  the server: the delay is both, and ``bytes_local`` holds the gradients. CASP's community
+  traffic is pinned in the traffic tests above.
+  """
   log = _recording_engine(monkeypatch)
   config = _sim_config(scheme, **{"compress.name": compressor, "compress.ratio": 0.05,
                                   "cluster.bandwidth": 1.0, "cluster.latency": 0.0,
+                                  "cluster.node_bandwidth": 1.0, "cluster.node_latency": 0.0,
                                   "train.num_epochs": 1.5 if compressor == "gdtopk" else 1.0,
                                   "train.eval_every": 1.0})
   config.data_dir = data_dir
@@ -637,6 +643,12 @@ def test_timed_push_bytes_equal_reported_bytes_pushed(tmp_path, data_dir, monkey
   arrived = [sum(t for (w, k), t in log["push"].items() if w == v and k < engine.iteration[v])
              for v in range(4)]
   final = summary["final"]
+  if scheme == "inhad":
+    assert final["bytes_pushed_per_worker"] == [traffic.IN_BYTES * int(n)
+                                                for n in engine.iteration]
+    assert sum(arrived) == sum(final["bytes_pushed_per_worker"]) + final["bytes_local"]
+    assert final["bytes_local"] > 0
+    return
   assert final["bytes_pushed_per_worker"] == arrived
   assert summary["totals"]["bytes_pushed"] == sum(arrived) > 0
   assert engine.iteration.sum() == summary["totals"]["pushes"]
