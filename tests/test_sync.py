@@ -376,60 +376,109 @@ def test_golden_ssp():
 
 def test_golden_dssp():
   # DSSP([2, 4]) runs as ASP to t=4 (w0 at most 2 ahead): x as in test_golden_asp.
-  # t=5: w0 would be 3 ahead. It is the fastest; w1's pushes at 2 and 4 predict its next
-  # at 6, w0's at 4 and 5 an iteration of 1 s: r = floor((6 - 5) / 1) = 1 extra, so w0
-  # goes on (threshold 3). w0 on 1.60546875: g=0.60546875, x=1.4541015625.
+  # t=5: w0 is 3 ahead, the fastest, no credit: the controller decides. w0's pushes at 4
+  # and 5 give I_f = 1, w1's at 2 and 4 give I_s = 2; w0's simulated pushes 5, 6, 7
+  # (r_max = 2), w1's 6, 8, 10: 6 is closest, r = 1 (this go-ahead; no credit left).
+  # w0 on 1.60546875: g=0.60546875, x=1.4541015625.
   # t=6 w1 on 1.640625: g=-1.359375, x=1.7939453125; w0 on 1.4541015625:
-  # g=0.4541015625, x=1.680419921875 (w0 3 ahead; re-decided: w1 next at 8, w0's pushes
-  # at 6, 7, 8 -> r=2, threshold min(3-1+2, 4) = 4). t=7: w0 on 1.680419921875:
-  # g=0.680419921875, x=1.51031494140625; w0 is 4 ahead, re-decided again: w1 next at 8,
-  # w0's pushes at 7, 8 -> r=1, threshold 4: w0 goes on (a one-off grant of 3 would block).
+  # g=0.4541015625, x=1.680419921875. w0 is 3 ahead again: w0's 6, 7, 8, w1's 8, 10:
+  # r = 2, so w0 goes on with one credit. t=7: w0 on 1.680419921875:
+  # g=0.680419921875, x=1.51031494140625; w0 is 4 ahead and spends its credit: no
+  # decision. t=8: w1 pushes (w0 still 3 ahead); w0 is 4 ahead, no credit: the cap
+  # s_U - 4 + 1 = 1 leaves w0's 8, 9 against w1's 10, 12: r = 1. t=9: w0 is 5 ahead,
+  # the cap is 0: r = 0, w0 waits until it is within s_L = 2 again: w1's pushes at 10
+  # (w0 4 ahead) and 12 (3 ahead) do not release it, the one at 14 (2 ahead) does.
   protocol = sync.DSSPProtocol(2, (2, 4))
-  tl, xs = _golden(sync.dssp(2, (2, 4)), protocol, 1, 10)
+  tl, xs = _golden(sync.dssp(2, (2, 4)), protocol, 1, 16)
   assert xs[:10] == [[0.25], [1.0], [1.1875], [1.140625], [1.640625], [1.60546875],
                      [1.4541015625], [1.7939453125], [1.680419921875], [1.51031494140625]]
-  assert tl.rounds[6].pulls.tolist() == [True, False]      # granted: SSP(2) would block here
-  assert tl.rounds[9].pulls.tolist() == [True, False]
-  assert protocol.thresholds[:3] == [(5.0, 0, 3), (6.0, 0, 4), (7.0, 0, 4)]
+  assert protocol.thresholds == [(5.0, 0, 1), (6.0, 0, 2), (8.0, 0, 1), (9.0, 0, 0)]
+  assert [np.flatnonzero(r.pulls).tolist() for r in tl.rounds[6:]] == [
+      [0], [1], [0], [0], [1], [0], [], [1], [1], [0, 1]]   # granted at 5, 6, 7, 8
+  assert tl.blocked_time.tolist() == [5.0, 0.0]
 
 
-def test_dssp_controller_picks_the_push_closest_to_the_slowest_next_one():
-  # Hand-computed: 3 workers, s=(1, 6). Pushes: w2 (slowest) at 0.5 and 4.0 -> its next
-  # is predicted at 7.5; w0 (fastest) at 5.0 and 5.8 -> an iteration of 0.8 s. w0 is
-  # 4 - 1 = 3 ahead: candidates r = 0..6-3+1 = 0..4 land at 5.8, 6.6, 7.4, 8.2, 9.0;
-  # |7.4 - 7.5| = 0.1 is the least: r = 2, threshold 3 - 1 + 2 = 4.
-  protocol = sync.DSSPProtocol(3, (1, 6))
-  protocol.clock[:] = [3, 2, 1]
-  protocol.last[:] = [5.0, 5.5, 4.0]
-  protocol.prev[:] = [4.2, 3.0, 0.5]
-  reaction = protocol.on_push(0, 5.8)
-  assert protocol.extra_iterations(0, 5.8) == 2
-  assert protocol.thresholds == [(5.8, 0, 4)]
-  assert reaction.release == [0]
-  # Same, but the slowest pushed at 0.1 and 3.0: next predicted at 5.9, nearest to
-  # w0's push now (5.8, r=0): threshold 3 - 1 + 0 = 2, w0 waits for the slowest's push.
-  protocol = sync.DSSPProtocol(3, (1, 6))
-  protocol.clock[:] = [3, 2, 1]
-  protocol.last[:] = [5.0, 5.5, 3.0]
-  protocol.prev[:] = [4.2, 3.0, 0.1]
-  assert protocol.on_push(0, 5.8).release == []
-  assert protocol.thresholds == [(5.8, 0, 2)]
-  assert sorted(protocol.on_push(2, 5.9).release) == [0, 2]   # the slowest pushed: w0 goes
+def _dssp_at(clock, last, prev, staleness_range=(1, 6)):
+  """A DSSP server with the given clocks and last two push times per worker."""
+  protocol = sync.DSSPProtocol(len(clock), staleness_range)
+  protocol.clock[:], protocol.last[:], protocol.prev[:] = clock, last, prev
+  return protocol
+
+
+def test_dssp_credit_is_spent_without_checks_then_the_controller_decides_again():
+  # Hand-computed: 3 workers, s=(1, 6), r_max = 5. w2 (slowest) pushed at 1 and 5
+  # (I_s = 4); w0 (fastest) at 4 and 5 (I_f = 1). w0 pushes at 6 and is 4 - 1 = 3 ahead:
+  # the cap is min(5, 6 - 3 + 1) = 4, w0's simulated pushes 6, 7, 8, 9, 10, w2's 9, 13:
+  # 9 is hit exactly, r = 3. This go-ahead is one of them: credit 2.
+  protocol = _dssp_at([3, 2, 1], [5.0, 5.5, 5.0], [4.0, 3.0, 1.0])
+  assert protocol.on_push(0, 6.0).release == [0]
+  assert protocol.thresholds == [(6.0, 0, 3)]
+  assert protocol.credit.tolist() == [2, 0, 0]
+  # Two more pushes (4 and 5 ahead) go on with no check and no decision: credit spent.
+  assert protocol.on_push(0, 7.0).release == [0]
+  assert protocol.on_push(0, 8.0).release == [0]
+  assert protocol.credit.tolist() == [0, 0, 0]
+  assert len(protocol.thresholds) == 1
+  # The next push (6 ahead) meets the controller again: the cap 6 - 6 + 1 = 1 leaves
+  # w0's 9, 10 against w2's 9, 13: r = 0, w0 waits.
+  assert protocol.on_push(0, 9.0).release == []
+  assert protocol.thresholds == [(6.0, 0, 3), (9.0, 0, 0)]
+  # A waiting worker neither spends credit nor meets the controller; it waits until it
+  # is within s_L = 1 of the slowest: w2 and w1 push in turn from clocks 1 and 2, and
+  # only w2's fifth push (min clock 6, w0 at 7) releases w0.
+  released = [protocol.on_push(w, 9.5 + k).release for k in range(5) for w in (2, 1)]
+  assert released == [[2], [1]] * 4 + [[0, 2], [1]]
+  assert protocol.clock.tolist() == [7, 7, 6]
+  assert len(protocol.thresholds) == 2
+
+
+def test_dssp_controller_picks_the_push_closest_to_any_of_the_slowest_ones():
+  # Hand-computed: 3 workers, s=(1, 6). w2 (slowest) pushed at 7.875 and 9.25
+  # (I_s = 1.375): its simulated pushes are 10.625, 12, 13.375. w0 (fastest) pushed at 9
+  # and 10 (I_f = 1) and is 3 ahead: its simulated pushes 10, 11, 12, 13, 14 (cap 4).
+  # Nearest to w2's next push (10.625) is r = 1 (0.375 away); nearest to any is w2's
+  # second push, hit exactly at r = 2.
+  protocol = _dssp_at([3, 2, 1], [9.0, 9.5, 9.25], [8.0, 8.5, 7.875])
+  protocol.clock[0] += 1            # as after w0's push at 10
+  protocol.prev[0], protocol.last[0] = 9.0, 10.0
+  assert protocol.extra_iterations(0, 10.0) == 2
+  protocol = _dssp_at([3, 2, 1], [9.0, 9.5, 9.25], [8.0, 8.5, 7.875])
+  assert protocol.on_push(0, 10.0).release == [0]
+  assert protocol.thresholds == [(10.0, 0, 2)]
+  assert protocol.credit.tolist() == [1, 0, 0]
+  # Ties go to the smaller r: w2 pushed at 8 and 9.5, so its simulated pushes are 11,
+  # 12.5, 14, 15.5; w0's 10..14 hit 11 (r = 1) and 14 (r = 4) exactly: r = 1.
+  protocol = _dssp_at([3, 2, 1], [9.0, 9.5, 9.5], [8.0, 8.5, 8.0])
+  assert protocol.on_push(0, 10.0).release == [0]
+  assert protocol.thresholds == [(10.0, 0, 1)]
+  assert protocol.credit.tolist() == [0, 0, 0]
+  # The slowest's next push is now: r = 0, w0 waits; that push leaves w0 2 > s_L ahead
+  # (w1 is at 2 too), so w0 keeps waiting.
+  protocol = _dssp_at([3, 2, 1], [9.0, 9.5, 7.0], [8.0, 8.5, 4.0])
+  assert protocol.on_push(0, 10.0).release == []
+  assert protocol.thresholds == [(10.0, 0, 0)]
+  assert protocol.on_push(2, 10.0).release == [2]         # w0 is still 2 > 1 ahead
+  # No history for the slowest: r = 0 (SSP(s_L)).
+  protocol = _dssp_at([3, 2, 1], [9.0, 9.5, 7.0], [8.0, 8.5, np.nan])
+  assert protocol.extra_iterations(0, 10.0) is None
+  assert protocol.on_push(0, 10.0).release == []
+  assert protocol.thresholds == [(10.0, 0, 0)]
 
 
 def test_dssp_re_decides_under_persistent_heterogeneity():
-  # Two tiers (1 s and 3 s), s=(3, 15): the fastest is never back within s_L, so a
-  # one-off decision would never be revisited. Each of its pushes beyond s_L re-decides.
-  speeds = [1.0, 1.0, 3.0, 3.0]
-  dssp = sync.DSSPProtocol(4, (3, 15))
+  # Speeds 1 s and 3 s, s=(3, 15): the fastest is never back within s_L. Its credit runs
+  # out and the controller decides again, many times, with the newest timestamps.
+  speeds = [1.0, 3.0]
+  dssp = sync.DSSPProtocol(2, (3, 15))
   tl_dssp = sync.run_timeline(dssp, lambda w, k: speeds[w], max_pushes=400)
-  tl_ssp = sync.run_timeline(sync.SSPProtocol(4, 3), lambda w, k: speeds[w], max_pushes=400)
-  decisions = [t for _, w, t in dssp.thresholds if w == 0]
+  tl_ssp = sync.run_timeline(sync.SSPProtocol(2, 3), lambda w, k: speeds[w], max_pushes=400)
+  decisions = [r for _, w, r in dssp.thresholds if w == 0]
   assert len(decisions) > 50
-  assert len(set(decisions)) >= 5                      # several distinct decisions over time
-  assert all(3 <= t <= 15 for t in decisions)
-  assert tl_dssp.blocked_time[0] < 0.95 * tl_ssp.blocked_time[0]
-  assert tl_dssp.end_time < 0.97 * tl_ssp.end_time
+  assert len(set(decisions)) >= 3                      # several distinct decisions over time
+  assert all(0 <= r <= 15 - 3 for r in decisions)
+  assert [w for _, w, _ in dssp.thresholds] == [0] * len(decisions)   # only the fastest
+  assert tl_dssp.blocked_time[0] < tl_ssp.blocked_time[0]
+  assert tl_dssp.end_time < tl_ssp.end_time
 
 
 def test_golden_gssp_peer():
@@ -538,19 +587,31 @@ def test_bsp_round_takes_the_slowest_worker():
   assert times == pytest.approx([3.25 + 3.75 * i for i in range(10)])
 
 
-def test_dssp_threshold_in_range_and_grants_only_the_fastest():
-  low, high = 1, 4
+@pytest.mark.parametrize("low,high,seed", [(1, 4, 1), (0, 3, 2), (3, 15, 0)])
+def test_dssp_runs_beyond_s_l_only_on_credit_and_never_beyond_s_u(low, high, seed):
   speeds = [1.0, 1.2, 3.0, 3.1]
   protocol = sync.DSSPProtocol(4, (low, high))
-  tl = sync.run_timeline(protocol, _jittered(speeds, 1), max_pushes=400)
-  assert all(low <= t <= high for _, _, t in protocol.thresholds)
-  granted = 0
-  for kind, _, w, c in _walk(tl, 4):
-    if kind == "start" and c[w] - c.min() > low:
-      granted += 1
-      assert c[w] == c.max()           # only the fastest runs beyond s_L ...
-      assert c[w] - c.min() <= high    # ... and never beyond s_U
-  assert granted > 0                   # the controller did grant extra iterations
+  tl = sync.run_timeline(protocol, _jittered(speeds, seed), max_pushes=400)
+  assert all(0 <= r <= high - low for _, _, r in protocol.thresholds)
+  fastest_at_push = {}
+  beyond = np.zeros([4], np.int64)
+  worst = 0
+  for kind, time, w, c in _walk(tl, 4):
+    if kind == "push":
+      c[w] += 1
+      fastest_at_push[(time, w)] = c[w] == c.max() and c[w] - c.min() > low
+    elif kind == "start":
+      worst = max(worst, c[w] - c.min())
+      beyond[w] += c[w] - c.min() > low
+  assert worst == high                 # the bound is reached ...
+  # ... and never passed (our safety bound).
+  # The controller only decides for the fastest pushing beyond s_L, and every start
+  # beyond s_L is paid for by credit it granted.
+  assert all(fastest_at_push[(t, w)] for t, w, _ in protocol.thresholds)
+  granted = np.zeros([4], np.int64)
+  for _, w, r in protocol.thresholds:
+    granted[w] += r
+  assert (beyond <= granted).all() and beyond.sum() > 0
 
 
 def test_gssp_blocks_only_within_a_group():

@@ -80,30 +80,48 @@ class ASPProtocol(SSPProtocol):
 
 
 class DSSPProtocol(SSPProtocol):
-  """DSSP (Zhao et al., ICDCS 2019): SSP whose threshold is re-decided in ``[s_L, s_U]``.
+  """DSSP (Zhao, An, Liu, Chen, ICDCS 2019, arXiv 1908.11848): SSP with credited extra iterations.
 
-  The paper's server rule (Sec. III, Algorithms 1-2, as we read it): a worker
-  within ``s_L`` iterations of the slowest goes on at once. When the *fastest*
-  worker pushes beyond ``s_L``, the synchronization controller predicts, from
-  the last two push timestamps kept per worker, the slowest worker's next push
-  (``t_slow + I_slow``) and the fastest worker's iteration time ``I_fast``,
-  simulates the fastest worker's next pushes ``now + r * I_fast`` and gives it
-  the ``r`` extra iterations whose push lands **closest** to the slowest's
-  next push, so that when it must wait it waits least. This is re-decided at
-  **every** push of the fastest worker beyond ``s_L`` (the prediction uses the
-  newest timestamps each time), never granted once for good.
+  Sources: the paper's text was not available to us; the rule follows a close
+  paraphrase of its Algorithm 1 and a public reimplementation of its
+  Algorithm 2.
 
-  Here: the extra iterations ``r`` count from now, and the worker never runs
-  more than ``s_U`` ahead, so the candidates are ``r in [0, s_U - ahead + 1]``
-  (exactly the paper's ``[0, s_U - s_L]`` at the first push beyond ``s_L``);
-  ties go to the smaller ``r``. The decision sets the worker's threshold to
-  ``ahead - 1 + r``: ``r = 0`` blocks it until the slowest pushes, ``r >= 1``
-  lets it start its next iteration. Without two pushes of both workers there
-  is nothing to predict from and the worker waits at ``s_L`` (SSP(s_L)).
-  Every other worker beyond ``s_L`` waits at ``s_L``; a waiting worker keeps
-  its last threshold until someone's push releases it.
-  ``thresholds`` records ``(time, worker, threshold)`` of every controller
-  decision.
+  Server rule (Algorithm 1). Each worker ``p`` holds a credit ``r_p`` (extra
+  iterations it may still run beyond ``s_L``; starts at 0). On a push from
+  ``p`` (its clock ``t_p`` grows by one, the update is applied):
+
+  * ``r_p > 0``: ``r_p -= 1`` and ``p`` goes on, with no staleness check;
+  * else, ``t_p - t_slowest <= s_L``: ``p`` goes on;
+  * else, ``p`` is the fastest (its clock is the largest): the
+    synchronization controller sets ``r_p``; if ``r_p > 0``, ``p`` goes on and
+    this go-ahead counts as one of the ``r_p`` (our choice: the paraphrase
+    leaves open whether it is ``r`` or ``r + 1`` further iterations), so
+    ``r_p - 1`` credit is left;
+  * else ``p`` waits, and is released (it pulls) by the first push after
+    which ``t_p - t_slowest <= s_L`` again. A waiting worker neither spends
+    credit nor consults the controller: only the pushing worker does.
+
+  Synchronization controller (Algorithm 2). The last two push times of every
+  worker give the fastest worker's iteration interval ``I_f`` and the slowest
+  worker's ``I_s``. The fastest worker's next pushes are simulated at
+  ``now + i * I_f`` for ``i = 0..r_max`` (``r_max = s_U - s_L``), the slowest
+  worker's at ``last_s + k * I_s`` for ``k = 1..K`` (K covers the fastest's
+  horizon), and ``r`` is the ``i`` whose time is closest to *any* of the
+  slowest's simulated pushes: the least estimated waiting time. Ties go to the
+  smaller ``i``. Without two pushes of both workers there is nothing to
+  predict from: ``r = 0`` (SSP(s_L)).
+
+  Our safety bound (not in the paraphrase): a worker never starts an
+  iteration more than ``s_U`` clocks ahead of the slowest. Credit is spent
+  without checks, so the candidates are also capped at ``s_U - ahead + 1``
+  (``ahead`` counted after the push): the go-ahead now starts at ``ahead``, the
+  last credited one at most at ``ahead + r - 1 <= s_U``. At the first push
+  beyond ``s_L`` (``ahead = s_L + 1``) the cap is exactly ``r_max``.
+
+  Attributes:
+    credit: ``[W]`` int64, the credit ``r_p`` each worker has left.
+    thresholds: ``(time, worker, r)`` of every controller decision, ``r = 0``
+      included (also when there was no history to predict from).
   """
 
   name = "dssp"
@@ -114,7 +132,7 @@ class DSSPProtocol(SSPProtocol):
     self.low, self.high = low, high
     self.last = np.full([self.num_workers], np.nan)   # last push time
     self.prev = np.full([self.num_workers], np.nan)   # the one before
-    self.granted = np.full([self.num_workers], low, np.int64)
+    self.credit = np.zeros([self.num_workers], np.int64)
     self.thresholds: list[tuple[float, int, int]] = []
     self._pusher = -1
 
@@ -125,23 +143,35 @@ class DSSPProtocol(SSPProtocol):
     return super().on_push(worker, time)
 
   def extra_iterations(self, worker: int, time: float) -> int | None:
-    """The controller's ``r`` for ``worker`` pushing at ``time`` (None: no history yet)."""
+    """The controller's ``r`` for ``worker`` pushing at ``time`` (None: no history yet).
+
+    Reads the clocks (after the push) and the push times; changes nothing.
+    """
     slow = int(np.argmin(self.clock))
     i_fast = self.last[worker] - self.prev[worker]
     i_slow = self.last[slow] - self.prev[slow]
-    if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0:
+    if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
       return None
-    slow_next = self.last[slow] + i_slow
     ahead = int(self.clock[worker] - self.clock.min())
-    candidates = np.arange(0, self.high - ahead + 2)
-    return int(candidates[np.argmin(np.abs(time + candidates * i_fast - slow_next))])
+    r_cap = max(0, min(self.high - self.low, self.high - ahead + 1))
+    fast = time + np.arange(r_cap + 1) * i_fast
+    num_slow = max(1, int(np.ceil((fast[-1] - self.last[slow]) / i_slow)) + 1)
+    slow_pushes = self.last[slow] + np.arange(1, num_slow + 1) * i_slow
+    wait = np.abs(fast[:, None] - slow_pushes[None, :]).min(axis=1)
+    return int(np.argmin(wait))   # the first minimum: ties go to the smaller r
 
   def allowance(self, worker, time):
+    if worker != self._pusher:      # a waiting worker waits until it is within s_L
+      return self.low
+    if self.credit[worker] > 0:     # credited: goes on without a check
+      self.credit[worker] -= 1
+      return np.inf
     ahead = self.clock[worker] - self.clock.min()
     if ahead <= self.low or self.clock[worker] != self.clock.max():
-      self.granted[worker] = self.low
-    elif worker == self._pusher:   # the fastest pushed beyond s_L: the controller decides
-      r = self.extra_iterations(worker, time)
-      self.granted[worker] = self.low if r is None else min(ahead - 1 + r, self.high)
-      self.thresholds.append((float(time), int(worker), int(self.granted[worker])))
-    return self.granted[worker]
+      return self.low
+    r = self.extra_iterations(worker, time) or 0
+    self.thresholds.append((float(time), int(worker), int(r)))
+    if r > 0:                       # this go-ahead is one of the r
+      self.credit[worker] = r - 1
+      return np.inf
+    return self.low
