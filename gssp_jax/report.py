@@ -31,6 +31,7 @@ from typing import Any
 
 from gssp_jax.sweep import GRID_FILE
 from gssp_jax.train import health
+from gssp_jax.train import workdir as workdir_lib
 
 _SCHEME_KEYS = ("sync.", "compress.")
 UNHEALTHY = ("collapsed", "diverged")   # never count as reaching the target
@@ -58,23 +59,13 @@ def orphans(workdir: str) -> list[str]:
           and any(os.path.exists(os.path.join(workdir, n, f)) for f in ("summary.json", "trial.json"))]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      out[prefix + k] = v
-  return out
-
-
 def differing_keys(configs: list[dict]) -> list[str]:
   """The flattened config keys whose values differ between ``configs``, in config order.
 
   Bookkeeping keys (data location, checkpoint and log cadence) are left out;
   ``seed`` is kept, so that a caller can tell seeds of one setting apart.
   """
-  flat = [_flatten(c) for c in configs]
+  flat = [workdir_lib.flatten(c) for c in configs]
   keys = dict.fromkeys(k for f in flat for k in f)
   return [k for k in keys if k not in _BOOKKEEPING_KEYS
           and len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
@@ -87,7 +78,7 @@ def _derive_overrides(trials: list[dict]) -> None:
     return
   keys = differing_keys([t["summary"]["config"] for t in trials])
   for t in plain:
-    flat = _flatten(t["summary"]["config"])
+    flat = workdir_lib.flatten(t["summary"]["config"])
     t["overrides"] = {k: flat.get(k) for k in keys}
 
 

@@ -16,6 +16,9 @@ from gssp_jax.sync import decay
 from gssp_jax.sync import replay
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.train import optim
+# The quadratic problem of test_sync.py: worker w minimises 0.5 * |A x - t_w|^2.
+from test_sync import _quad_grad
+from test_sync import TARGETS4
 
 LR, WD = 0.05, 5e-4
 SPEEDS16 = 1.0 + np.arange(16) / 17.0     # distinct, all within 2x: one push each, in order
@@ -96,17 +99,6 @@ def test_per_step_mode_keeps_the_authors_decay_per_server_step():
 
 # ---------------------------------------------------------------- BSP is unchanged
 
-A = jnp.array([[2.0, 0.5], [0.5, 1.0]])
-TARGETS4 = jnp.array([[1.0, -1.0], [2.0, 0.0], [0.0, 3.0], [-1.0, 1.0]])
-
-
-def _quad_grad(targets):
-  """Worker w minimises 0.5 * |A x - t_w|^2."""
-  def grad_fn(worker_params, index):
-    del index
-    x = worker_params["x"]
-    return {"x": jnp.einsum("ji,wj->wi", A, jnp.einsum("ij,wj->wi", A, x) - targets)}
-  return grad_fn
 
 
 def _replay(tx, protocol, num_replicas, speeds, max_pushes, targets, message_delay=0.0):

@@ -400,113 +400,90 @@ def test_hetero_config_smoke_runs_from_the_command_line(tmp_path, data_dir):
   assert "virtual" in (tmp_path / "log.txt").read_text()   # and the workdir keeps it
 
 
+class _BatchNormSim:
+  """Four workers in two GSSP groups training a tiny BatchNorm model, stepped round by round."""
+
+  def __init__(self, inter_group: str = "peer", x_shift: float = 0.0):
+    import flax.linen as nn
+    import jax
+    from gssp_jax.sim import executor
+
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x, train=True):
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(8)(x))
+        return nn.Dense(2)(nn.relu(x))
+
+    net = Net()
+    variables = net.init(jax.random.key(0), jnp.ones([4, 3]))
+    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def loss_fn(p, ms, batch, rng):
+      del rng
+      out, new = net.apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
+      return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
+
+    self.arrays = {"x": x_shift + jax.random.normal(jax.random.key(1), (64, 3)),
+                   "y": jax.random.normal(jax.random.key(2), (64, 2))}
+    self.scheme = sync.build_scheme("gssp", 4, num_groups=2, staleness=1,
+                                    inter_group=inter_group)
+    tx = optax.chain(self.scheme.transform,
+                     sync.replicated(optax.sgd(0.1), self.scheme.num_replicas))
+    self.state = executor.init_state(params, model_state, tx, None, 4,
+                                     self.scheme.num_replicas, jax.random.key(3))
+    self.job_fn = executor.make_job_fn(loss_fn, None, 100)
+    self.round_fn = executor.make_round_fn(tx)
+    self.rng = np.random.default_rng(0)
+    self.jobs = np.zeros([4], np.int64)
+    self.dispatch(np.arange(4))
+
+  def dispatch(self, workers):
+    from gssp_jax.sim import executor
+    for part in executor.split_jobs(np.asarray(workers)):
+      idx = self.rng.integers(0, 64, size=(part.size, 4)).astype(np.int32)
+      self.state = self.job_fn(self.state, self.arrays, part.astype(np.int32), idx,
+                               self.jobs[part].astype(np.int32), np.ones([part.size], np.float32))
+      self.jobs[part] += 1
+
+  def apply(self, rnd):
+    self.state = self.round_fn(self.state, sync.round_args(rnd))
+
+
 def test_batchnorm_statistics_follow_the_rounds():
   """A model with BatchNorm: a replica takes the mean statistics of the workers it applies."""
-  import flax.linen as nn
   import jax
-  from gssp_jax.sim import executor
-
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-      x = nn.Dense(8)(x)
-      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
-      return nn.Dense(2)(nn.relu(x))
-
-  net = Net()
-  variables = net.init(jax.random.key(0), jnp.ones([4, 3]))
-  params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
-
-  def loss_fn(p, ms, batch, rng):
-    del rng
-    out, new = net.apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
-    return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
-
-  arrays = {"x": jax.random.normal(jax.random.key(1), (64, 3)),
-            "y": jax.random.normal(jax.random.key(2), (64, 2))}
-  scheme = sync.build_scheme("gssp", 4, num_groups=2, staleness=1)
-  tx = optax.chain(scheme.transform, sync.replicated(optax.sgd(0.1), scheme.num_replicas))
-  state = executor.init_state(params, model_state, tx, None, 4, scheme.num_replicas,
-                              jax.random.key(3))
-  job_fn = executor.make_job_fn(loss_fn, None, 100)
-  round_fn = executor.make_round_fn(tx)
-  rng = np.random.default_rng(0)
-  jobs = np.zeros([4], np.int64)
-
-  def dispatch(workers):
-    nonlocal state
-    for part in executor.split_jobs(np.asarray(workers)):
-      idx = rng.integers(0, 64, size=(part.size, 4)).astype(np.int32)
-      state = job_fn(state, arrays, part.astype(np.int32), idx, jobs[part].astype(np.int32),
-                     np.ones([part.size], np.float32))
-      jobs[part] += 1
-  dispatch(np.arange(4))
-  tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: [1.0, 1.3, 2.0, 2.7][w],
+  sim = _BatchNormSim()
+  tl = sync.run_timeline(sim.scheme.make_protocol(), lambda w, k: [1.0, 1.3, 2.0, 2.7][w],
                          max_pushes=12, message_delay=lambda m: 0.2)
   for rnd in tl.rounds:
-    before = jax.tree.map(np.asarray, state.worker_model_state)
-    state = round_fn(state, sync.round_args(rnd))
-    after = jax.tree.map(np.asarray, state.replica_model_state)
+    before = jax.tree.map(np.asarray, sim.state.worker_model_state)
+    sim.apply(rnd)
+    after = jax.tree.map(np.asarray, sim.state.replica_model_state)
     for g in range(2):
       members = np.flatnonzero(rnd.arrived & (rnd.groups == g))
       if members.size:
         jax.tree.map(lambda b, a: np.testing.assert_allclose(a[g], b[members].mean(0), rtol=1e-6),
                      before, after)
-    dispatch(np.flatnonzero(rnd.pulls))
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.replica_params))
+    sim.dispatch(np.flatnonzero(rnd.pulls))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(sim.state.replica_params))
 
 
 def test_gssp_global_batchnorm_statistics_follow_the_groups():
   """GSSP global: the global server's statistics are its groups' mean, and groups adopt them."""
-  import flax.linen as nn
   import jax
   from gssp_jax.sim import executor
-
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x, train=True):
-      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(8)(x))
-      return nn.Dense(2)(nn.relu(x))
-
-  net = Net()
-  variables = net.init(jax.random.key(0), jnp.ones([4, 3]))
-  params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
-
-  def loss_fn(p, ms, batch, rng):
-    del rng
-    out, new = net.apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
-    return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
-
-  arrays = {"x": 3.0 + jax.random.normal(jax.random.key(1), (64, 3)),
-            "y": jax.random.normal(jax.random.key(2), (64, 2))}
-  scheme = sync.build_scheme("gssp", 4, num_groups=2, staleness=1, inter_group="global")
-  tx = optax.chain(scheme.transform, sync.replicated(optax.sgd(0.1), scheme.num_replicas))
-  state = executor.init_state(params, model_state, tx, None, 4, scheme.num_replicas,
-                              jax.random.key(3))
-  job_fn = executor.make_job_fn(loss_fn, None, 100)
-  round_fn = executor.make_round_fn(tx)
-  rng = np.random.default_rng(0)
-  jobs = np.zeros([4], np.int64)
-
-  def dispatch(workers):
-    nonlocal state
-    for part in executor.split_jobs(np.asarray(workers)):
-      idx = rng.integers(0, 64, size=(part.size, 4)).astype(np.int32)
-      state = job_fn(state, arrays, part.astype(np.int32), idx, jobs[part].astype(np.int32),
-                     np.ones([part.size], np.float32))
-      jobs[part] += 1
-  dispatch(np.arange(4))
-  protocol = scheme.make_protocol()
+  sim = _BatchNormSim("global", x_shift=3.0)
+  protocol = sim.scheme.make_protocol()
   tl = sync.run_timeline(protocol, lambda w, k: [1.0, 1.3, 2.0, 2.7][w], max_pushes=16,
                          message_delay=lambda m: 0.2)
-  stats = lambda: jax.tree.map(np.asarray, state.replica_model_state)
+  stats = lambda: jax.tree.map(np.asarray, sim.state.replica_model_state)
   initial = stats()
   G = 2   # group servers 0, 1; the global server 2; reply slots 3, 4
   slot = lambda g: G + 1 + g
   seen = {"deliver": 0, "adopt": 0}
   for rnd in tl.rounds:
     before = stats()
-    state = round_fn(state, sync.round_args(rnd))
+    sim.apply(rnd)
     after = stats()
     for g in np.flatnonzero(rnd.deliver):   # global = mean of the groups; the reply keeps it
       seen["deliver"] += 1
@@ -519,9 +496,9 @@ def test_gssp_global_batchnorm_statistics_follow_the_groups():
       jax.tree.map(lambda a, i: (np.testing.assert_array_equal(a[g], a[slot(g)]),
                                  np.testing.assert_array_less(1e-3, np.abs(a[g] - i[g]).max())),
                    after, initial)
-    dispatch(np.flatnonzero(rnd.pulls))
+    sim.dispatch(np.flatnonzero(rnd.pulls))
   assert seen["deliver"] >= 3 and seen["adopt"] >= 3 and protocol.global_replica == G
-  served = executor.served_weights(state, G)[1]
+  served = executor.served_weights(sim.state, G)[1]
   jax.tree.map(lambda s, i: np.testing.assert_array_less(1e-3, np.abs(s - i[G]).max()),
                served, initial)
 

@@ -16,11 +16,12 @@ _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "dat
                    "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+  """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a config's JSON as dotted keys."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}."))
+      out.update(flatten(v, f"{prefix}{k}."))
     else:
       out[prefix + k] = v
   return out
@@ -29,8 +30,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
   """Refuses to resume a workdir written by a different configuration."""
   with open(path) as f:
-    old = _flatten(json.load(f))
-  new = _flatten(json.loads(config.to_json()))
+    old = flatten(json.load(f))
+  new = flatten(json.loads(config.to_json()))
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _RESUME_MUTABLE and old.get(k) != new.get(k))
   if diff:
@@ -42,7 +43,7 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
 def config_changes(old: dict, config: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
   """``(key, recorded, new)`` for every flattened key whose value differs between the config a
   run recorded (its ``config.json``) and ``config``; keys that may change on resume left out."""
-  old, new = _flatten(old), _flatten(json.loads(config.to_json()))
+  old, new = flatten(old), flatten(json.loads(config.to_json()))
   return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
           if k not in _RESUME_MUTABLE and old.get(k) != new.get(k)]
 
