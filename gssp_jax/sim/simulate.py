@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from gssp_jax import compress
 from gssp_jax import sync
@@ -264,6 +263,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
     state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
                           push_bytes=jnp.zeros([W], jnp.int32))
     params_eval, ms_eval = executor.served_weights(state, eval_replica)
+    blocked = engine.blocked_time_so_far()
     results = task.evaluate(params_eval, ms_eval)
     return {
         "epoch": engine.num_pushes / (W * spe),
@@ -276,8 +276,8 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         **traffic(),
         "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
         "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
-        "blocked_time": float(engine.blocked_time_so_far().mean()),
-        "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
+        "blocked_time": float(blocked.mean()),
+        "blocked_time_per_worker": blocked.tolist(),
         "staleness": acct.summary(),
         "updates_per_replica": acct.version.tolist(),
     }
