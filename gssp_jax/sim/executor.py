@@ -25,7 +25,7 @@ round.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -155,6 +155,59 @@ def make_round_fn(tx: optax.GradientTransformationExtraArgs):
                          loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
                          push_bytes=state.push_bytes + jnp.where(arrived, state.job_bytes, 0))
   return jax.jit(one_round, donate_argnums=(0,))
+
+
+class Jobs(NamedTuple):
+  """Gradient jobs to compute, one entry per worker (host arrays; distinct workers).
+
+  Attributes:
+    workers: ``[k]`` int32, the workers; each computes on the weights it last pulled.
+    idx: ``[k, B]`` int32, each job's batch (indices into the training arrays).
+    iters: ``[k]`` int32, each job's iteration number (its dropout key).
+    ratios: ``[k]`` float32, each job's compressor keep-ratio.
+    flushes: ``[k]`` bool, jobs whose compressor flushes (GDTopK's epoch end).
+  """
+  workers: np.ndarray
+  idx: np.ndarray
+  iters: np.ndarray
+  ratios: np.ndarray
+  flushes: np.ndarray
+
+  def part(self, sl) -> "Jobs":
+    return Jobs(*(x[sl] for x in self))
+
+
+class Step(NamedTuple):
+  """What the device does at one protocol event, in order: the round, then the pulled workers' jobs.
+
+  Attributes:
+    args: the round's arguments (``sync.round_args`` plus ``learning_rate``),
+      or None for no round (the first jobs of a run).
+    jobs: the jobs of the workers that pulled in that round, or None.
+  """
+  args: dict | None
+  jobs: Jobs | None
+
+
+def make_round_runner(job_fn, round_fn):
+  """``(state, arrays, steps) -> state``: applies steps one device call per round and job set.
+
+  The reference executor: every other executor must give the same state (to
+  float tolerance) for the same steps.
+  """
+
+  def run(state: SimState, arrays, steps: Sequence[Step]) -> SimState:
+    for step in steps:
+      if step.args is not None:
+        state = round_fn(state, step.args)
+      if step.jobs is not None and step.jobs.workers.size:
+        start = 0
+        for part in split_jobs(step.jobs.workers):
+          jobs = step.jobs.part(slice(start, start + part.size))
+          start += part.size
+          state = job_fn(state, arrays, *jobs)
+    return state
+  return run
 
 
 def split_jobs(workers: np.ndarray) -> list[np.ndarray]:

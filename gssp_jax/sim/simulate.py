@@ -112,6 +112,7 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
   state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
   job_fn = executor.make_job_fn(task.loss, compressor, dense_bytes, stats_bytes)
   round_fn = executor.make_round_fn(tx)
+  run_steps = executor.make_round_runner(job_fn, round_fn)
   arrays = jax.device_put(task.train)
   ratio_of = _Ratios(config, scheme, speeds, spe)
   calibrated = None
@@ -195,19 +196,21 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
         del orders[key]
     return orders[(w, epoch)][pos * B:(pos + 1) * B]
 
-  def dispatch(workers: np.ndarray):
-    nonlocal state
-    for part in executor.split_jobs(np.asarray(workers, np.int64)):
-      ks = host["jobs"][part]
-      idx = np.stack([batch_indices(int(w), int(k)) for w, k in zip(part, ks)]).astype(np.int32)
-      ratios = np.array([ratio_of(int(w), int(k)) for w, k in zip(part, ks)], np.float32)
-      flushes = np.array([ratio_of.flush(int(w), int(k)) for w, k in zip(part, ks)], bool)
-      state = job_fn(state, arrays, part.astype(np.int32), idx, ks.astype(np.int32), ratios,
-                     flushes)
-      host["jobs"][part] += 1
+  def next_jobs(workers: np.ndarray) -> executor.Jobs:
+    """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
+    workers = np.asarray(workers, np.int64)
+    ks = host["jobs"][workers].copy()
+    host["jobs"][workers] += 1
+    pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
+    return executor.Jobs(
+        workers=workers.astype(np.int32),
+        idx=np.stack([batch_indices(w, k) for w, k in pairs]).astype(np.int32),
+        iters=ks.astype(np.int32),
+        ratios=np.array([ratio_of(w, k) for w, k in pairs], np.float32),
+        flushes=np.array([ratio_of.flush(w, k) for w, k in pairs], bool))
 
   if engine.num_pushes == 0 and host["jobs"].sum() == 0:
-    dispatch(np.arange(W))
+    state = run_steps(state, arrays, [executor.Step(None, next_jobs(np.arange(W)))])
 
   def regroup(measured: np.ndarray) -> None:
     """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
@@ -287,15 +290,15 @@ def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> di
       for rnd in engine.step():
         args = sync.round_args(rnd)
         args["learning_rate"] = np.float32(schedule(engine.num_pushes // W))
-        state = round_fn(state, args)
         acct.apply(rnd)
         host["rounds"] += 1
         host["updates"] += int(rnd.applies.any())
         host["server_bytes"] += engine.protocol.server_payloads(rnd) * pull_bytes
+        # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
         links.count_round(engine.protocol, rnd, engine.iteration, host)
         pulled = np.flatnonzero(rnd.pulls)
-        if pulled.size:
-          dispatch(pulled)
+        jobs = next_jobs(pulled) if pulled.size else None
+        state = run_steps(state, arrays, [executor.Step(args, jobs)])
         if host["rounds"] % 64 == 0:
           jax.block_until_ready(state.loss_sum)   # keep the dispatch queue short
       if engine.num_pushes >= host["next_epoch_end"]:
