@@ -46,9 +46,9 @@ from gssp_jax import config as config_lib
 from gssp_jax import models
 from gssp_jax.train import loop
 
+from benchmarks import common
+
 _CONFIGS = {"lenet5": mnist_lenet5, "resnet18": cifar10_resnet18, "vgg19": cifar10_vgg19}
-_SHAPES = {"lenet5": (32, 32, 1), "resnet18": (32, 32, 3), "vgg19": (32, 32, 3)}
-_CNNS = ("resnet18", "vgg19")   # the models with a channel multiplier
 
 _MODEL = flags.DEFINE_enum("model", "lenet5", list(_CONFIGS), "model (and its dataset's config)")
 _WIDTH = flags.DEFINE_float("width", 1.0, "channel multiplier of resnet18/vgg19 (model_args.width)")
@@ -58,26 +58,10 @@ _SCHEMES = flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "gssp"], "schemes"
 _EPOCHS = flags.DEFINE_float("epochs", 1.0, "epochs simulated per run")
 
 
-def model_kwargs(name: str, width: float) -> dict:
-  """Constructor arguments for ``name`` at ``width``.
-
-  Raises:
-    ValueError: a width other than 1 for a model without one, or not > 0.
-  """
-  if not width > 0:
-    raise ValueError(f"width={width!r} is invalid; allowed: a number > 0")
-  if name in _CNNS:
-    return {"width": width}
-  if width != 1.0:
-    raise ValueError(f"width={width!r} is invalid for {name!r}; allowed: 1.0 "
-                     f"(only {', '.join(_CNNS)} have a width)")
-  return {}
-
-
 def baseline(name: str, width: float, total_batch: int) -> float:
   """Samples/s of one jitted batched training step of the model on ``total_batch`` inputs."""
-  model = models.create_model(name, num_classes=10, **model_kwargs(name, width))
-  x = jax.random.normal(jax.random.key(0), (total_batch,) + _SHAPES[name])
+  model = models.create_model(name, num_classes=10, **common.model_kwargs(name, width))
+  x = jax.random.normal(jax.random.key(0), (total_batch,) + common.SHAPES[name])
   y = jax.random.randint(jax.random.key(1), (total_batch,), 0, 10)
   variables = model.init(jax.random.key(2), x[:1], train=False)
   params, stats = variables["params"], {k: v for k, v in variables.items() if k != "params"}
@@ -113,10 +97,10 @@ def run_config(name: str, width: float, executor: str | None, scheme: str, worke
     ValueError: an executor given where the config has no ``executor`` key.
   """
   config = _CONFIGS[name].get_config()
-  if name in _CNNS:
+  if name in common.CNNS:
     config.model_args.width = width
   else:
-    model_kwargs(name, width)   # rejects a width LeNet-5 does not have
+    common.model_kwargs(name, width)   # rejects a width LeNet-5 does not have
   config.num_workers = workers
   config.sync.scheme = scheme
   config.sync.num_groups = 4
@@ -164,15 +148,6 @@ def simulated(config) -> tuple[float, float]:
   return rate, seen.get("first", float("nan"))
 
 
-def describe_backend() -> str:
-  device = jax.devices()[0]
-  flags_set = xla_env.DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "")
-  return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"{jax.device_count()} x {device.device_kind}; "
-          f"--{xla_env.DETERMINISTIC_FLAG} {'set' if flags_set else 'not set'}, "
-          f"matmul precision {jax.config.jax_default_matmul_precision or 'default'}")
-
-
 def main(argv):
   del argv
   name, width = _MODEL.value, _WIDTH.value
@@ -181,8 +156,8 @@ def main(argv):
                for w in map(int, _WORKERS.value) for s in _SCHEMES.value}
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  print(describe_backend())
-  print(f"model {name}" + (f" width {width}" if name in _CNNS else "")
+  print(common.describe_backend())
+  print(f"model {name}" + (f" width {width}" if name in common.CNNS else "")
         + f", executor {_EXECUTOR.value or 'the config default'}, {_EPOCHS.value} epochs per run")
   print("| workers | scheme | simulated samples/s | batched step samples/s | efficiency |"
         " µs per simulated sample | to first evaluation (s) |")
