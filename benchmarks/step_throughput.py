@@ -9,13 +9,24 @@ shape (the data pipeline is not what is measured). The framework side is what
 gathers each worker's batch from the on-device training arrays, computes the
 per-worker gradients and applies the BSP server update. The bare side is a
 Python loop calling ``jax.jit`` of ``jax.grad`` + ``optax`` on one batch of
-``workers x batch`` already on the device. Prints samples/s and the ratio.
+``workers x batch`` already on the device. Prints samples/s, the ratio, the cost
+per sample in microseconds and the framework's first call (tracing and
+compilation); the header names the backend, the device and whether XLA's
+deterministic-ops flag is set. ``--width`` scales the CNNs' channels.
+
+There is no ``--executor`` here: the framework side is the BSP chunk runner
+itself, which no executor choice changes; ``benchmarks.sim_efficiency`` takes one.
 """
 
 from __future__ import annotations
 
 import time
 
+from gssp_jax import xla_env
+
+xla_env.apply_deterministic_env()   # before any jax backend starts, as experiments.main does
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import jax
@@ -31,13 +42,15 @@ from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
 
+from benchmarks import common
+
 _MODELS = flags.DEFINE_list("models", ["lenet5", "resnet18"], "Models to measure.")
+_WIDTH = flags.DEFINE_float("width", 1.0, "Channel multiplier of resnet18/vgg19.")
 _WORKERS = flags.DEFINE_list("workers", ["1", "4"], "Worker counts to measure.")
 _BATCH = flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.")
 _STEPS = flags.DEFINE_integer("steps", 0, "Timed updates per measurement (0 = per model default).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Measurements per side; the best is reported.")
 
-_SHAPES = {"lenet5": (32, 32, 1), "resnet18": (32, 32, 3), "vgg19": (32, 32, 3)}
 _DEFAULT_STEPS = {"lenet5": 200, "resnet18": 8, "vgg19": 8}
 
 
@@ -50,21 +63,28 @@ def _synthetic_dataset(shape, n: int) -> data_lib.ImageDataset:
                                (0.5,) * c, (0.25,) * c)
 
 
-def _best_rate(fn, samples: int, repeats: int) -> float:
-  fn()  # compile and warm up
+def _best_rate(fn, samples: int, repeats: int) -> tuple[float, float]:
+  """(best samples/s over ``repeats`` calls, seconds of the first call: compile and warm up)."""
+  t = time.perf_counter()
+  fn()
+  first = time.perf_counter() - t
   times = []
   for _ in range(repeats):
     t = time.perf_counter()
     fn()
     times.append(time.perf_counter() - t)
-  return samples / min(times)
+  return samples / min(times), first
 
 
-def measure(model_name: str, workers: int, batch: int, steps: int, repeats: int):
+def measure(model_name: str, workers: int, batch: int, steps: int, repeats: int,
+            width: float = 1.0):
+  """(framework samples/s, bare samples/s, framework's first call in seconds)."""
   config = config_lib.default_config()
-  shape = _SHAPES[model_name]
+  shape = common.SHAPES[model_name]
   n = workers * batch * steps
-  task = tasks.ClassificationTask(models_lib.create_model(model_name, num_classes=10),
+  model = models_lib.create_model(model_name, num_classes=10,
+                                  **common.model_kwargs(model_name, width))
+  task = tasks.ClassificationTask(model,
                                   _synthetic_dataset(shape, n), augment=False,
                                   eval_batch_size=8)
   tx = optim.make_optimizer(config.optimizer, steps, steps)
@@ -113,22 +133,31 @@ def measure(model_name: str, workers: int, batch: int, steps: int, repeats: int)
     bare_state["v"] = (p, ms, o)
 
   samples = workers * batch * steps
-  fw = _best_rate(framework, samples, repeats)
-  br = _best_rate(bare, samples, repeats)
-  return fw, br
+  fw, compile_s = _best_rate(framework, samples, repeats)
+  br, _ = _best_rate(bare, samples, repeats)
+  return fw, br, compile_s
 
 
 def main(argv):
   del argv
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, per-worker batch {_BATCH.value}")
+  try:
+    for name in _MODELS.value:
+      if name not in common.SHAPES:
+        raise ValueError(f"model {name!r} is invalid; allowed: {', '.join(common.SHAPES)}")
+    common.model_kwargs("resnet18", _WIDTH.value)   # a width > 0 (LeNet-5 ignores it)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  print(common.describe_backend())
+  print(f"per-worker batch {_BATCH.value}, width {_WIDTH.value} (resnet18/vgg19)")
   print(f"{'model':10s} {'workers':>7s} {'samples/update':>14s} {'framework/s':>12s}"
-        f" {'bare/s':>10s} {'framework cost':>15s}")
+        f" {'bare/s':>10s} {'framework cost':>15s} {'µs/sample':>10s} {'first call s':>12s}")
   for name in _MODELS.value:
     for w in (int(v) for v in _WORKERS.value):
       steps = _STEPS.value or _DEFAULT_STEPS[name]
-      fw, br = measure(name, w, _BATCH.value, steps, _REPEATS.value)
+      fw, br, compile_s = measure(name, w, _BATCH.value, steps, _REPEATS.value,
+                                  _WIDTH.value if name in common.CNNS else 1.0)
       print(f"{name:10s} {w:7d} {w * _BATCH.value:14d} {fw:12.1f} {br:10.1f}"
-            f" {br / fw:14.3f}x", flush=True)
+            f" {br / fw:14.3f}x {1e6 / fw:10.1f} {compile_s:12.1f}", flush=True)
 
 
 if __name__ == "__main__":

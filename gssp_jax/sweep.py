@@ -44,6 +44,7 @@ import ml_collections
 
 from gssp_jax import cli
 from gssp_jax import config as config_lib
+from gssp_jax import xla_env
 
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
@@ -355,6 +356,18 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     return _run(path, trials, workdir, parallel, max_trials, report_every)
 
 
+def _children_env(parallel: int) -> dict[str, str]:
+  """The environment of ``parallel`` trial processes: each gets a share of one GPU's memory."""
+  user = xla_env.user_memory_fraction(os.environ)
+  if user:
+    logging.info("%d trials at once: keeping your %s=%s for each (not %.3f)", parallel, *user,
+                 xla_env.memory_share(parallel))
+  else:
+    logging.info("%d trials at once: each may take %s=%.3f of a GPU's memory", parallel,
+                 xla_env.MEM_FRACTION_VARS[0], xla_env.memory_share(parallel))
+  return xla_env.child_env(os.environ, parallel)
+
+
 def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str, str]:
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
@@ -384,6 +397,7 @@ def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str,
   running: list = []
   queue = list(todo)
   last_report = time.perf_counter()
+  env = _children_env(max(1, min(parallel, len(todo))))   # no more shares than children
   try:
     while queue or running:
       while queue and len(running) < parallel:
@@ -393,7 +407,8 @@ def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str,
         cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
                f"--workdir={workdir}", f"--only={trial.name}"]
         logging.info("trial %s: starting in a child process", trial.name)
-        running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                env=env), log))
       time.sleep(0.5)
       for item in list(running):
         trial, proc, log = item

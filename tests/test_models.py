@@ -51,6 +51,7 @@ def test_unknown_model_raises():
     (4, (1, 1), ((1, 1), (1, 1))),  # Falls back to lax.
     (2, (2, 2), ((1, 1), (1, 1))),  # Falls back to lax.
 ])
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_small_map_conv_matches_lax(hw, strides, padding):
   x = jax.random.normal(jax.random.key(0), (3, hw, hw, 5))
   k = jax.random.normal(jax.random.key(1), (3, 3, 5, 7))

@@ -221,6 +221,48 @@ def test_parallel_trials_run_in_their_own_processes(tmp_path, data_dir, monkeypa
     assert os.path.getsize(os.path.join(workdir, name, "log.txt")) > 0
 
 
+@pytest.mark.parametrize("user", [None, ("XLA_CLIENT_MEM_FRACTION", "0.2")])
+def test_parallel_children_share_the_gpu_memory_and_get_the_determinism_flag(
+    tmp_path, monkeypatch, user):
+  monkeypatch.chdir(REPO)   # the children run `python -m experiments.sweep`
+  for name in ("XLA_FLAGS", "GSSP_DETERMINISTIC", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+               "XLA_CLIENT_MEM_FRACTION"):
+    monkeypatch.delenv(name, raising=False)
+  if user:
+    monkeypatch.setenv(*user)
+  seen = tmp_path / "seen"
+  seen.mkdir()
+  path = tmp_path / "env.py"
+  # In a child (it has `--only`) the sweep file records what it sees and stops the trial:
+  # the test is about the environment, not the training.
+  path.write_text(textwrap.dedent(f"""
+      import json, os, sys
+      from configs.sweeps import tiny
+      from gssp_jax.sweep import sweep
+      def get_config():
+        if any(a.startswith("--only") for a in sys.argv):
+          keys = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+          with open(os.path.join({str(seen)!r}, str(os.getpid())), "w") as f:
+            json.dump({{k: os.environ.get(k) for k in keys}}, f)
+          raise SystemExit("recorded")
+        return tiny.get_config()
+      def get_sweep():
+        return sweep("seed", [0, 1, 2])
+      """))
+  statuses = sweep.run_sweep(str(path), str(tmp_path / "sweep"), parallel=4)
+  assert set(statuses.values()) == {"failed"}   # each child stopped after recording
+  envs = [json.loads(p.read_text()) for p in seen.iterdir()]
+  assert len(envs) == 3
+  for env in envs:
+    assert env["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"
+    if user:   # the user's own fraction, and not a second name (jaxlib refuses both)
+      assert env["XLA_CLIENT_MEM_FRACTION"] == "0.2"
+      assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None
+    else:      # 3 trials, so 3 shares of 0.9 (not 4: no more shares than children)
+      assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.300"
+      assert env["XLA_CLIENT_MEM_FRACTION"] is None
+
+
 def test_sigterm_raises_keyboard_interrupt_inside_and_not_after():
   before = signal.getsignal(signal.SIGTERM)
   with pytest.raises(KeyboardInterrupt):

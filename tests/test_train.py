@@ -47,6 +47,7 @@ def _synthetic_task(num_examples=256, seed=0):
                                   augment=True, eval_batch_size=8)
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_fused_mean_gradient_equals_mean_of_per_worker_gradients():
   task = _synthetic_task()
   params, model_state = task.init(jax.random.PRNGKey(0))
@@ -63,6 +64,7 @@ def test_fused_mean_gradient_equals_mean_of_per_worker_gradients():
     np.testing.assert_allclose(a.mean(0), b, rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_bsp_with_one_worker_is_plain_sgd():
   task = _synthetic_task()
   config = config_lib.default_config()
@@ -193,6 +195,7 @@ def _run_rounds(task, tx, compressor, rounds=3, workers=2, batch=16):
   return run(state, jax.device_put(task.train), jnp.asarray(order), 0, rounds)
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_bsp_with_top_k_keeping_everything_equals_uncompressed_bsp():
   task = _synthetic_task()
   tx = optim.make_optimizer(config_lib.default_config().optimizer, 10, 10)

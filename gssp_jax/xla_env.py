@@ -1,0 +1,155 @@
+"""Process environment for XLA: deterministic GPU runs, and a GPU memory share per process.
+
+XLA reads ``XLA_FLAGS`` once, when the first backend starts, and a GPU client
+reads its memory settings at the same moment; changing either afterwards has no
+effect. So the project sets them before that: ``import gssp_jax`` calls
+:func:`apply_deterministic_env`, and the entry points (``experiments.*``,
+``benchmarks.*``, ``tests/conftest.py``) import this module first.
+
+* **Determinism.** ``--xla_gpu_deterministic_ops=true`` is XLA's switch for
+  run-to-run determinism on GPU ("Guarantees run-to-run determinism on GPU" in
+  its flag help). It implies ``--xla_gpu_exclude_nondeterministic_ops`` (which
+  compiles scatter without atomics and keeps autotuning from picking
+  non-deterministic kernels) and also turns autotuning off, so the kernel
+  choice does not depend on timing noise (openxla/xla#12520). It does not touch
+  precision: GPU matmuls and convolutions still run at TF32 by default, which
+  is deterministic, just less exact than the CPU's float32. XLA ignores GPU
+  flags on other backends, and it aborts on a flag it does not know, so any
+  backend start validates the name. ``GSSP_DETERMINISTIC=0`` opts out; a value
+  the user gave ``--xla_gpu_deterministic_ops`` in ``XLA_FLAGS`` is kept.
+* **Memory share.** A GPU process preallocates 75 % of the card at start-up, so
+  a third process on one card dies out of memory. :func:`child_env` gives each
+  of ``n`` processes ``0.9 / n`` of it (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
+  which is both the preallocation and the allocator's limit), unless the user
+  set a fraction (either name jaxlib reads; setting both is an error there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Mapping, MutableMapping
+
+from absl import logging
+
+DETERMINISTIC_FLAG = "xla_gpu_deterministic_ops"
+OPT_OUT_VAR = "GSSP_DETERMINISTIC"
+# jaxlib reads both names; the newer one wins and setting both raises (xla_client.py).
+MEM_FRACTION_VARS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+GPU_MEMORY_TOTAL = 0.9   # what N processes share; the rest is CUDA contexts and library workspaces
+
+_TRUE = ("", "1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def deterministic_enabled(environ: Mapping[str, str]) -> bool:
+  """Whether the project should set XLA's deterministic-ops flag (``GSSP_DETERMINISTIC``).
+
+  Raises:
+    ValueError: ``GSSP_DETERMINISTIC`` is not one of the allowed spellings.
+  """
+  value = environ.get(OPT_OUT_VAR, "").strip().lower()
+  if value not in _TRUE + _FALSE:
+    raise ValueError(f"{OPT_OUT_VAR}={environ[OPT_OUT_VAR]!r} is invalid; allowed: "
+                     f"1/true/yes/on (default) or 0/false/no/off")
+  return value in _TRUE
+
+
+def _flag_names(xla_flags: str) -> list[str]:
+  """``--name=value`` / ``--name`` tokens of an ``XLA_FLAGS`` string -> their names."""
+  return [token.lstrip("-").split("=", 1)[0] for token in xla_flags.split()
+          if token.startswith("-")]
+
+
+def deterministic_env(environ: Mapping[str, str]) -> dict[str, str]:
+  """The environment changes that make GPU runs deterministic (``{}`` when none are due).
+
+  Pure: reads ``environ`` (e.g. ``os.environ``), returns ``{name: new value}``.
+  The flag is appended to the user's ``XLA_FLAGS`` (their flags are kept, in
+  order); nothing changes if ``XLA_FLAGS`` already names the flag with any value
+  (the user decided, or it was applied before: idempotent) or the user opted out.
+
+  Raises:
+    ValueError: an invalid ``GSSP_DETERMINISTIC``.
+  """
+  if not deterministic_enabled(environ):
+    return {}
+  current = environ.get("XLA_FLAGS", "")
+  if DETERMINISTIC_FLAG in _flag_names(current):
+    return {}
+  return {"XLA_FLAGS": " ".join(filter(None, [current.strip(), f"--{DETERMINISTIC_FLAG}=true"]))}
+
+
+def _initialized_platforms() -> list[str] | None:
+  """Platforms of the backends JAX has started; [] if none; None if it cannot tell."""
+  if "jax" not in sys.modules:   # no backend can have started without jax imported
+    return []
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    if not xla_bridge.backends_are_initialized():
+      return []
+    return [backend.platform for backend in xla_bridge.backends().values()]
+  except (ImportError, AttributeError):   # a jax whose private API moved
+    return None
+
+
+def apply_deterministic_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+  """Applies :func:`deterministic_env` to ``environ`` (default ``os.environ``); returns it.
+
+  If a GPU backend has already started, the flag can no longer take effect:
+  the changes are still written (child processes inherit them) and a warning
+  says that this process may not be deterministic.
+  """
+  environ = os.environ if environ is None else environ
+  changes = deterministic_env(environ)
+  if not changes:
+    return changes
+  environ.update(changes)
+  platforms = _initialized_platforms()
+  if platforms and any(p in _GPU_PLATFORMS for p in platforms):
+    logging.warning(
+        "a GPU backend started before gssp_jax set XLA_FLAGS=--%s=true: this process may not be "
+        "run-to-run deterministic; import gssp_jax (or set XLA_FLAGS) before using jax",
+        DETERMINISTIC_FLAG)
+  return changes
+
+
+def user_memory_fraction(environ: Mapping[str, str]) -> tuple[str, str] | None:
+  """The ``(name, value)`` of a GPU memory fraction the user set, or None."""
+  return next(((name, environ[name]) for name in MEM_FRACTION_VARS if environ.get(name)), None)
+
+
+def memory_share(processes: int) -> float:
+  """The fraction of a GPU each of ``processes`` processes sharing it may take.
+
+  Rounded down to 3 decimals, so the shares never add up to more than
+  ``GPU_MEMORY_TOTAL``.
+
+  Raises:
+    ValueError: ``processes`` is not an int >= 1.
+  """
+  if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+    raise ValueError(f"processes={processes!r} is invalid; allowed: an int >= 1")
+  return math.floor(GPU_MEMORY_TOTAL / processes * 1000 + 1e-9) / 1000   # 0.9/3 is 0.29999...
+
+
+def child_env(environ: Mapping[str, str], processes: int) -> dict[str, str]:
+  """The full environment for one of ``processes`` child processes sharing one GPU.
+
+  ``environ`` plus the determinism flag (:func:`deterministic_env`) and, unless
+  the user set a memory fraction (kept as it is), ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+  = :func:`memory_share`. Preallocation stays on: each child then holds a fixed
+  pool from the start, so a later child cannot starve an earlier one. On a CPU
+  backend the memory variable is ignored. Pure: ``environ`` is not modified.
+
+  Raises:
+    ValueError: an invalid ``processes`` or ``GSSP_DETERMINISTIC``.
+  """
+  share = memory_share(processes)
+  env = dict(environ)
+  env.update(deterministic_env(env))
+  if user_memory_fraction(env) is None:
+    env[MEM_FRACTION_VARS[0]] = f"{share:.3f}"
+  return env
