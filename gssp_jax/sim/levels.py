@@ -140,7 +140,8 @@ def stack_round_args(rounds: list, size: int) -> tuple[dict, np.ndarray]:
   n = len(rounds)
   keys = set(rounds[0])
   if any(set(r) != keys for r in rounds):
-    raise ValueError(f"every round needs the same args; got {sorted(map(sorted, {frozenset(r) for r in rounds}))}")
+    kinds = sorted(map(sorted, {frozenset(r) for r in rounds}))
+    raise ValueError(f"every round needs the same args; got the key sets {kinds}")
   padded = list(rounds) + [rounds[-1]] * (size - n)
   stacked = {k: np.stack([np.asarray(r[k]) for r in padded]) for k in rounds[0]}
   return stacked, np.arange(size) < n
