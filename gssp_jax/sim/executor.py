@@ -140,8 +140,12 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
   return jax.jit(jobs, donate_argnums=(0,))
 
 
-def make_round_fn(tx: optax.GradientTransformationExtraArgs):
-  """``(state, args) -> state``: one round (``rounds.apply_round``), jitted once."""
+def round_body(tx: optax.GradientTransformationExtraArgs):
+  """``(state, args) -> state``: one round (``rounds.apply_round``), pure.
+
+  Shared by ``make_round_fn`` (one jitted call per round) and the level
+  runner's ``lax.scan`` of rounds (``sim/levels.py``), so the two cannot drift.
+  """
 
   def one_round(state: SimState, args):
     rp, txs, wp, rms, wms = rounds_lib.apply_round(
@@ -154,7 +158,12 @@ def make_round_fn(tx: optax.GradientTransformationExtraArgs):
                          loss_sum=state.loss_sum + jnp.sum(jnp.where(arrived, state.job_loss, 0.0)),
                          loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
                          push_bytes=state.push_bytes + jnp.where(arrived, state.job_bytes, 0))
-  return jax.jit(one_round, donate_argnums=(0,))
+  return one_round
+
+
+def make_round_fn(tx: optax.GradientTransformationExtraArgs):
+  """``(state, args) -> state``: one round (``round_body``), jitted once."""
+  return jax.jit(round_body(tx), donate_argnums=(0,))
 
 
 class Jobs(NamedTuple):

@@ -1,0 +1,258 @@
+"""The level-batched simulator executor: a dependency level of gradients per device call.
+
+A worker's gradient depends only on the weights (and model state, compressor
+memory) it holds when its job runs, and those change only when it pulls. So
+the jobs dispatched since the last level can all wait and run together, as
+long as no round in between reads their result (the worker arrives) or
+overwrites their input (the worker pulls again). :func:`plan_levels` cuts the
+steps (``executor.Step``) into such levels on the host; :func:`make_level_runner`
+runs each level as one batched call of its jobs (``vmap`` over per-worker
+weight copies) followed by one ``lax.scan`` of its rounds (the same
+``executor.round_body`` as the per-round runner).
+
+It returns the same state as ``executor.make_round_runner`` for the same steps
+(to float tolerance; integer counters bit for bit): every job is computed on
+exactly the inputs it had there, and the jobs still pending at the end of a
+``run`` are computed before it returns, so checkpoints do not depend on the
+executor.
+
+Shapes are padded to a fixed set so nothing recompiles per level: jobs to a
+power of two (at most ``num_workers``; padded jobs scatter to an out-of-range
+worker and are dropped), rounds to a power of two up to ``max_rounds`` (padded
+rounds are skipped with ``lax.cond``). Jobs and rounds are separate jitted
+functions rather than one function per (jobs, rounds) pair: the model is then
+compiled once per job bucket, not once per pair of buckets (about 5 x 7 pairs
+at 16 workers), which matters for a ResNet.
+
+Its target is accelerators: on a CPU, ``vmap`` over weight copies turns
+convolutions into grouped convolutions, which are slower than the per-round
+runner's unrolled gradients (see ``executor.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gssp_jax.sim import executor
+
+
+class Level(NamedTuple):
+  """A dependency level: its jobs run first (together), then its rounds in order.
+
+  Attributes:
+    jobs: the jobs pending at the level's start (distinct workers), or None.
+    rounds: the rounds' args (``executor.Step.args``), in order.
+  """
+  jobs: executor.Jobs | None
+  rounds: list
+
+
+def _concat_jobs(parts: list) -> executor.Jobs | None:
+  if not parts:
+    return None
+  return executor.Jobs(*(np.concatenate([np.asarray(getattr(p, f)) for p in parts])
+                         for f in executor.Jobs._fields))
+
+
+def plan_levels(steps: Sequence[executor.Step]) -> list[Level]:
+  """Cuts ``steps`` into dependency levels (host NumPy, pure).
+
+  A job dispatched in a level's steps is deferred to the next level. The
+  level is cut before a round in which such a worker arrives (the round reads
+  its gradient) or pulls (the round overwrites the weights and model state the
+  job must read), and before a step that dispatches a second job to such a
+  worker. Rounds never read a non-arrived worker's gradient, statistics, loss
+  or bytes except multiplied by a zero mask, and never touch compressor
+  memories, so deferring a job past them changes nothing. The last level holds
+  the jobs still pending after the last step, with no rounds.
+
+  Args:
+    steps: the steps, as ``executor.make_round_runner`` takes them.
+
+  Returns:
+    The levels in order; levels with neither jobs nor rounds are left out.
+  """
+  levels: list[Level] = []
+  head, rounds, fresh, fresh_workers = None, [], [], set()
+
+  def close():
+    nonlocal head, rounds, fresh, fresh_workers
+    if head is not None or rounds:
+      levels.append(Level(head, rounds))
+    head, rounds, fresh, fresh_workers = _concat_jobs(fresh), [], [], set()
+
+  for step in steps:
+    if step.args is not None:
+      touched = np.asarray(step.args["arrived"], bool) | np.asarray(step.args["pulls"], bool)
+      if fresh_workers.intersection(np.flatnonzero(touched).tolist()):
+        close()
+      rounds.append(step.args)
+    if step.jobs is not None and np.asarray(step.jobs.workers).size:
+      workers = np.asarray(step.jobs.workers).tolist()
+      if len(set(workers)) != len(workers):
+        raise ValueError(f"a step's jobs must be for distinct workers; got workers={workers}")
+      if fresh_workers.intersection(workers):
+        close()
+      fresh.append(step.jobs)
+      fresh_workers.update(workers)
+  close()
+  if head is not None:
+    levels.append(Level(head, []))
+  return levels
+
+
+def _bucket(n: int, cap: int) -> int:
+  """The padded size of ``n`` items: the next power of two, at most ``cap`` (n <= cap)."""
+  return min(1 << max(0, int(n) - 1).bit_length(), cap)
+
+
+def pad_jobs(jobs: executor.Jobs, num_workers: int) -> executor.Jobs:
+  """Pads ``jobs`` to ``_bucket(k, num_workers)`` entries; padded ones are for worker ``W``.
+
+  Worker ``W`` is out of range, so the padded jobs' results are dropped by the
+  scatter (``mode="drop"``).
+  """
+  k = jobs.workers.size
+  size = _bucket(k, num_workers)
+  pad = size - k
+
+  def grow(x, fill):
+    x = np.asarray(x)
+    return np.concatenate([x, np.full((pad, *x.shape[1:]), fill, x.dtype)])
+  return executor.Jobs(workers=grow(np.asarray(jobs.workers, np.int32), num_workers),
+                       idx=grow(np.asarray(jobs.idx, np.int32), 0),
+                       iters=grow(np.asarray(jobs.iters, np.int32), 0),
+                       ratios=grow(np.asarray(jobs.ratios, np.float32), 1.0),
+                       flushes=grow(np.asarray(jobs.flushes, bool), False))
+
+
+def stack_round_args(rounds: list, size: int) -> tuple[dict, np.ndarray]:
+  """Stacks round args (leading axis = round), padded to ``size`` by repeating the last.
+
+  Returns:
+    ``(stacked args, valid [size] bool)``; padded rounds have ``valid`` False.
+  """
+  n = len(rounds)
+  keys = set(rounds[0])
+  if any(set(r) != keys for r in rounds):
+    kinds = sorted(map(sorted, {frozenset(r) for r in rounds}))
+    raise ValueError(f"every round needs the same args; got the key sets {kinds}")
+  padded = list(rounds) + [rounds[-1]] * (size - n)
+  stacked = {k: np.stack([np.asarray(r[k]) for r in padded]) for k in rounds[0]}
+  return stacked, np.arange(size) < n
+
+
+def make_level_jobs_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int,
+                       num_workers: int, on_trace: Callable[[], None] = lambda: None):
+  """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
+
+  ``executor.make_job_fn``'s contract, computed as one ``vmap`` over the jobs'
+  weight copies instead of unrolled; workers ``>= num_workers`` are padding and
+  write nowhere. ``on_trace`` is called each time it is traced (tests count
+  compilations with it).
+  """
+
+  def one_job(params, model_state, comp, batch, rng, ratio, flush):
+    (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
+                                                                      rng)
+    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    nbytes = jnp.int32(dense_bytes)
+    if compressor is not None:
+      # A one-worker compressor on this worker's state slice (worker axis of size 1).
+      sent, comp = compressor.update(jax.tree.map(lambda g: g[None], grad), comp,
+                                     ratios=ratio[None], flush=flush)
+      grad = jax.tree.map(lambda s: s[0], sent)
+      nbytes = comp.last_bytes[0]
+    return grad, new_ms, comp, loss.astype(jnp.float32), nbytes + jnp.int32(stats_bytes)
+
+  def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes):
+    on_trace()
+    safe = jnp.minimum(workers, num_workers - 1)   # padded jobs compute on worker W-1's inputs
+    take = lambda tree: jax.tree.map(lambda x: x[safe], tree)
+    put = lambda tree, v: jax.tree.map(lambda x, y: x.at[workers].set(y, mode="drop"), tree, v)
+    batch = jax.tree.map(lambda a: a[idx], arrays)
+    # Exactly make_job_fn's dropout keys: fold in the worker, then its iteration.
+    rngs = jax.vmap(lambda w, k: jax.random.fold_in(jax.random.fold_in(state.rng, w), k))(
+        safe, iters)
+    comp = take(state.comp_state) if compressor is not None else None
+    grad, new_ms, comp, loss, nbytes = jax.vmap(
+        one_job, in_axes=(0, 0, 0 if compressor is not None else None, 0, 0, 0, 0))(
+            take(state.worker_params), take(state.worker_model_state), comp, batch, rngs, ratios,
+            flushes)
+    return state.replace(
+        grad_buf=put(state.grad_buf, grad),
+        worker_model_state=put(state.worker_model_state, new_ms),
+        comp_state=put(state.comp_state, comp) if compressor is not None else state.comp_state,
+        job_loss=state.job_loss.at[workers].set(loss, mode="drop"),
+        job_bytes=state.job_bytes.at[workers].set(nbytes, mode="drop"))
+  return jax.jit(jobs, donate_argnums=(0,))
+
+
+def make_level_rounds_fn(tx: optax.GradientTransformationExtraArgs,
+                         on_trace: Callable[[], None] = lambda: None):
+  """``(state, stacked args [n, ...], valid [n]) -> state``: a ``lax.scan`` of ``round_body``."""
+  body = executor.round_body(tx)
+
+  def rounds(state: executor.SimState, stacked, valid):
+    on_trace()
+
+    def step(s, xs):
+      args, ok = xs
+      return jax.lax.cond(ok, body, lambda s, a: s, s, args), None
+    state, _ = jax.lax.scan(step, state, (stacked, valid))
+    return state
+  return jax.jit(rounds, donate_argnums=(0,))
+
+
+def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransformationExtraArgs,
+                      dense_bytes: int, stats_bytes: int, num_workers: int, *,
+                      max_rounds: int = 64):
+  """``(state, arrays, steps) -> state``, the contract of ``executor.make_round_runner``.
+
+  Args:
+    loss_fn: ``(params, model_state, batch, rng) -> (loss, new_model_state)``.
+    compressor: the one-worker compressor, or None.
+    tx: the sync chain (as ``executor.make_round_fn`` takes it).
+    dense_bytes: bytes of an uncompressed push.
+    stats_bytes: bytes of the model state a push carries.
+    num_workers: W.
+    max_rounds: rounds per scan call; a power of two (longer levels are split).
+
+  Returns:
+    ``run``; ``run.traces`` counts the traces of its jobs and rounds functions.
+
+  Raises:
+    ValueError: ``num_workers`` or ``max_rounds`` is invalid.
+  """
+  if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) \
+      or num_workers < 1:
+    raise ValueError(f"num_workers={num_workers!r} is invalid; allowed: an int >= 1")
+  if (isinstance(max_rounds, bool) or not isinstance(max_rounds, (int, np.integer))
+      or max_rounds < 1 or max_rounds & (max_rounds - 1)):
+    raise ValueError(f"max_rounds={max_rounds!r} is invalid; allowed: a power of two >= 1")
+  traces = {"jobs": 0, "rounds": 0}
+
+  def count(kind):
+    def bump():
+      traces[kind] += 1
+    return bump
+
+  jobs_fn = make_level_jobs_fn(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
+                               count("jobs"))
+  rounds_fn = make_level_rounds_fn(tx, count("rounds"))
+
+  def run(state: executor.SimState, arrays, steps: Sequence[executor.Step]) -> executor.SimState:
+    for level in plan_levels(steps):
+      if level.jobs is not None:
+        state = jobs_fn(state, arrays, *pad_jobs(level.jobs, num_workers))
+      for start in range(0, len(level.rounds), max_rounds):
+        chunk = level.rounds[start:start + max_rounds]
+        state = rounds_fn(state, *stack_round_args(chunk, _bucket(len(chunk), max_rounds)))
+    return state
+  run.traces = traces
+  return run

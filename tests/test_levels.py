@@ -1,0 +1,234 @@
+"""The level-batched executor (``sim/levels.py``) against the per-round reference runner."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from gssp_jax import compress
+from gssp_jax import sync
+from gssp_jax.sim import executor
+from gssp_jax.sim import levels
+from gssp_jax.train import optim
+
+W, B, N = 4, 4, 64
+SPEEDS = [1.0, 1.37, 1.91, 2.53]   # a heterogeneous cluster: levels of 1 to 4 jobs
+
+
+class _Net(nn.Module):
+  batch_norm: bool
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8)(x)
+    if self.batch_norm:
+      x = nn.BatchNorm(use_running_average=False, momentum=0.5)(x)
+    return nn.Dense(2)(nn.relu(x))
+
+
+def _model(batch_norm: bool):
+  """A tiny model with dropout (the job's rng) and, optionally, BatchNorm statistics."""
+  net = _Net(batch_norm)
+  variables = net.init(jax.random.key(0), jnp.ones([B, 3]))
+  params = variables["params"]
+  model_state = {"batch_stats": variables["batch_stats"]} if batch_norm else {}
+
+  def loss_fn(p, ms, batch, rng):
+    keep = jax.random.bernoulli(rng, 0.8, batch["x"].shape)   # dropout: the key must match
+    x = jnp.where(keep, batch["x"] / 0.8, 0.0)
+    if batch_norm:
+      out, new = net.apply({"params": p, **ms}, x, mutable=["batch_stats"])
+      ms = {"batch_stats": new["batch_stats"]}
+    else:
+      out = net.apply({"params": p}, x)
+    return jnp.mean((out - batch["y"]) ** 2), ms
+  return params, model_state, loss_fn
+
+
+def _compressor(name):
+  if name == "none":
+    return None
+  if name == "topk":
+    return compress.topk(1, 0.3)
+  if name == "dgc":
+    return compress.dgc(1, 0.3, sample_ratio=0.5)
+  return compress.gdtopk(1)
+
+
+def _steps(scheme, max_pushes, compressed, seed=0):
+  """Steps as simulate.py builds them: a timeline's rounds, each with its pulled workers' jobs."""
+  rng = np.random.default_rng(seed)
+  dispatched = np.zeros([W], np.int64)
+
+  def jobs(workers):
+    ks = dispatched[workers].copy()
+    dispatched[workers] += 1
+    # Per-worker ratios and an epoch-end flush every 5th iteration (GDTopK's).
+    return executor.Jobs(workers=workers.astype(np.int32),
+                         idx=rng.integers(0, N, size=(workers.size, B)).astype(np.int32),
+                         iters=ks.astype(np.int32),
+                         ratios=(0.2 + 0.1 * workers).astype(np.float32),
+                         flushes=(ks % 5 == 4) & compressed)
+
+  engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: SPEEDS[w],
+                               message_delay=lambda m: 0.45, record=False)
+  steps = [executor.Step(None, jobs(np.arange(W)))]
+  while engine.num_pushes < max_pushes:
+    for rnd in engine.step():
+      args = sync.round_args(rnd)
+      args["learning_rate"] = np.float32(0.05 / (1 + engine.num_pushes / 16))
+      pulled = np.flatnonzero(rnd.pulls)
+      steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
+  return steps
+
+
+def _setup(name, comp_name="none", batch_norm=False, inter_group="peer"):
+  scheme = sync.build_scheme(name, W, worker_times=SPEEDS, num_groups=2, num_nodes=2,
+                             casp_reconfigure_every=4, casp_max_communities=2,
+                             inter_group=inter_group)
+  params, model_state, loss_fn = _model(batch_norm)
+  tx = optax.chain(scheme.transform,
+                   sync.replicated(optax.sgd(1.0, momentum=0.9), scheme.num_replicas),
+                   optim.scale_by_learning_rate_arg())
+  compressor = _compressor(comp_name)
+  state = executor.init_state(params, model_state, tx, compressor, W, scheme.num_replicas,
+                              jax.random.key(3))
+  arrays = {"x": jax.random.normal(jax.random.key(1), (N, 3)),
+            "y": jax.random.normal(jax.random.key(2), (N, 2))}
+  dense = sum(x.size * 4 for x in jax.tree.leaves(params))
+  stats = sum(x.size * 4 for x in jax.tree.leaves(model_state))
+  return scheme, tx, compressor, state, arrays, loss_fn, dense, stats
+
+
+def _assert_same_state(got, want):
+  """Integer leaves (clocks, staleness, versions, counts, bytes, keys) exactly; floats closely.
+
+  Tolerance: both runners compute the same float32 operations, but ``vmap``
+  batches the jobs' matmuls (grouped convolutions for a CNN), which a backend
+  may sum in another order: a few ulp, ~1e-7 relative, per gradient. 40 pushes
+  of momentum SGD on this small, well-conditioned model keep that far below
+  1e-5 relative. (Measured on the CPU at highest precision: bit-identical.)
+  """
+  flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+  flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
+  assert tree_got == tree_want
+  for (path, g), (_, w) in zip(flat_got, flat_want):
+    if jnp.issubdtype(getattr(g, "dtype", None), jax.dtypes.prng_key):
+      g, w = jax.random.key_data(g), jax.random.key_data(w)
+    g, w = np.asarray(g), np.asarray(w)
+    name = jax.tree_util.keystr(path)
+    assert g.dtype == w.dtype, name
+    if np.issubdtype(g.dtype, np.floating):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40):
+  scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup(
+      name, comp_name, batch_norm, inter_group)
+  steps = _steps(scheme, max_pushes, comp_name != "none")
+  reference = executor.make_round_runner(executor.make_job_fn(loss_fn, compressor, dense, stats),
+                                         executor.make_round_fn(tx))
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8)
+  with jax.default_matmul_precision("highest"):
+    want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
+    # Two calls, split mid-run: pending jobs are computed at the end of each.
+    half = len(steps) // 2
+    got = runner(jax.tree.map(jnp.copy, state), arrays, steps[:half])
+    got = runner(got, arrays, steps[half:])
+  _assert_same_state(got, want)
+  assert int(got.loss_count) >= max_pushes - W
+  plan = levels.plan_levels(steps)
+  return plan
+
+
+@pytest.mark.parametrize("name,inter_group", [
+    ("bsp", "peer"), ("asp", "peer"), ("ssp", "peer"), ("dssp", "peer"), ("gssp", "peer"),
+    ("gssp", "global"), ("inhad", "peer"), ("dssync", "peer"), ("casp", "peer")])
+def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group):
+  plan = _compare(name, batch_norm=True, inter_group=inter_group)
+  if name != "bsp":   # levels really batch: some level holds several jobs
+    assert max(l.jobs.workers.size for l in plan if l.jobs is not None) > 1
+
+
+@pytest.mark.parametrize("comp_name", ["topk", "dgc", "gdtopk"])
+@pytest.mark.parametrize("name", ["asp", "gssp"])
+def test_level_runner_equals_round_runner_compressed(name, comp_name):
+  _compare(name, comp_name)
+
+
+def _jobs(workers, first_iter=0):
+  workers = np.asarray(workers, np.int32)
+  return executor.Jobs(workers=workers, idx=np.zeros([workers.size, 1], np.int32),
+                       iters=np.full([workers.size], first_iter, np.int32),
+                       ratios=np.ones([workers.size], np.float32),
+                       flushes=np.zeros([workers.size], bool))
+
+
+def _args(arrived=(), pulls=(), tag=0):
+  a = np.zeros([3], bool)
+  a[list(arrived)] = True
+  p = np.zeros([3], bool)
+  p[list(pulls)] = True
+  return {"arrived": a, "pulls": p, "tag": tag}
+
+
+def test_plan_levels_on_hand_made_steps():
+  S = executor.Step
+  steps = [
+      S(None, _jobs([0, 1, 2])),                 # level 0's jobs
+      S(_args([0], [0], tag=1), _jobs([0])),     # 0 arrives (computed in level 0), pulls: new job
+      S(_args([1], [1], tag=2), _jobs([1])),     # 1 likewise
+      S(_args([0], [0], tag=3), _jobs([0])),     # 0's new job not computed yet: cut before
+      S(_args([2], [], tag=4), None),            # 2 (level 0's job) arrives: no cut
+      S(_args([], [0], tag=5), _jobs([0])),      # 0 pulls again before its job ran: cut
+      S(_args([], [], tag=6), _jobs([2])),
+      S(None, _jobs([2])),                       # a second job for 2 before its first ran: cut
+  ]
+  plan = levels.plan_levels(steps)
+  got = [(None if l.jobs is None else l.jobs.workers.tolist(), [r["tag"] for r in l.rounds])
+         for l in plan]
+  assert got == [([0, 1, 2], [1, 2]),   # all first jobs, then rounds 1-2
+                 ([0, 1], [3, 4]),      # the jobs dispatched in rounds 1-2
+                 ([0], [5, 6]),         # round 3's job, then from the cut at round 5
+                 ([0, 2], []),          # round 5's and round 6's jobs, cut by the second job of 2
+                 ([2], [])]             # pending at the end: computed before run returns
+  with pytest.raises(ValueError, match="distinct workers"):
+    levels.plan_levels([S(None, _jobs([1, 1]))])
+
+
+def test_plan_levels_rounds_only_and_empty():
+  assert levels.plan_levels([]) == []
+  plan = levels.plan_levels([executor.Step(_args([], [], tag=t), None) for t in range(3)])
+  assert [(l.jobs, [r["tag"] for r in l.rounds]) for l in plan] == [(None, [0, 1, 2])]
+
+
+def test_make_level_runner_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="max_rounds=48"):
+    levels.make_level_runner(None, None, None, 1, 0, 4, max_rounds=48)
+  with pytest.raises(ValueError, match="num_workers=0"):
+    levels.make_level_runner(None, None, None, 1, 0, 0)
+
+
+def test_compilations_bounded_by_shape_buckets():
+  """Two step lists of different lengths trace no more than the padded shape buckets."""
+  scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup("asp")
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=4)
+  job_buckets, round_buckets = set(), set()
+  for pushes, seed in ((24, 0), (37, 1)):
+    steps = _steps(scheme, pushes, False, seed)
+    for level in levels.plan_levels(steps):
+      if level.jobs is not None:
+        job_buckets.add(levels._bucket(level.jobs.workers.size, W))
+      for start in range(0, len(level.rounds), 4):
+        round_buckets.add(levels._bucket(len(level.rounds[start:start + 4]), 4))
+    state = runner(state, arrays, steps)
+  assert runner.traces["jobs"] == len(job_buckets) <= 3      # 1, 2, 4 jobs
+  assert runner.traces["rounds"] == len(round_buckets) <= 3  # 1, 2, 4 rounds
+  before = dict(runner.traces)
+  runner(state, arrays, _steps(scheme, 30, False, 2))
+  assert runner.traces["jobs"] <= 3 and runner.traces["rounds"] <= 3
+  assert runner.traces["jobs"] >= before["jobs"]
