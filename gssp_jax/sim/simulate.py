@@ -157,7 +157,7 @@ class Simulation:
     """The links, the timeline engine, the staleness accounting, the host counters, checkpoints."""
     config, W, scheme = self.config, self.W, self.scheme
     self._sent_job = np.full([W], -1, np.int64)
-    self._sent_bytes = np.zeros([W], np.int64)
+    self._sent_counts = np.zeros([W], np.int64)   # DGC: job_bytes as last read
     self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes)
     self.engine = engine = sync.TimelineEngine(
@@ -393,11 +393,11 @@ class Simulation:
     """
     if self._sent_job[w] != k:
       self._flush()
-      self._sent_bytes[:] = np.asarray(jax.device_get(self.state.job_bytes), np.int64)
+      self._sent_counts[:] = np.asarray(jax.device_get(self.state.job_bytes), np.int64)
       self._sent_job[:] = self.host["jobs"] - 1
       if self._sent_job[w] != k:
         raise RuntimeError(f"push ({w}, {k}) timed before its job was dispatched")
-    return int(self._sent_bytes[w])
+    return int(self._sent_counts[w])
 
   def _push_payload(self, w: int, k: int) -> int:
     """Bytes of push ``(w, k)``, equal to what its job adds to ``bytes_pushed``."""
