@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Collection
 
 from absl import logging
 import ml_collections
@@ -28,16 +28,25 @@ make_compressor = run_lib.make_compressor
 prepare_run = run_lib.prepare_run
 
 
-def build_run(config: ml_collections.ConfigDict, workdir: str) -> executors_lib.Executor:
-  """Validates ``config``, checks the workdir, builds the task and the executor the config picks."""
-  config_lib.validate_config(config)
+def build_run(config: ml_collections.ConfigDict, workdir: str, *,
+              allow_unread: Collection[str] = ()) -> executors_lib.Executor:
+  """Validates ``config``, checks the workdir, builds the task and the executor the config picks.
+
+  ``allow_unread``: see ``config.validate_config`` (a sweep's base-config keys).
+  """
+  config_lib.validate_config(config, allow_unread=allow_unread)
   task = run_lib.prepare_run(config, workdir)
   return executors_lib.make_executor(config, task, workdir)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary."""
-  executor = build_run(config, workdir)
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       allow_unread: Collection[str] = ()) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
+
+  ``allow_unread``: sync keys a sweep's base config sets for its other trials
+  (``config.validate_config``); empty for a single run.
+  """
+  executor = build_run(config, workdir, allow_unread=allow_unread)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   position = executor.restore()
   history = workdir_lib.restart_metrics(metrics_path, position, key=executor.position_key)
