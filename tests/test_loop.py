@@ -1,4 +1,4 @@
-"""The one training loop: the executor the config picks, BSP on a described cluster, no key ignored."""
+"""The one training loop: the executor the config picks, BSP on a cluster, no key ignored."""
 
 import json
 import subprocess

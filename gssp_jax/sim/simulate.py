@@ -413,7 +413,7 @@ class Simulation:
     return self._wall_base + time.perf_counter() - self._session_start
 
   def _traffic(self) -> dict[str, int]:
-    """Bytes so far; the totals are sums of the per-worker counts (pushes counted at evaluations)."""
+    """Bytes so far; totals are sums of the per-worker counts (pushes counted at evaluations)."""
     host = self.host
     return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + host["node_push_bytes"],
             "bytes_pulled": int(host["pulls_per_worker"].sum()) * self.pull_bytes,

@@ -80,9 +80,6 @@ class Executor(Protocol):
     """The summary's executor-specific keys: time to target, totals, scheme, cluster."""
 
 
-EXECUTORS = ("auto", "fused", "rounds")
-
-
 def executor_name(config: ml_collections.ConfigDict) -> str:
   """The executor ``config.executor`` names; ``auto``: fused for BSP without a cluster."""
   name = config.get("executor", "auto")
@@ -92,7 +89,11 @@ def executor_name(config: ml_collections.ConfigDict) -> str:
 
 
 def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
-  """Builds the executor the config picks (validated by ``config.validate_config``)."""
+  """Builds the executor the config picks (``config.EXECUTORS``, checked by ``validate_config``).
+
+  The one place an executor name becomes an executor; the simulator's variants
+  differ only in the ``run_steps`` factory they hand it.
+  """
   name = executor_name(config)
   logging.info("executor: %s (config.executor=%r, sync.scheme=%r, cluster.profile=%r)", name,
                config.get("executor", "auto"), config.sync.scheme, config.cluster.profile)
