@@ -7,6 +7,8 @@ compiled, and names the offending key, its value and what is allowed.
 
 from __future__ import annotations
 
+from typing import Collection
+
 import ml_collections
 
 # Model -> datasets it can train on.
@@ -24,6 +26,8 @@ COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
+# auto: fused for BSP without a cluster, rounds otherwise (train/executors.py).
+EXECUTORS = ("auto", "fused", "rounds")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -45,6 +49,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.max_len = 0     # translation: truncate sentences to this many tokens (0 = no limit)
   c.data.eval_batch_size = 500
   c.seed = 0
+  # What advances the run: auto | fused (BSP, no cluster: one jitted chunk of updates, no
+  # virtual time) | rounds (the simulated cluster, one device call per round; any scheme).
+  c.executor = "auto"
   c.num_workers = 4
   c.batch_size = 32      # per worker
 
@@ -77,8 +84,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.sync.casp.max_communities = 4     # the agent picks k in 1..max_communities
   c.sync.casp.reconfigure_every = 64  # community pushes between the agent's decisions
   c.sync.casp.traffic_penalty = 0.01  # reward = progress/time - penalty * pushes/time
-  # The simulated cluster (gssp_jax.sim). profile 'none': BSP trains in the plain loop (no
-  # virtual time); any other scheme runs in the simulator on a homogeneous cluster.
+  # The simulated cluster (gssp_jax.sim). profile 'none' with every other cluster key at its
+  # default: BSP trains in the fused loop (no virtual time), any other scheme in the simulator
+  # on a homogeneous cluster. Setting any timing key (speeds, base_time, jitter, bandwidth, ...)
+  # simulates BSP too; a key the profile does not read (tiers, sigma, trace_file) is an error.
   c.cluster = ml_collections.ConfigDict()
   c.cluster.profile = "none"          # none | homogeneous | tiers | lognormal | trace
   c.cluster.speeds = ()               # per-worker slowdown factors (1 = base, 2 = twice as slow)
@@ -169,8 +178,16 @@ def _non_negative(config, key: str) -> None:
     _fail(key, value, "a number >= 0")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first invalid key; runs before any compilation."""
+def validate_config(config: ml_collections.ConfigDict, *,
+                    allow_unread: Collection[str] = ()) -> None:
+  """Raises ValueError naming the first invalid key; runs before any compilation.
+
+  Args:
+    config: the run's config.
+    allow_unread: dotted ``sync.*`` keys that may differ from their default
+      although the scheme does not read them: what a sweep's base config sets
+      for its other trials (``sweep.expand``). Their range checks still run.
+  """
   _choice(config, "model", tuple(MODEL_DATASETS))
   _choice(config, "dataset", DATASETS)
   if config.dataset not in MODEL_DATASETS[config.model]:
@@ -213,12 +230,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.data.train_size and config.data.train_size < config.num_workers:
     _fail("data.train_size", config.data.train_size,
           f"0 (all) or at least num_workers={config.num_workers}")
-  validate_sync(config)
+  validate_sync(config, allow_unread=allow_unread)
   from gssp_jax.sim import cluster  # pylint: disable=g-import-not-at-top
   cluster.cluster_from_config(config, base_time=1.0 if config.cluster.calibrate else None)
+  validate_executor(config)
 
 
-def validate_sync(config: ml_collections.ConfigDict) -> None:
+def validate_sync(config: ml_collections.ConfigDict, *,
+                  allow_unread: Collection[str] = ()) -> None:
   """Builds the scheme named by ``config.sync`` (host-only, no compilation) to check it.
 
   Raises:
@@ -230,15 +249,139 @@ def validate_sync(config: ml_collections.ConfigDict) -> None:
           "per GSSP group); use topk or dgc otherwise")
   if config.sync.regroup_every_epoch and config.sync.scheme != "gssp":
     _fail("sync.regroup_every_epoch", True, "True only with sync.scheme='gssp' (False otherwise)")
+  check_unread_sync_keys(config, allow_unread)
   try:
     sync.scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
 
 
+def _int_at_least(minimum: int):
+  def check(key, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+      _fail(key, value, f"an integer >= {minimum}")
+  return check
+
+
+def _one_of(*allowed):
+  def check(key, value):
+    if value not in allowed:
+      _fail(key, value, ", ".join(allowed))
+  return check
+
+
+def _check_staleness_range(key, value):
+  ok = (isinstance(value, (tuple, list)) and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        and value[0] <= value[1])
+  if not ok:
+    _fail(key, value, "a pair (s_L, s_U) of ints with 0 <= s_L <= s_U")
+
+
+def _check_bool(key, value):
+  if not isinstance(value, bool):
+    _fail(key, value, "True or False")
+
+
+def _check_non_negative(key, value):
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    _fail(key, value, "a number >= 0")
+
+
+# The range/type check of every sync key, run under every scheme: a scheme's builder checks
+# the keys it reads (with their relations, e.g. num_groups dividing num_workers); these check
+# the others, which must still hold a value that could apply.
+_SYNC_CHECKS = {
+    "staleness": _int_at_least(0),
+    "staleness_range": _check_staleness_range,
+    "num_groups": _int_at_least(1),
+    "grouping": _one_of("speed", "kmeans", "round_robin", "contiguous"),
+    "regroup_every_epoch": _check_bool,
+    "inter_group": _one_of("peer", "global"),
+    "forward_every": _int_at_least(0),
+    "num_nodes": _int_at_least(1),
+    "inhad_threshold": _int_at_least(0),
+    "group_size": _int_at_least(1),
+    "casp.max_communities": _int_at_least(1),
+    "casp.reconfigure_every": _int_at_least(1),
+    "casp.traffic_penalty": _check_non_negative,
+}
+
+
+def _plain(value):
+  """A config value comparable with its default (tuples and lists alike)."""
+  return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
+def check_unread_sync_keys(config: ml_collections.ConfigDict,
+                           allow_unread: Collection[str] = ()) -> None:
+  """Range-checks the sync keys the scheme does not read and rejects any changed from its default.
+
+  Registered schemes (``sync.register_scheme``) may read any key, so only the
+  range checks run for them; keys in ``allow_unread`` are only range-checked.
+
+  Raises:
+    ValueError: one line naming the key, its value, and why it cannot apply.
+  """
+  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top (light config import)
+  scheme = config.sync.scheme
+  reads = registry.SYNC_KEYS.get(scheme)
+  defaults = default_config().sync
+  for key, check in _SYNC_CHECKS.items():
+    try:
+      value = _get(config.sync, key)
+    except (KeyError, AttributeError):
+      continue   # an older config without the key: its default applies
+    if reads is not None and key in reads:
+      continue   # the scheme's builder checks it
+    check(f"sync.{key}", value)
+    if (reads is not None and f"sync.{key}" not in allow_unread
+        and _plain(value) != _plain(_get(defaults, key))):
+      readers = [name for name, keys in registry.SYNC_KEYS.items() if key in keys]
+      raise ValueError(
+          f"config.sync.{key}={value!r} cannot apply: sync.scheme={scheme!r} does not read it"
+          f" (read only by {', '.join(readers)}); leave it at its default {_get(defaults, key)!r}")
+
+
+def cluster_is_set(config: ml_collections.ConfigDict) -> bool:
+  """True when ``config.cluster`` describes a cluster: a profile, or any key off its default."""
+  if config.cluster.profile != "none":
+    return True
+  defaults = default_config().cluster
+  return any(_plain(config.cluster[key]) != _plain(defaults[key])
+             for key in defaults if key in config.cluster)
+
+
+def changed_sync_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The dotted ``sync.*`` keys (but ``scheme``) whose value differs from the default."""
+  defaults = default_config().sync
+  changed = []
+  for key in _SYNC_CHECKS:
+    try:
+      value = _get(config.sync, key)
+    except (KeyError, AttributeError):
+      continue
+    if _plain(value) != _plain(_get(defaults, key)):
+      changed.append(f"sync.{key}")
+  return tuple(changed)
+
+
 def uses_simulator(config: ml_collections.ConfigDict) -> bool:
-  """BSP without a cluster profile trains in the plain loop; everything else is simulated."""
-  return config.sync.scheme != "bsp" or config.cluster.profile != "none"
+  """BSP without a cluster description trains in the fused loop; everything else is simulated."""
+  return config.sync.scheme != "bsp" or cluster_is_set(config)
+
+
+def validate_executor(config: ml_collections.ConfigDict) -> None:
+  """``config.executor`` is known and can run this config (fused: BSP without a cluster)."""
+  name = config.get("executor", "auto")
+  if name not in EXECUTORS:
+    _fail("executor", name, ", ".join(EXECUTORS))
+  if name == "fused" and uses_simulator(config):
+    why = (f"sync.scheme={config.sync.scheme!r}" if config.sync.scheme != "bsp"
+           else "config.cluster describes a cluster")
+    raise ValueError(f"config.executor='fused' cannot apply: {why}, and the fused executor"
+                     " trains only BSP without a cluster (no virtual time); use 'rounds' or"
+                     " 'auto'")
 
 
 def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:

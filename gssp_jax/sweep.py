@@ -107,6 +107,8 @@ class Trial:
   overrides: dict
   config: ml_collections.ConfigDict
   tuned: tuple[str, ...] = ()   # the overrides' keys that are tuned, not compared
+  # Sync keys the base config sets for other trials' schemes (config.validate_config).
+  allow_unread: tuple[str, ...] = ()
 
 
 def trial_name(overrides: dict) -> str:
@@ -162,6 +164,7 @@ def expand(path: str) -> list[Trial]:
   if not grid:
     raise ValueError(f"sweep file {path}: get_sweep() returned an empty grid; allowed: at least "
                      "one trial")
+  allow_unread = _base_sync_keys(module, arg, grid)
   trials, names = [], set()
   for overrides in grid:
     config = _call(module.get_config, arg)
@@ -173,7 +176,7 @@ def expand(path: str) -> list[Trial]:
       except TypeError as e:
         raise ValueError(f"sweep file {path}: {key}={value!r} has the wrong type: {e}") from None
     try:
-      config_lib.validate_config(config)
+      config_lib.validate_config(config, allow_unread=allow_unread)
     except ValueError as e:
       raise ValueError(f"sweep file {path}, trial {overrides}: {e}") from None
     name = trial_name(overrides)
@@ -181,8 +184,23 @@ def expand(path: str) -> list[Trial]:
       raise ValueError(f"sweep file {path}: trial {overrides} appears twice")
     names.add(name)
     trials.append(Trial(name, dict(overrides), config,
-                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides)))
+                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides),
+                        allow_unread))
   return trials
+
+
+def _base_sync_keys(module, arg, grid) -> tuple[str, ...]:
+  """The sync keys the base config sets that some trial's scheme reads.
+
+  A sweep over schemes shares one base config, so it may set a key for some
+  trials (``sync.group_size`` for DS-Sync) that others do not read; moving it
+  into the grid would rename the trials. Keys no trial reads stay errors.
+  """
+  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
+  base = _call(module.get_config, arg)
+  schemes = {overrides.get("sync.scheme", base.sync.scheme) for overrides in grid}
+  read = {f"sync.{k}" for s in schemes for k in registry.SYNC_KEYS.get(s, ())}
+  return tuple(k for k in config_lib.changed_sync_keys(base) if k in read)
 
 
 def trial_status(trial_dir: str) -> str | None:
@@ -223,7 +241,7 @@ def run_trial(trial: Trial, workdir: str) -> str:
   # The trial's log goes to its workdir as well as to the console.
   with cli.log_to_file(os.path.join(trial_dir, "log.txt")):
     try:
-      summary = loop.train_and_evaluate(trial.config, trial_dir)
+      summary = loop.train_and_evaluate(trial.config, trial_dir, allow_unread=trial.allow_unread)
       status, error = summary["status"], None
     except KeyboardInterrupt:
       _record(trial_dir, trial, "interrupted", None, attempts)

@@ -96,18 +96,18 @@ def test_bad_collapse_arguments_name_the_value(kwargs, match):
 def test_the_loop_summary_records_collapsed_instead_of_done():
   config = mnist_lenet5.get_config()
   config.optimizer.warmup_epochs = 1.0
-  plan = types.SimpleNamespace(num_workers=4, batch_size=32)
+  executor = types.SimpleNamespace(metric_name="test_accuracy", target=0.98,
+                                   summary_fields=lambda history, reached: {})
   collapsed = _evals(EPOCHS, [0.6] + [0.1135] * 15, [1.0] + [2.30] * 15)
-  summary = loop._summary(config, collapsed, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
+  summary = loop.summarize(config, collapsed, "done", executor)
   assert summary["status"] == "collapsed"
   assert summary["collapse_reason"].startswith("chance:")
   healthy = _evals(EPOCHS, [0.9 + 0.005 * i for i in range(16)],
                    [0.5 - 0.02 * i for i in range(16)])
-  summary = loop._summary(config, healthy, "done", "test_accuracy", 0.98, 1.0, 100, plan, {})
+  summary = loop.summarize(config, healthy, "done", executor)
   assert summary["status"] == "done" and summary["collapse_reason"] is None
   # Only a run that finished is judged: an interrupted one stays interrupted.
-  summary = loop._summary(config, collapsed, "interrupted", "test_accuracy", 0.98, 1.0, 10, plan,
-                          {})
+  summary = loop.summarize(config, collapsed, "interrupted", executor)
   assert summary["status"] == "interrupted"
 
 

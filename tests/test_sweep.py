@@ -337,6 +337,7 @@ def _edited_sweep_file(path, epochs: float, learning_rate: float = 0.05):
       from gssp_jax.sweep import sweep
       def get_config():
         c = tiny.get_config()
+        c.sync.num_groups = 4   # tiny's GSSP setting, unread by this BSP-only sweep: the default
         c.train.num_epochs = {epochs}
         c.optimizer.learning_rate = {learning_rate}
         return c

@@ -56,6 +56,7 @@ def get_config(arg=None):
   if arg not in (None, "tune"):
     raise ValueError(f"sweep arg {arg!r} is invalid; allowed: none or 'tune'")
   c = mnist_lenet5_hetero.get_config()
+  c.sync.group_size = 4   # DS-Sync's groups (the other schemes' trials leave it unread)
   c.optimizer.warmup_epochs = 1.0
   c.train.eval_every = 0.25
   return c

@@ -185,6 +185,33 @@ def check_trace_keys(cfg) -> None:
                        f" the trace gives every iteration's time; leave it at {default!r}")
 
 
+# Keys only one profile reads (and, for tiers and sigma, only while cluster.speeds is empty).
+PROFILE_KEYS = {"tiers": "tiers", "sigma": "lognormal", "trace_file": "trace"}
+
+
+def check_profile_keys(cfg) -> None:
+  """Rejects a key changed from its default that ``cfg.profile`` does not read.
+
+  ``tiers`` is read only by ``profile='tiers'``, ``sigma`` only by
+  ``'lognormal'``, ``trace_file`` only by ``'trace'``; non-empty ``speeds``
+  replace the tiers' and log-normal factors, so those keys cannot apply beside them.
+  """
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (no cycle)
+  defaults = config_lib.default_config().cluster
+  for key, profile in PROFILE_KEYS.items():
+    value, default = cfg[key], defaults[key]
+    if (tuple(value) if isinstance(value, (tuple, list)) else value) == default:
+      continue
+    if cfg.profile != profile:
+      raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile="
+                       f"{cfg.profile!r}: only profile {profile!r} reads it; set cluster.profile="
+                       f"{profile!r} or leave it at {default!r}")
+    if key != "trace_file" and len(cfg.speeds):
+      raise ValueError(f"config.cluster.{key}={value!r} cannot apply beside cluster.speeds="
+                       f"{tuple(cfg.speeds)!r}, which replace the profile's factors; set one of"
+                       " them")
+
+
 def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   """Builds and validates ``config.cluster`` (``base_time`` overrides, e.g. from calibration)."""
   cfg = config.cluster
@@ -192,6 +219,7 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
     _fail("profile", cfg.profile, ", ".join(PROFILES))
   if cfg.profile == "trace":
     check_trace_keys(cfg)
+  check_profile_keys(cfg)
   W = config.num_workers
   speeds = cluster_speeds(cfg, W, config.seed)
   bandwidth = np.asarray(cfg.bandwidth if np.ndim(cfg.bandwidth) == 0 or len(cfg.bandwidth)

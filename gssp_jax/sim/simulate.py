@@ -1,8 +1,10 @@
-"""``simulate_and_evaluate(config, workdir)``: any scheme on a simulated heterogeneous cluster.
+"""``Simulation``: the executor that trains any scheme on a simulated heterogeneous cluster.
 
-The host runs the scheme's protocol over the cluster model event by event
-(``sync.TimelineEngine``); every round it produces is applied on the device at
-once (``executor.make_round_fn``) and every worker that pulls gets its next
+``train/loop.py`` drives it (``config.executor`` ``rounds``, or ``auto`` for
+anything but BSP without a cluster). The host runs the scheme's protocol over
+the cluster model event by event (``sync.TimelineEngine``); every round it
+produces becomes a device step (``executor.make_round_fn``), buffered and run
+in order before anything reads the device state, and every worker that pulls gets its next
 gradient computed on the weights it pulled (``executor.make_job_fn``). Virtual
 time is the engine's clock; nothing about it depends on wall time, so the same
 config and seed give the same metrics bit for bit (but ``wall_time``), and a
@@ -12,11 +14,10 @@ exactly as an uninterrupted one.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import time
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -32,10 +33,9 @@ from gssp_jax.sim import executor
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import health
-from gssp_jax.train import loop as loop_lib
 from gssp_jax.train import optim
+from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
-from gssp_jax.train import tasks
 from gssp_jax.train import workdir as workdir_lib
 
 
@@ -82,285 +82,343 @@ def _calibrate(job_fn, state, arrays, batch_size) -> float:
   return best
 
 
-def simulate_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains ``config`` on the simulated cluster in ``workdir`` (resuming if possible)."""
-  task = loop_lib.prepare_run(config, workdir)
+# Rounds buffered before the device runs them; a flush also happens before anything reads the
+# device state (an evaluation, a checkpoint, DGC's byte counts).
+MAX_BUFFERED_ROUNDS = 256
 
-  W, B = config.num_workers, config.batch_size
-  shards = sharding.worker_shards(task.num_train, W, config.seed)
-  spe = shards.shape[1] // B                         # iterations per worker per epoch
-  total_pushes = max(W, round(config.train.num_epochs * spe) * W)
-  eval_pushes = max(1, round(config.train.eval_every * spe)) * W
-  stop = config.train.stop_after_updates
-  end_pushes = min(total_pushes, stop) if stop else total_pushes
 
-  cluster = cluster_lib.cluster_from_config(config)
-  speeds = (cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds)
-  scheme = sync.scheme_from_config(config, worker_times=speeds)
-  R = scheme.num_replicas
-  schedule = optim.learning_rate_schedule(config.optimizer, spe, round(total_pushes / W))
-  tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
-  compressor = loop_lib.make_compressor(_one_worker(config))   # None for "none"
+class Simulation:
+  """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
-  rng = jax.random.PRNGKey(config.seed)
-  init_rng, train_rng = jax.random.split(rng)
-  params, model_state = task.init(init_rng)
-  sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
-  dense_bytes = step_lib.tree_bytes(params)
-  stats_bytes = step_lib.tree_bytes(model_state)
-  pull_bytes = step_lib.tree_bytes(params) + stats_bytes
-  state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
-  job_fn = executor.make_job_fn(task.loss, compressor, dense_bytes, stats_bytes)
-  round_fn = executor.make_round_fn(tx)
-  run_steps = executor.make_round_runner(job_fn, round_fn)
-  arrays = jax.device_put(task.train)
-  ratio_of = _Ratios(config, scheme, speeds, spe)
-  calibrated = None
-  if config.cluster.calibrate:
-    calibrated = _calibrate(job_fn, jax.tree.map(jnp.copy, state), arrays, B)
-    cluster = cluster_lib.cluster_from_config(config, base_time=calibrated)
-    logging.info("calibrated base_time: %.4f s per iteration of %d samples", calibrated, B)
+  An executor of ``train/loop.py`` (see ``train/executors.Executor``). The
+  host runs the protocol over the cluster model; each protocol event becomes an
+  ``executor.Step`` (the round, then the pulled workers' next jobs), buffered
+  and handed to ``run_steps`` in batches. ``run_steps`` comes from
+  ``make_runner(job_fn, round_fn)``, the one place an executor variant plugs
+  in (per-round reference runner, level-batched runner).
+  """
 
-  sent_cache = {"job": np.full([W], -1, np.int64), "bytes": np.zeros([W], np.int64)}
+  position_key = "pushes"
 
-  def sent_bytes(w: int, k: int) -> int:
+  def __init__(self, config: ml_collections.ConfigDict, task, workdir: str, *,
+               make_runner: Callable = executor.make_round_runner):
+    self.config, self.task, self.workdir = config, task, workdir
+    self.metric_name, self.target = run_lib.metric_and_target(config, task)
+    self._plan_pushes()
+    self._build_device(make_runner)
+    self._build_host()
+    self._steps: list[executor.Step] = []
+
+  # -- building the run -----------------------------------------------------------------------
+
+  def _plan_pushes(self) -> None:
+    """Shards, iterations per epoch, and the run's end and evaluation points in pushes."""
+    config = self.config
+    self.W, self.B = W, B = config.num_workers, config.batch_size
+    self.shards = sharding.worker_shards(self.task.num_train, W, config.seed)
+    self.spe = spe = self.shards.shape[1] // B          # iterations per worker per epoch
+    self.total_pushes = max(W, round(config.train.num_epochs * spe) * W)
+    self.eval_pushes = max(1, round(config.train.eval_every * spe)) * W
+    stop = config.train.stop_after_updates
+    self.end_pushes = min(self.total_pushes, stop) if stop else self.total_pushes
+
+  def _build_device(self, make_runner: Callable) -> None:
+    """The scheme, the sync chain, the device state, the jitted job and round functions."""
+    config, task, W, B = self.config, self.task, self.W, self.B
+    self.cluster = cluster_lib.cluster_from_config(config)
+    self.speeds = (self.cluster.trace.mean(0) if self.cluster.trace is not None
+                   else self.cluster.speeds)
+    self.scheme = scheme = sync.scheme_from_config(config, worker_times=self.speeds)
+    R = scheme.num_replicas
+    self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
+                                                 round(self.total_pushes / W))
+    tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
+    compressor = run_lib.make_compressor(_one_worker(config))   # None for "none"
+    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    params, model_state = task.init(init_rng)
+    self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+    self.dense_bytes = step_lib.tree_bytes(params)
+    self.stats_bytes = step_lib.tree_bytes(model_state)
+    self.pull_bytes = self.dense_bytes + self.stats_bytes
+    self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
+    self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes)
+    self.round_fn = executor.make_round_fn(tx)
+    self.run_steps = make_runner(self.job_fn, self.round_fn)
+    self.arrays = jax.device_put(task.train)
+    self.ratio_of = _Ratios(config, scheme, self.speeds, self.spe)
+    self.calibrated = None
+    if config.cluster.calibrate:
+      self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, self.state), self.arrays,
+                                   B)
+      self.cluster = cluster_lib.cluster_from_config(config, base_time=self.calibrated)
+      logging.info("calibrated base_time: %.4f s per iteration of %d samples", self.calibrated, B)
+
+  def _build_host(self) -> None:
+    """The links, the timeline engine, the staleness accounting, the host counters, checkpoints."""
+    config, W, scheme = self.config, self.W, self.scheme
+    self._sent_job = np.full([W], -1, np.int64)
+    self._sent_counts = np.zeros([W], np.int64)   # DGC: job_bytes as last read
+    self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
+                                             self.dense_bytes + self.stats_bytes, self.pull_bytes)
+    self.engine = engine = sync.TimelineEngine(
+        scheme.make_protocol(), self.cluster.compute_time,
+        push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
+        pull_delay=lambda w: links.pull_delay(engine.protocol, w),
+        message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
+        record=False)
+    self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
+                                           aggregating=scheme.name == "inhad")
+    self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server
+    self.host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
+                 "pushed_per_worker": np.zeros([W], np.int64),
+                 "pulls_per_worker": np.zeros([W], np.int64),
+                 "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0, "updates": 0,
+                 "next_eval": self.eval_pushes,
+                 "num_evals": 0, "rounds": 0, "next_epoch_end": W * self.spe,
+                 "groups": [scheme.groups.tolist()]}
+    self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
+                                              config.train.max_checkpoints)
+    self._orders: dict = {}
+    self._session_start, self._session_pushes = time.perf_counter(), 0
+    self._wall_base = 0.0
+
+  def _host_path(self, step: int) -> str:
+    return os.path.join(self.workdir, "checkpoints", f"host_{step}.pkl")
+
+  # -- the executor interface -----------------------------------------------------------------
+
+  def restore(self) -> int:
+    # The newest step whose host state was written too (a crash between the two writes
+    # leaves a device checkpoint without it; the older complete one is used instead).
+    latest = next((step for step in sorted(self.checkpointer.all_steps(), reverse=True)
+                   if os.path.exists(self._host_path(step))), None)
+    if latest is not None:
+      state, _ = self.checkpointer.restore(latest, self.state)
+      self.state = jax.device_put(state)
+      with open(self._host_path(latest), "rb") as f:
+        saved = pickle.load(f)
+      self.engine.load_state_dict(saved["engine"])
+      self.acct.load_state_dict(saved["acct"])
+      self.host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
+      logging.info("resumed from the checkpoint at %d pushes", latest)
+    if "ratio_groups" in self.host:   # resumed after a regrouping
+      self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
+    if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
+      self._steps.append(executor.Step(None, self._next_jobs(np.arange(self.W))))
+    self._session_start, self._session_pushes = time.perf_counter(), self.engine.num_pushes
+    self._wall_base = self.host["wall_time"]
+    return int(self.engine.num_pushes)
+
+  def finished(self) -> bool:
+    return self.engine.num_pushes >= self.end_pushes
+
+  def completed(self) -> bool:
+    return self.engine.num_pushes >= self.total_pushes
+
+  def advance(self) -> bool:
+    engine, host = self.engine, self.host
+    while engine.num_pushes < self.end_pushes:
+      for rnd in engine.step():
+        self._apply_round(rnd)
+      if engine.num_pushes >= host["next_epoch_end"]:
+        host["next_epoch_end"] += self.W * self.spe
+        measured = engine.measured_times()
+        if self.config.sync.regroup_every_epoch and engine.num_pushes < self.end_pushes:
+          self._regroup(measured)
+      if engine.num_pushes >= host["next_eval"] or engine.num_pushes == self.total_pushes:
+        return True
+    return False
+
+  def evaluate(self) -> dict[str, Any]:
+    self._flush()
+    engine, host, W = self.engine, self.host, self.W
+    loss_sum, loss_count, pushed = jax.device_get(
+        (self.state.loss_sum, self.state.loss_count, self.state.push_bytes))
+    if not np.isfinite(loss_sum):
+      raise FloatingPointError(
+          f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
+          f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
+          f"({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
+    if self.links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
+      host["pushed_per_worker"] += np.asarray(pushed, np.int64)
+    self.state = self.state.replace(
+        loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
+        push_bytes=jnp.zeros([W], jnp.int32))
+    params_eval, ms_eval = executor.served_weights(self.state, self.eval_replica)
+    blocked = engine.blocked_time_so_far()
+    results = self.task.evaluate(params_eval, ms_eval)
+    record = {
+        "epoch": engine.num_pushes / (W * self.spe),
+        "pushes": int(engine.num_pushes),
+        "updates": int(host["updates"]),
+        "virtual_time": float(engine.now),
+        "wall_time": self._wall_time(),
+        "train_loss": float(loss_sum) / max(int(loss_count), 1),
+        **results,
+        **self._traffic(),
+        "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
+        "bytes_pulled_per_worker": (host["pulls_per_worker"] * self.pull_bytes).tolist(),
+        "blocked_time": float(blocked.mean()),
+        "blocked_time_per_worker": blocked.tolist(),
+        "staleness": self.acct.summary(),
+        "updates_per_replica": self.acct.version.tolist(),
+    }
+    host["next_eval"] += self.eval_pushes
+    host["num_evals"] += 1
+    return record
+
+  @property
+  def evaluations(self) -> int:
+    return self.host["num_evals"]
+
+  def progress(self, record: dict[str, Any]) -> str:
+    pushes = self.engine.num_pushes
+    elapsed = time.perf_counter() - self._session_start
+    rate = (pushes - self._session_pushes) / max(elapsed, 1e-9)
+    eta = (self.end_pushes - pushes) / max(rate, 1e-9)
+    return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
+            f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
+            f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"
+            f" {record['blocked_time']:.1f} s | staleness mean {record['staleness']['mean']:.2f}"
+            f" | ETA {workdir_lib.format_duration(eta)}")
+
+  def save(self) -> None:
+    self._flush()
+    step, host = self.engine.num_pushes, self.host
+    host["wall_time"] = self._wall_time()
+    self.checkpointer.save(step, self.state, {"pushes": step})
+    self.checkpointer.wait()
+    tmp = self._host_path(step) + ".tmp"
+    with open(tmp, "wb") as f:
+      pickle.dump({"engine": self.engine.state_dict(), "acct": self.acct.state_dict(),
+                   "host": host}, f)
+    os.replace(tmp, self._host_path(step))
+    kept = self.checkpointer.all_steps()   # host states of steps Orbax dropped go too
+    directory = os.path.dirname(self._host_path(step))
+    for name in os.listdir(directory):
+      if name.startswith("host_") and name.endswith(".pkl") and int(name[5:-4]) not in kept:
+        os.remove(os.path.join(directory, name))
+
+  def close(self) -> None:
+    self.checkpointer.close()
+
+  def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
+    engine, host = self.engine, self.host
+    return {
+        **health.time_to_target_fields(history, self.metric_name, self.target),
+        "pushes_to_target": reached["pushes"] if reached else None,
+        "scheme": {**sync.registry.describe(self.scheme), "groups": host["groups"][-1],
+                   "groups_history": host["groups"]},
+        "cluster": {**self.cluster.describe(), "calibrated_base_time": self.calibrated},
+        "totals": {
+            "pushes": int(engine.num_pushes), "updates": int(host["updates"]),
+            "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * self.B,
+            "virtual_time": float(engine.now),
+            "wall_time": self._wall_time(),
+            **self._traffic(),
+            "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
+            "staleness": self.acct.summary(),
+        },
+    }
+
+  # -- the steps of a round -------------------------------------------------------------------
+
+  def _apply_round(self, rnd) -> None:
+    """Host bookkeeping of one round, and its device step (the round, then the pulled jobs)."""
+    engine, host = self.engine, self.host
+    args = sync.round_args(rnd)
+    args["learning_rate"] = np.float32(self.schedule(engine.num_pushes // self.W))
+    self.acct.apply(rnd)
+    host["rounds"] += 1
+    host["updates"] += int(rnd.applies.any())
+    host["server_bytes"] += engine.protocol.server_payloads(rnd) * self.pull_bytes
+    # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
+    self.links.count_round(engine.protocol, rnd, engine.iteration, host)
+    pulled = np.flatnonzero(rnd.pulls)
+    jobs = self._next_jobs(pulled) if pulled.size else None
+    self._steps.append(executor.Step(args, jobs))
+    if len(self._steps) >= MAX_BUFFERED_ROUNDS:
+      self._flush()
+      jax.block_until_ready(self.state.loss_sum)   # keep the dispatch queue short
+
+  def _flush(self) -> None:
+    """Runs the buffered steps on the device, in order (before anything reads its state)."""
+    if self._steps:
+      self.state = self.run_steps(self.state, self.arrays, self._steps)
+      self._steps = []
+
+  def _batch_indices(self, w: int, k: int) -> np.ndarray:
+    epoch, pos = divmod(k, self.spe)
+    orders = self._orders
+    if (w, epoch) not in orders:
+      orders[(w, epoch)] = sharding.worker_order(self.shards, self.config.seed, w, epoch)
+      for key in [key for key in orders if key[0] == w and key[1] < epoch]:
+        del orders[key]
+    return orders[(w, epoch)][pos * self.B:(pos + 1) * self.B]
+
+  def _next_jobs(self, workers: np.ndarray) -> executor.Jobs:
+    """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
+    workers = np.asarray(workers, np.int64)
+    ks = self.host["jobs"][workers].copy()
+    self.host["jobs"][workers] += 1
+    pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
+    return executor.Jobs(
+        workers=workers.astype(np.int32),
+        idx=np.stack([self._batch_indices(w, k) for w, k in pairs]).astype(np.int32),
+        iters=ks.astype(np.int32),
+        ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
+        flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool))
+
+  def _regroup(self, measured: np.ndarray) -> None:
+    """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
+    config, engine = self.config, self.engine
+    groups = sync.make_groups(config.sync.grouping, self.W, config.sync.num_groups, measured)
+    if not np.array_equal(groups, engine.protocol.route):
+      engine.protocol.request_regroup(groups)
+      self.ratio_of.set_groups(groups, measured)
+      self.host["groups"].append(groups.tolist())
+      self.host["ratio_groups"] = (self.ratio_of.groups, getattr(self.ratio_of, "ranks", None))
+      logging.info("regrouping at %d pushes: %s", engine.num_pushes, groups.tolist())
+
+  def _sent_bytes(self, w: int, k: int) -> int:
     """The bytes worker ``w``'s job ``k`` actually pushes, read from the device (DGC only).
 
     DGC's count depends on the gradient (a sampled threshold), so unlike top-k
     and GDTopK it cannot be known from the ratio; a deterministic count would
     no longer be DGC. The engine times push ``(w, k)`` at the start of
     iteration ``k``, after job ``k`` was dispatched at the pull before it, so
-    the worker's ``job_bytes`` slot holds it. One read fetches every worker's
-    slot, so the host waits for the device about once per round with pulls,
-    not once per job.
+    the worker's ``job_bytes`` slot holds it once the buffered steps ran. One
+    read fetches every worker's slot, so the host waits for the device about
+    once per round with pulls, not once per job.
     """
-    if sent_cache["job"][w] != k:
-      sent_cache["bytes"][:] = np.asarray(jax.device_get(state.job_bytes), np.int64)
-      sent_cache["job"][:] = host["jobs"] - 1
-      if sent_cache["job"][w] != k:
+    if self._sent_job[w] != k:
+      self._flush()
+      self._sent_counts[:] = np.asarray(jax.device_get(self.state.job_bytes), np.int64)
+      self._sent_job[:] = self.host["jobs"] - 1
+      if self._sent_job[w] != k:
         raise RuntimeError(f"push ({w}, {k}) timed before its job was dispatched")
-    return int(sent_cache["bytes"][w])
+    return int(self._sent_counts[w])
 
-  def push_payload(w, k):
+  def _push_payload(self, w: int, k: int) -> int:
     """Bytes of push ``(w, k)``, equal to what its job adds to ``bytes_pushed``."""
-    if config.compress.name == "none" or ratio_of.flush(w, k):
-      return dense_bytes + stats_bytes
-    if config.compress.name == "dgc":
-      return sent_bytes(w, k)   # the job's slot already includes stats_bytes
-    return compress.expected_push_bytes(sizes, ratio_of(w, k),
-                                        scope=config.compress.scope) + stats_bytes
+    name = self.config.compress.name
+    if name == "none" or self.ratio_of.flush(w, k):
+      return self.dense_bytes + self.stats_bytes
+    if name == "dgc":
+      return self._sent_bytes(w, k)   # the job's slot already includes stats_bytes
+    return compress.expected_push_bytes(self.sizes, self.ratio_of(w, k),
+                                        scope=self.config.compress.scope) + self.stats_bytes
 
-  links = traffic_lib.Traffic(scheme.name, cluster, push_payload, dense_bytes + stats_bytes,
-                              pull_bytes)
-  engine = sync.TimelineEngine(
-      scheme.make_protocol(), cluster.compute_time,
-      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
-      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
-      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
-      record=False)
-  acct = sync.accounting.Accounting(W, R, aggregating=scheme.name == "inhad")
-  eval_replica = getattr(engine.protocol, "global_replica", None)   # GSSP global: its server
+  def _wall_time(self) -> float:
+    return self._wall_base + time.perf_counter() - self._session_start
 
-  host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
-          "pushed_per_worker": np.zeros([W], np.int64), "pulls_per_worker": np.zeros([W], np.int64),
-          "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0, "updates": 0,
-          "next_eval": eval_pushes,
-          "num_evals": 0, "rounds": 0, "next_epoch_end": W * spe,
-          "groups": [scheme.groups.tolist()]}
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       config.train.max_checkpoints)
-  host_path = lambda step: os.path.join(workdir, "checkpoints", f"host_{step}.pkl")
-  # The newest step whose host state was written too (a crash between the two writes
-  # leaves a device checkpoint without it; the older complete one is used instead).
-  latest = next((step for step in sorted(checkpointer.all_steps(), reverse=True)
-                 if os.path.exists(host_path(step))), None)
-  if latest is not None:
-    state, _ = checkpointer.restore(latest, state)
-    state = jax.device_put(state)
-    with open(host_path(latest), "rb") as f:
-      saved = pickle.load(f)
-    engine.load_state_dict(saved["engine"])
-    acct.load_state_dict(saved["acct"])
-    host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
-    logging.info("resumed from the checkpoint at %d pushes", latest)
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  history = workdir_lib.restart_metrics(metrics_path, engine.num_pushes, key="pushes")
-
-  orders: dict = {}
-
-  def batch_indices(w: int, k: int) -> np.ndarray:
-    epoch, pos = divmod(k, spe)
-    if (w, epoch) not in orders:
-      orders[(w, epoch)] = sharding.worker_order(shards, config.seed, w, epoch)
-      for key in [key for key in orders if key[0] == w and key[1] < epoch]:
-        del orders[key]
-    return orders[(w, epoch)][pos * B:(pos + 1) * B]
-
-  def next_jobs(workers: np.ndarray) -> executor.Jobs:
-    """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
-    workers = np.asarray(workers, np.int64)
-    ks = host["jobs"][workers].copy()
-    host["jobs"][workers] += 1
-    pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
-    return executor.Jobs(
-        workers=workers.astype(np.int32),
-        idx=np.stack([batch_indices(w, k) for w, k in pairs]).astype(np.int32),
-        iters=ks.astype(np.int32),
-        ratios=np.array([ratio_of(w, k) for w, k in pairs], np.float32),
-        flushes=np.array([ratio_of.flush(w, k) for w, k in pairs], bool))
-
-  if engine.num_pushes == 0 and host["jobs"].sum() == 0:
-    state = run_steps(state, arrays, [executor.Step(None, next_jobs(np.arange(W)))])
-
-  def regroup(measured: np.ndarray) -> None:
-    """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
-    groups = sync.make_groups(config.sync.grouping, W, config.sync.num_groups, measured)
-    if not np.array_equal(groups, engine.protocol.route):
-      engine.protocol.request_regroup(groups)
-      ratio_of.set_groups(groups, measured)
-      host["groups"].append(groups.tolist())
-      host["ratio_groups"] = (ratio_of.groups, getattr(ratio_of, "ranks", None))
-      logging.info("regrouping at %d pushes: %s", engine.num_pushes, groups.tolist())
-
-  if "ratio_groups" in host:   # resumed after a regrouping
-    ratio_of.groups, ratio_of.ranks = host["ratio_groups"]
-
-  metric_name = "bleu" if isinstance(task, tasks.TranslationTask) else "test_accuracy"
-  target = config.train.target_bleu if metric_name == "bleu" else config.train.target_accuracy
-  session_start, session_pushes = time.perf_counter(), engine.num_pushes
-  wall_base = host["wall_time"]
-  status = "failed"
-
-  def save(step: int):
-    host["wall_time"] = wall_base + time.perf_counter() - session_start
-    checkpointer.save(step, state, {"pushes": step})
-    checkpointer.wait()
-    tmp = host_path(step) + ".tmp"
-    with open(tmp, "wb") as f:
-      pickle.dump({"engine": engine.state_dict(), "acct": acct.state_dict(), "host": host}, f)
-    os.replace(tmp, host_path(step))
-    kept = checkpointer.all_steps()   # host states of steps Orbax dropped go too
-    directory = os.path.dirname(host_path(step))
-    for name in os.listdir(directory):
-      if name.startswith("host_") and name.endswith(".pkl") and int(name[5:-4]) not in kept:
-        os.remove(os.path.join(directory, name))
-
-  def traffic() -> dict[str, int]:
-    """Bytes so far; the totals are sums of the per-worker counts (pushes counted at evaluations)."""
+  def _traffic(self) -> dict[str, int]:
+    """Bytes so far; totals are sums of the per-worker counts (pushes counted at evaluations)."""
+    host = self.host
     return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + host["node_push_bytes"],
-            "bytes_pulled": int(host["pulls_per_worker"].sum()) * pull_bytes,
+            "bytes_pulled": int(host["pulls_per_worker"].sum()) * self.pull_bytes,
             "bytes_between_servers": host["server_bytes"],
             "bytes_local": host["local_bytes"]}
-
-  def evaluate():
-    nonlocal state
-    loss_sum, loss_count, pushed = jax.device_get((state.loss_sum, state.loss_count,
-                                                   state.push_bytes))
-    if not np.isfinite(loss_sum):
-      raise FloatingPointError(
-          f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
-          f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
-          f"({config.optimizer.learning_rate}) or set optimizer.grad_clip")
-    if links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
-      host["pushed_per_worker"] += np.asarray(pushed, np.int64)
-    state = state.replace(loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
-                          push_bytes=jnp.zeros([W], jnp.int32))
-    params_eval, ms_eval = executor.served_weights(state, eval_replica)
-    blocked = engine.blocked_time_so_far()
-    results = task.evaluate(params_eval, ms_eval)
-    return {
-        "epoch": engine.num_pushes / (W * spe),
-        "pushes": int(engine.num_pushes),
-        "updates": int(host["updates"]),
-        "virtual_time": float(engine.now),
-        "wall_time": wall_base + time.perf_counter() - session_start,
-        "train_loss": float(loss_sum) / max(int(loss_count), 1),
-        **results,
-        **traffic(),
-        "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
-        "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
-        "blocked_time": float(blocked.mean()),
-        "blocked_time_per_worker": blocked.tolist(),
-        "staleness": acct.summary(),
-        "updates_per_replica": acct.version.tolist(),
-    }
-
-  try:
-    while engine.num_pushes < end_pushes:
-      for rnd in engine.step():
-        args = sync.round_args(rnd)
-        args["learning_rate"] = np.float32(schedule(engine.num_pushes // W))
-        acct.apply(rnd)
-        host["rounds"] += 1
-        host["updates"] += int(rnd.applies.any())
-        host["server_bytes"] += engine.protocol.server_payloads(rnd) * pull_bytes
-        # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
-        links.count_round(engine.protocol, rnd, engine.iteration, host)
-        pulled = np.flatnonzero(rnd.pulls)
-        jobs = next_jobs(pulled) if pulled.size else None
-        state = run_steps(state, arrays, [executor.Step(args, jobs)])
-        if host["rounds"] % 64 == 0:
-          jax.block_until_ready(state.loss_sum)   # keep the dispatch queue short
-      if engine.num_pushes >= host["next_epoch_end"]:
-        host["next_epoch_end"] += W * spe
-        measured = engine.measured_times()
-        if config.sync.regroup_every_epoch and engine.num_pushes < end_pushes:
-          regroup(measured)
-      if engine.num_pushes >= host["next_eval"] or engine.num_pushes == total_pushes:
-        record = evaluate()
-        host["next_eval"] += eval_pushes
-        host["num_evals"] += 1
-        with open(metrics_path, "a") as f:
-          f.write(json.dumps(record, sort_keys=True) + "\n")
-        history.append(record)
-        elapsed = time.perf_counter() - session_start
-        rate = (engine.num_pushes - session_pushes) / max(elapsed, 1e-9)
-        eta = (end_pushes - engine.num_pushes) / max(rate, 1e-9)
-        logging.info("%s epoch %.2f | virtual %.1f s | loss %.4f | %s %.4f | "
-                     "blocked %.1f s | staleness mean %.2f | ETA %s", scheme.name,
-                     record["epoch"], record["virtual_time"], record["train_loss"],
-                     metric_name, record[metric_name], record["blocked_time"],
-                     record["staleness"]["mean"], workdir_lib.format_duration(eta))
-        if host["num_evals"] % config.train.checkpoint_every == 0:
-          save(engine.num_pushes)
-    status = "done" if engine.num_pushes >= total_pushes else "stopped"
-    save(engine.num_pushes)
-  except KeyboardInterrupt:
-    status = "interrupted"
-    raise
-  except FloatingPointError:
-    status = "diverged"
-    raise
-  finally:
-    checkpointer.close()
-    reached = next((m for m in history if target and m.get(metric_name, 0) >= target), None)
-    status, collapse = health.judge(status, history, config, metric_name)
-    summary = {
-        "config": json.loads(config.to_json()),
-        "status": status,
-        "collapse_reason": collapse,
-        "final": history[-1] if history else None,
-        "metric": metric_name,
-        "target": target or None,
-        **health.time_to_target_fields(history, metric_name, target),
-        "wall_time_to_target": reached["wall_time"] if reached else None,
-        "pushes_to_target": reached["pushes"] if reached else None,
-        "epochs_to_target": reached["epoch"] if reached else None,
-        "scheme": {**sync.registry.describe(scheme), "groups": host["groups"][-1],
-                   "groups_history": host["groups"]},
-        "cluster": {**cluster.describe(), "calibrated_base_time": calibrated},
-        "totals": {
-            "pushes": int(engine.num_pushes), "updates": int(host["updates"]),
-            "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * B,
-            "virtual_time": float(engine.now),
-            "wall_time": wall_base + time.perf_counter() - session_start,
-            **traffic(),
-            "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
-            "staleness": acct.summary(),
-        },
-    }
-    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
-  return summary
 
 
 def _one_worker(config):

@@ -21,6 +21,19 @@ from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+# The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``); a key changed from
+# its default under a scheme that does not read it is rejected by ``config.validate_config``.
+SYNC_KEYS = {
+    "bsp": (),
+    "asp": (),
+    "ssp": ("staleness",),
+    "dssp": ("staleness_range",),
+    "gssp": ("staleness", "num_groups", "grouping", "regroup_every_epoch", "inter_group",
+             "forward_every"),
+    "inhad": ("num_nodes", "inhad_threshold", "grouping"),
+    "dssync": ("group_size",),
+    "casp": ("casp.max_communities", "casp.reconfigure_every", "casp.traffic_penalty"),
+}
 # Schemes added with register_scheme: name -> builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
 

@@ -14,6 +14,14 @@ import ml_collections
 # Keys that may change between a run and its resumption.
 _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
                    "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
+# Keys added after runs were recorded: a recorded config without one ran as its default does,
+# so it still resumes and a sweep does not count its trials as changed.
+_ADDED_KEYS = {"executor": "auto"}
+
+
+def _recorded(old: dict) -> dict:
+  """A recorded config's flattened keys, with the defaults of keys added since."""
+  return {**_ADDED_KEYS, **flatten(old)}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -30,7 +38,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
   """Refuses to resume a workdir written by a different configuration."""
   with open(path) as f:
-    old = flatten(json.load(f))
+    old = _recorded(json.load(f))
   new = flatten(json.loads(config.to_json()))
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _RESUME_MUTABLE and old.get(k) != new.get(k))
@@ -43,7 +51,7 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
 def config_changes(old: dict, config: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
   """``(key, recorded, new)`` for every flattened key whose value differs between the config a
   run recorded (its ``config.json``) and ``config``; keys that may change on resume left out."""
-  old, new = flatten(old), flatten(json.loads(config.to_json()))
+  old, new = _recorded(old), flatten(json.loads(config.to_json()))
   return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
           if k not in _RESUME_MUTABLE and old.get(k) != new.get(k)]
 

@@ -1,0 +1,273 @@
+"""Executors: what advances a run's state between evaluations; the loop drives any of them.
+
+``train/loop.py`` builds one executor from the config and then only calls the
+methods of :class:`Executor`. Two exist:
+
+* ``fused``: BSP data-parallel training with no cluster, one jitted chunk of
+  updates per call (:class:`FusedBSP`); no virtual time.
+* ``rounds``: any scheme on the simulated cluster, one device call per round
+  and job set (``gssp_jax.sim.simulate.Simulation``).
+
+A real multi-process runtime plugs in as one more class with these methods.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Protocol
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from gssp_jax import config as config_lib
+from gssp_jax.data import sharding
+from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import optim
+from gssp_jax.train import run as run_lib
+from gssp_jax.train import step as step_lib
+from gssp_jax.train import workdir as workdir_lib
+
+
+class Executor(Protocol):
+  """What the loop needs of an executor (host side; state stays inside it).
+
+  Attributes:
+    position_key: the metrics key that orders a run (``updates`` or
+      ``pushes``); resuming keeps the metric lines up to the checkpoint's.
+    metric_name: ``test_accuracy`` or ``bleu``.
+    target: the config's target for it (0 = none).
+  """
+  position_key: str
+  metric_name: str
+  target: float
+
+  def restore(self) -> int:
+    """Loads the latest checkpoint if there is one; returns the position (0 when fresh)."""
+
+  def finished(self) -> bool:
+    """True once the run reached its end (or ``train.stop_after_updates``)."""
+
+  def completed(self) -> bool:
+    """True once the run trained its whole budget (not only up to ``stop_after_updates``)."""
+
+  def advance(self) -> bool:
+    """Trains up to the next evaluation point or the end; True at an evaluation point.
+
+    Raises:
+      FloatingPointError: a non-finite training loss.
+    """
+
+  def evaluate(self) -> dict[str, Any]:
+    """Evaluates at the current position; returns the ``metrics.jsonl`` record."""
+
+  @property
+  def evaluations(self) -> int:
+    """Evaluations so far (checkpointed), for ``train.checkpoint_every``."""
+
+  def progress(self, record: dict[str, Any]) -> str:
+    """The progress line logged after ``record``."""
+
+  def save(self) -> None:
+    """Checkpoints everything needed to resume exactly at the current position."""
+
+  def close(self) -> None:
+    """Waits for pending checkpoints and releases them."""
+
+  def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
+    """The summary's executor-specific keys: time to target, totals, scheme, cluster."""
+
+
+def executor_name(config: ml_collections.ConfigDict) -> str:
+  """The executor ``config.executor`` names; ``auto``: fused for BSP without a cluster."""
+  name = config.get("executor", "auto")
+  if name == "auto":
+    return "rounds" if config_lib.uses_simulator(config) else "fused"
+  return name
+
+
+def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
+  """Builds the executor the config picks (``config.EXECUTORS``, checked by ``validate_config``).
+
+  The one place an executor name becomes an executor; the simulator's variants
+  differ only in the ``run_steps`` factory they hand it.
+  """
+  name = executor_name(config)
+  logging.info("executor: %s (config.executor=%r, sync.scheme=%r, cluster.profile=%r)", name,
+               config.get("executor", "auto"), config.sync.scheme, config.cluster.profile)
+  if name == "fused":
+    return FusedBSP(config, task, workdir)
+  from gssp_jax.sim import executor as sim_executor  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
+  return simulate.Simulation(config, task, workdir, make_runner=sim_executor.make_round_runner)
+
+
+class _Plan:
+  """The update schedule: epochs, evaluation points and chunk boundaries, all in updates."""
+
+  def __init__(self, config, num_train: int):
+    self.num_workers = config.num_workers
+    self.batch_size = config.batch_size
+    self.shards = sharding.worker_shards(num_train, config.num_workers, config.seed)
+    self.steps_per_epoch = self.shards.shape[1] // config.batch_size
+    self.total = max(1, round(config.train.num_epochs * self.steps_per_epoch))
+    self.eval_interval = max(1, round(config.train.eval_every * self.steps_per_epoch))
+    self.log_every = config.train.log_every
+    stop = config.train.stop_after_updates
+    self.end = min(self.total, stop) if stop else self.total
+
+  def next_boundary(self, u: int) -> int:
+    epoch_end = (u // self.steps_per_epoch + 1) * self.steps_per_epoch
+    next_eval = (u // self.eval_interval + 1) * self.eval_interval
+    next_log = (u // self.log_every + 1) * self.log_every
+    return min(epoch_end, next_eval, next_log, self.end)
+
+  def is_eval_point(self, u: int) -> bool:
+    return u % self.eval_interval == 0 or u == self.total
+
+
+class FusedBSP:
+  """BSP data-parallel training in one jitted chunk runner: the fast path, no virtual time.
+
+  Every worker computes its gradient on the same weights each update, so the
+  run is ``step.make_bsp_step`` scanned over chunks that end at epoch ends,
+  evaluations and progress lines.
+  """
+
+  position_key = "updates"
+
+  def __init__(self, config: ml_collections.ConfigDict, task, workdir: str):
+    self.config, self.task = config, task
+    self.plan = plan = _Plan(config, task.num_train)
+    tx = optim.make_optimizer(config.optimizer, plan.steps_per_epoch, plan.total)
+    compressor = run_lib.make_compressor(config)
+    self.state = step_lib.init_train_state(task, tx, config.seed, compressor)
+    # Every round each worker pulls the parameters and the BatchNorm statistics.
+    self.pull_payload = (step_lib.tree_bytes(self.state.params)
+                         + step_lib.tree_bytes(self.state.model_state))
+    logging.info("%s on %s: %d params, %d workers x batch %d, %d updates/epoch, %d updates",
+                 config.model, config.dataset,
+                 sum(x.size for x in jax.tree.leaves(self.state.params)),
+                 plan.num_workers, plan.batch_size, plan.steps_per_epoch, plan.total)
+    self.checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                              config.train.max_checkpoints)
+    self.meta = {"wall_time": 0.0, "loss_sum": 0.0, "loss_steps": 0, "num_evals": 0,
+                 "bytes_pushed": 0}
+    self.run_chunk = step_lib.make_chunk_runner(
+        step_lib.make_bsp_step(task.loss, tx, plan.num_workers, compressor), plan.batch_size)
+    self.arrays = jax.device_put(task.train)
+    self.metric_name, self.target = run_lib.metric_and_target(config, task)
+    self.updates = 0
+    self._order_epoch, self._order = -1, None
+    self._session_start, self._session_updates = time.perf_counter(), 0
+    self._wall_base = 0.0
+    self._line = ""
+
+  def restore(self) -> int:
+    latest = self.checkpointer.latest_step()
+    if latest is not None:
+      state, self.meta = self.checkpointer.restore(latest, self.state)
+      self.state = jax.device_put(state)
+      logging.info("resumed from the checkpoint at update %d", latest)
+    self.updates = int(self.state.step)
+    self._session_start, self._wall_base = time.perf_counter(), self.meta["wall_time"]
+    return self.updates
+
+  def finished(self) -> bool:
+    return self.updates >= self.plan.end
+
+  def completed(self) -> bool:
+    return self.updates == self.plan.total
+
+  def advance(self) -> bool:
+    while self.updates < self.plan.end:
+      self._line = self._run_chunk()
+      if self.plan.is_eval_point(self.updates):
+        return True
+      logging.info(self._line)
+    return False
+
+  def _run_chunk(self) -> str:
+    """One jitted chunk up to the next boundary; returns its progress line."""
+    plan, updates = self.plan, self.updates
+    epoch = updates // plan.steps_per_epoch
+    if epoch != self._order_epoch:
+      self._order = jax.device_put(sharding.epoch_order(plan.shards, self.config.seed, epoch))
+      self._order_epoch = epoch
+    n = plan.next_boundary(updates) - updates
+    self.state, metrics = self.run_chunk(self.state, self.arrays, self._order,
+                                         updates - epoch * plan.steps_per_epoch, n)
+    losses = np.asarray(metrics["loss"], np.float64)
+    if not np.all(np.isfinite(losses)):
+      raise FloatingPointError(
+          f"non-finite training loss in updates {updates + 1}..{updates + n} (epoch"
+          f" {epoch}); the run stopped. Lower optimizer.learning_rate"
+          f" ({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
+    self.updates += n
+    self._session_updates += n
+    for value in losses:  # one at a time, so the sum does not depend on chunking
+      self.meta["loss_sum"] += float(value)
+    self.meta["loss_steps"] += n
+    self.meta["bytes_pushed"] += int(np.asarray(metrics["push_bytes"], np.int64).sum())
+    elapsed = time.perf_counter() - self._session_start
+    rate = self._session_updates / max(elapsed, 1e-9)
+    eta = (plan.end - self.updates) / max(rate, 1e-9)
+    return (f"update {self.updates}/{plan.total} (epoch {self.updates / plan.steps_per_epoch:.2f})"
+            f" loss {float(losses.mean()):.4f}"
+            f" | {rate * plan.num_workers * plan.batch_size:.0f} samples/s"
+            f" | ETA {workdir_lib.format_duration(eta)}")
+
+  def _wall_time(self) -> float:
+    return self._wall_base + time.perf_counter() - self._session_start
+
+  def _traffic(self) -> dict[str, int]:
+    """Exact bytes so far: pushes as the workers sent them; every worker pulls every round."""
+    return {"bytes_pushed": self.meta["bytes_pushed"],
+            "bytes_pulled": self.updates * self.plan.num_workers * self.pull_payload}
+
+  def evaluate(self) -> dict[str, Any]:
+    results = self.task.evaluate(self.state.params, self.state.model_state)
+    record = {
+        "epoch": self.updates / self.plan.steps_per_epoch,
+        "updates": self.updates,
+        "virtual_time": None,  # no cluster: the simulator's executors time a cluster
+        "wall_time": self._wall_time(),
+        "train_loss": self.meta["loss_sum"] / self.meta["loss_steps"],
+        **results,
+        **self._traffic(),
+        "blocked_time": None,
+        "staleness": {"mean": 0.0, "max": 0},  # BSP applies only fresh gradients
+    }
+    self.meta["loss_sum"], self.meta["loss_steps"] = 0.0, 0
+    self.meta["num_evals"] += 1
+    return record
+
+  @property
+  def evaluations(self) -> int:
+    return self.meta["num_evals"]
+
+  def progress(self, record: dict[str, Any]) -> str:
+    return f"{self._line} | {self.metric_name} {record[self.metric_name]:.4f}"
+
+  def save(self) -> None:
+    self.meta["wall_time"] = self._wall_time()
+    self.checkpointer.save(self.updates, self.state, self.meta)
+
+  def close(self) -> None:
+    self.checkpointer.close()
+
+  def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
+    del history
+    plan = self.plan
+    return {
+        "time_to_target": None,  # virtual seconds: only a simulated cluster has them
+        "updates_to_target": reached["updates"] if reached else None,
+        "totals": {
+            "updates": self.updates,
+            "samples": self.updates * plan.num_workers * plan.batch_size,
+            "wall_time": self._wall_time(),
+            **self._traffic(),
+        },
+    }
