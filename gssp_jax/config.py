@@ -26,8 +26,9 @@ COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
-# auto: fused for BSP without a cluster, rounds otherwise (train/executors.py).
-EXECUTORS = ("auto", "fused", "rounds")
+# auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
+# CPU and the dependency-level batched runner on an accelerator (train/executors.py).
+EXECUTORS = ("auto", "fused", "rounds", "levels")
 
 
 def default_config() -> ml_collections.ConfigDict:

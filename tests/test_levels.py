@@ -232,3 +232,81 @@ def test_compilations_bounded_by_shape_buckets():
   runner(state, arrays, _steps(scheme, 30, False, 2))
   assert runner.traces["jobs"] <= 3 and runner.traces["rounds"] <= 3
   assert runner.traces["jobs"] >= before["jobs"]
+
+
+# -- the levels executor in the one training loop ---------------------------------------------
+
+
+def _run_config(scheme, compressor, **extra):
+  from configs import mnist_lenet5  # pylint: disable=g-import-not-at-top
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = mnist_lenet5.get_config("smoke")
+  config.data.train_size, config.data.test_size = 512, 200
+  config.num_workers = 4
+  config.sync.scheme = scheme
+  if scheme == "gssp":
+    config.sync.num_groups = 2
+  config.compress.name = compressor
+  config.cluster.profile = "tiers"
+  config.cluster.tiers = (1.0, 2.5)
+  config.cluster.jitter = 0.1
+  config.train.num_epochs, config.train.eval_every = 1.0, 0.5
+  return config_lib.override(config, extra)
+
+
+def _metric_lines(workdir):
+  import json  # pylint: disable=g-import-not-at-top
+  lines = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  for line in lines:
+    line.pop("wall_time")
+  return lines
+
+
+def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import executors  # pylint: disable=g-import-not-at-top
+  ssp = config_lib.override(config_lib.default_config(), {"sync.scheme": "ssp"})
+  assert executors.executor_name(ssp, backend="cpu") == "rounds"
+  assert executors.executor_name(ssp, backend="gpu") == "levels"
+  assert executors.executor_name(ssp, backend="tpu") == "levels"
+  assert executors.executor_name(config_lib.default_config(), backend="gpu") == "fused"
+  forced = config_lib.override(ssp, {"executor": "rounds"})
+  assert executors.executor_name(forced, backend="gpu") == "rounds"
+
+
+@pytest.mark.parametrize("scheme,compressor", [("gssp", "gdtopk"), ("ssp", "dgc")])
+def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, scheme,
+                                                            compressor):
+  # DGC's push times read its sent bytes from the device, which flushes the level buffer at
+  # every read; GDTopK flushes its residual at each worker's epoch end.
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  runs = {}
+  for name in ("rounds", "levels"):
+    config = _run_config(scheme, compressor, executor=name, data_dir=data_dir)
+    runs[name] = loop.train_and_evaluate(config, str(tmp_path / name))
+  want, got = _metric_lines(tmp_path / "rounds"), _metric_lines(tmp_path / "levels")
+  assert len(got) == len(want) == 2
+  for a, b in zip(got, want):
+    # The host's timeline and accounting do not depend on the runner: exact.
+    for key in ("pushes", "updates", "virtual_time", "staleness", "blocked_time_per_worker",
+                "bytes_pulled", "bytes_between_servers", "updates_per_replica"):
+      assert a[key] == b[key], key
+    if compressor != "dgc":   # DGC's counts depend on the gradient's values (float tolerance)
+      assert a["bytes_pushed"] == b["bytes_pushed"]
+    # Gradients to float tolerance (vmap reorders the convolutions' sums, ~1e-7 relative).
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+    assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=0.01)
+  assert runs["levels"]["status"] == runs["rounds"]["status"] == "done"
+
+
+def test_levels_executor_resumes_exactly(tmp_path, data_dir):
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  config = _run_config("gssp", "none", executor="levels", data_dir=data_dir)
+  loop.train_and_evaluate(config, str(tmp_path / "whole"))
+  config.train.stop_after_updates = 11   # 16 pushes in all, evaluations every 8
+  first = loop.train_and_evaluate(config, str(tmp_path / "split"))
+  assert first["status"] == "stopped" and first["totals"]["pushes"] == 11
+  config.train.stop_after_updates = 0
+  summary = loop.train_and_evaluate(config, str(tmp_path / "split"))
+  assert summary["status"] == "done"
+  assert _metric_lines(tmp_path / "split") == _metric_lines(tmp_path / "whole")

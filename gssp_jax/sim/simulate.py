@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import logging
 import jax
@@ -30,6 +30,7 @@ from gssp_jax import sync
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
+from gssp_jax.sim import levels
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import health
@@ -37,6 +38,9 @@ from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import workdir as workdir_lib
+
+
+RUNNERS = ("rounds", "levels")   # the simulator's device runners (config.executor values)
 
 
 class _Ratios:
@@ -93,19 +97,21 @@ class Simulation:
   An executor of ``train/loop.py`` (see ``train/executors.Executor``). The
   host runs the protocol over the cluster model; each protocol event becomes an
   ``executor.Step`` (the round, then the pulled workers' next jobs), buffered
-  and handed to ``run_steps`` in batches. ``run_steps`` comes from
-  ``make_runner(job_fn, round_fn)``, the one place an executor variant plugs
-  in (per-round reference runner, level-batched runner).
+  and handed to ``run_steps`` in batches. ``run_steps`` is the per-round
+  reference runner (``runner='rounds'``) or the dependency-level batched one
+  (``runner='levels'``, ``sim/levels.py``); both give the same state.
   """
 
   position_key = "pushes"
 
   def __init__(self, config: ml_collections.ConfigDict, task, workdir: str, *,
-               make_runner: Callable = executor.make_round_runner):
+               runner: str = "rounds"):
+    if runner not in RUNNERS:
+      raise ValueError(f"runner={runner!r} is invalid; allowed: {', '.join(RUNNERS)}")
     self.config, self.task, self.workdir = config, task, workdir
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
-    self._build_device(make_runner)
+    self._build_device(runner)
     self._build_host()
     self._steps: list[executor.Step] = []
 
@@ -122,7 +128,7 @@ class Simulation:
     stop = config.train.stop_after_updates
     self.end_pushes = min(self.total_pushes, stop) if stop else self.total_pushes
 
-  def _build_device(self, make_runner: Callable) -> None:
+  def _build_device(self, runner: str) -> None:
     """The scheme, the sync chain, the device state, the jitted job and round functions."""
     config, task, W, B = self.config, self.task, self.W, self.B
     self.cluster = cluster_lib.cluster_from_config(config)
@@ -143,7 +149,11 @@ class Simulation:
     self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
     self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes)
     self.round_fn = executor.make_round_fn(tx)
-    self.run_steps = make_runner(self.job_fn, self.round_fn)
+    if runner == "levels":
+      self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
+                                                self.stats_bytes, W)
+    else:
+      self.run_steps = executor.make_round_runner(self.job_fn, self.round_fn)
     self.arrays = jax.device_put(task.train)
     self.ratio_of = _Ratios(config, scheme, self.speeds, self.spe)
     self.calibrated = None
@@ -200,6 +210,7 @@ class Simulation:
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
+      self._steps = list(saved.get("steps", []))   # steps not run on the device yet
       logging.info("resumed from the checkpoint at %d pushes", latest)
     if "ratio_groups" in self.host:   # resumed after a regrouping
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
@@ -283,7 +294,10 @@ class Simulation:
             f" | ETA {workdir_lib.format_duration(eta)}")
 
   def save(self) -> None:
-    self._flush()
+    # The buffered steps are saved with the host state, not run: a run's flush points
+    # (evaluations, DGC's reads, the buffer's cap) then do not depend on where a session
+    # stopped, so the levels runner, whose float sums depend on how jobs are grouped,
+    # resumes bit for bit too.
     step, host = self.engine.num_pushes, self.host
     host["wall_time"] = self._wall_time()
     self.checkpointer.save(step, self.state, {"pushes": step})
@@ -291,7 +305,7 @@ class Simulation:
     tmp = self._host_path(step) + ".tmp"
     with open(tmp, "wb") as f:
       pickle.dump({"engine": self.engine.state_dict(), "acct": self.acct.state_dict(),
-                   "host": host}, f)
+                   "host": host, "steps": self._steps}, f)
     os.replace(tmp, self._host_path(step))
     kept = self.checkpointer.all_steps()   # host states of steps Orbax dropped go too
     directory = os.path.dirname(self._host_path(step))

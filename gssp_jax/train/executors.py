@@ -80,12 +80,26 @@ class Executor(Protocol):
     """The summary's executor-specific keys: time to target, totals, scheme, cluster."""
 
 
-def executor_name(config: ml_collections.ConfigDict) -> str:
-  """The executor ``config.executor`` names; ``auto``: fused for BSP without a cluster."""
+def executor_name(config: ml_collections.ConfigDict, backend: str | None = None) -> str:
+  """The executor ``config.executor`` names.
+
+  ``auto``: ``fused`` for BSP without a cluster; otherwise the simulator with
+  ``rounds`` on a CPU, where per-worker gradients unrolled in one program beat
+  a ``vmap`` over weight copies (grouped convolutions; measured in
+  ``sim/executor.py``), and ``levels`` on an accelerator, where one
+  dispatch per round leaves the device idle (``sim/levels.py``).
+
+  Args:
+    config: the run's config.
+    backend: ``jax.default_backend()`` if None.
+  """
   name = config.get("executor", "auto")
-  if name == "auto":
-    return "rounds" if config_lib.uses_simulator(config) else "fused"
-  return name
+  if name != "auto":
+    return name
+  if not config_lib.uses_simulator(config):
+    return "fused"
+  backend = jax.default_backend() if backend is None else backend
+  return "rounds" if backend == "cpu" else "levels"
 
 
 def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
@@ -99,9 +113,8 @@ def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Exec
                config.get("executor", "auto"), config.sync.scheme, config.cluster.profile)
   if name == "fused":
     return FusedBSP(config, task, workdir)
-  from gssp_jax.sim import executor as sim_executor  # pylint: disable=g-import-not-at-top
   from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
-  return simulate.Simulation(config, task, workdir, make_runner=sim_executor.make_round_runner)
+  return simulate.Simulation(config, task, workdir, runner=name)
 
 
 class _Plan:
