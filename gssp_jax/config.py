@@ -309,9 +309,23 @@ _SYNC_CHECKS = {
 }
 
 
-def _plain(value):
+def comparable(value):
   """A config value comparable with its default (tuples and lists alike)."""
   return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
+def _sync_values(config: ml_collections.ConfigDict):
+  """``(key, value, default)`` of every sync key in ``_SYNC_CHECKS`` that ``config`` has.
+
+  A config recorded before a key existed lacks it: its default applies, so it is skipped.
+  """
+  defaults = default_config().sync
+  for key in _SYNC_CHECKS:
+    try:
+      value = _get(config.sync, key)
+    except (KeyError, AttributeError):
+      continue
+    yield key, value, _get(defaults, key)
 
 
 def check_unread_sync_keys(config: ml_collections.ConfigDict,
@@ -327,21 +341,16 @@ def check_unread_sync_keys(config: ml_collections.ConfigDict,
   from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top (light config import)
   scheme = config.sync.scheme
   reads = registry.SYNC_KEYS.get(scheme)
-  defaults = default_config().sync
-  for key, check in _SYNC_CHECKS.items():
-    try:
-      value = _get(config.sync, key)
-    except (KeyError, AttributeError):
-      continue   # an older config without the key: its default applies
+  for key, value, default in _sync_values(config):
     if reads is not None and key in reads:
       continue   # the scheme's builder checks it
-    check(f"sync.{key}", value)
+    _SYNC_CHECKS[key](f"sync.{key}", value)
     if (reads is not None and f"sync.{key}" not in allow_unread
-        and _plain(value) != _plain(_get(defaults, key))):
+        and comparable(value) != comparable(default)):
       readers = [name for name, keys in registry.SYNC_KEYS.items() if key in keys]
       raise ValueError(
           f"config.sync.{key}={value!r} cannot apply: sync.scheme={scheme!r} does not read it"
-          f" (read only by {', '.join(readers)}); leave it at its default {_get(defaults, key)!r}")
+          f" (read only by {', '.join(readers)}); leave it at its default {default!r}")
 
 
 def cluster_is_set(config: ml_collections.ConfigDict) -> bool:
@@ -349,22 +358,14 @@ def cluster_is_set(config: ml_collections.ConfigDict) -> bool:
   if config.cluster.profile != "none":
     return True
   defaults = default_config().cluster
-  return any(_plain(config.cluster[key]) != _plain(defaults[key])
+  return any(comparable(config.cluster[key]) != comparable(defaults[key])
              for key in defaults if key in config.cluster)
 
 
 def changed_sync_keys(config: ml_collections.ConfigDict) -> tuple[str, ...]:
   """The dotted ``sync.*`` keys (but ``scheme``) whose value differs from the default."""
-  defaults = default_config().sync
-  changed = []
-  for key in _SYNC_CHECKS:
-    try:
-      value = _get(config.sync, key)
-    except (KeyError, AttributeError):
-      continue
-    if _plain(value) != _plain(_get(defaults, key)):
-      changed.append(f"sync.{key}")
-  return tuple(changed)
+  return tuple(f"sync.{key}" for key, value, default in _sync_values(config)
+               if comparable(value) != comparable(default))
 
 
 def uses_simulator(config: ml_collections.ConfigDict) -> bool:

@@ -200,7 +200,7 @@ def check_profile_keys(cfg) -> None:
   defaults = config_lib.default_config().cluster
   for key, profile in PROFILE_KEYS.items():
     value, default = cfg[key], defaults[key]
-    if (tuple(value) if isinstance(value, (tuple, list)) else value) == default:
+    if config_lib.comparable(value) == config_lib.comparable(default):
       continue
     if cfg.profile != profile:
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile="
