@@ -28,11 +28,6 @@ import tempfile
 import threading
 import time
 
-from gssp_jax import xla_env
-
-xla_env.apply_deterministic_env()   # before any jax backend starts, as experiments.main does
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import jax

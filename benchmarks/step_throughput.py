@@ -22,11 +22,6 @@ from __future__ import annotations
 
 import time
 
-from gssp_jax import xla_env
-
-xla_env.apply_deterministic_env()   # before any jax backend starts, as experiments.main does
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import jax

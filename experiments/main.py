@@ -10,11 +10,6 @@ notebook imports the same way.
 
 import os
 
-from gssp_jax import xla_env
-
-xla_env.apply_deterministic_env()   # before any jax backend starts (import gssp_jax did too)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from ml_collections import config_flags

@@ -12,11 +12,6 @@ runs them again. Ctrl-C or
 library code (``gssp_jax.sweep``).
 """
 
-from gssp_jax import xla_env
-
-xla_env.apply_deterministic_env()   # before any jax backend starts (import gssp_jax did too)
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 

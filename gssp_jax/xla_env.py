@@ -3,8 +3,9 @@
 XLA reads ``XLA_FLAGS`` once, when the first backend starts, and a GPU client
 reads its memory settings at the same moment; changing either afterwards has no
 effect. So the project sets them before that: ``import gssp_jax`` calls
-:func:`apply_deterministic_env`, and the entry points (``experiments.*``,
-``benchmarks.*``, ``tests/conftest.py``) import this module first.
+:func:`apply_deterministic_env`; the entry points (``experiments.*``,
+``benchmarks.*``, ``tests/conftest.py``) import ``gssp_jax`` before anything
+starts a backend.
 
 * **Determinism.** ``--xla_gpu_deterministic_ops=true`` is XLA's switch for
   run-to-run determinism on GPU ("Guarantees run-to-run determinism on GPU" in

@@ -3,14 +3,11 @@
 import os
 import pathlib
 
-# Before anything starts a jax backend: XLA's deterministic-ops flag, so the bit-for-bit
-# rerun and resume tests hold on a GPU too (on the CPU XLA ignores the GPU flag).
-from gssp_jax import xla_env
-
-xla_env.apply_deterministic_env()
-
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+# Importing gssp_jax sets XLA's deterministic-ops flag (gssp_jax.xla_env) before any test
+# starts a jax backend, so the bit-for-bit rerun and resume tests hold on a GPU too.
+import gssp_jax  # pylint: disable=unused-import
+import jax
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
