@@ -51,7 +51,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.eval_batch_size = 500
   c.seed = 0
   # What advances the run: auto | fused (BSP, no cluster: one jitted chunk of updates, no
-  # virtual time) | rounds (the simulated cluster, one device call per round; any scheme).
+  # virtual time) | rounds (the simulated cluster, one device call per round; any scheme) |
+  # levels (the simulated cluster, one batched call per dependency level; for accelerators).
   c.executor = "auto"
   c.num_workers = 4
   c.batch_size = 32      # per worker

@@ -1,11 +1,11 @@
 """``Simulation``: the executor that trains any scheme on a simulated heterogeneous cluster.
 
-``train/loop.py`` drives it (``config.executor`` ``rounds``, or ``auto`` for
-anything but BSP without a cluster). The host runs the scheme's protocol over
-the cluster model event by event (``sync.TimelineEngine``); every round it
-produces becomes a device step (``executor.make_round_fn``), buffered and run
-in order before anything reads the device state, and every worker that pulls gets its next
-gradient computed on the weights it pulled (``executor.make_job_fn``). Virtual
+``train/loop.py`` drives it (``config.executor`` ``rounds`` or ``levels``, or
+``auto`` for anything but BSP without a cluster). The host runs the scheme's
+protocol over the cluster model event by event (``sync.TimelineEngine``); every
+round it produces becomes a device step, buffered and run in order before
+anything reads the device state, and every worker that pulls gets its next
+gradient computed on the weights it pulled (``executor.Step``). Virtual
 time is the engine's clock; nothing about it depends on wall time, so the same
 config and seed give the same metrics bit for bit (but ``wall_time``), and a
 run resumed from a checkpoint (device state + the pickled host state) continues
@@ -129,7 +129,7 @@ class Simulation:
     self.end_pushes = min(self.total_pushes, stop) if stop else self.total_pushes
 
   def _build_device(self, runner: str) -> None:
-    """The scheme, the sync chain, the device state, the jitted job and round functions."""
+    """The scheme, the sync chain, the device state and the runner of its steps."""
     config, task, W, B = self.config, self.task, self.W, self.B
     self.cluster = cluster_lib.cluster_from_config(config)
     self.speeds = (self.cluster.trace.mean(0) if self.cluster.trace is not None
@@ -147,13 +147,13 @@ class Simulation:
     self.stats_bytes = step_lib.tree_bytes(model_state)
     self.pull_bytes = self.dense_bytes + self.stats_bytes
     self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
+    # One worker's job: the rounds runner's, and what calibration times under either runner.
     self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes)
-    self.round_fn = executor.make_round_fn(tx)
     if runner == "levels":
       self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
                                                 self.stats_bytes, W)
     else:
-      self.run_steps = executor.make_round_runner(self.job_fn, self.round_fn)
+      self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
     self.arrays = jax.device_put(task.train)
     self.ratio_of = _Ratios(config, scheme, self.speeds, self.spe)
     self.calibrated = None

@@ -1,12 +1,13 @@
 """Executors: what advances a run's state between evaluations; the loop drives any of them.
 
 ``train/loop.py`` builds one executor from the config and then only calls the
-methods of :class:`Executor`. Two exist:
+methods of :class:`Executor`. Two classes exist:
 
 * ``fused``: BSP data-parallel training with no cluster, one jitted chunk of
   updates per call (:class:`FusedBSP`); no virtual time.
-* ``rounds``: any scheme on the simulated cluster, one device call per round
-  and job set (``gssp_jax.sim.simulate.Simulation``).
+* ``rounds`` and ``levels``: any scheme on the simulated cluster
+  (``gssp_jax.sim.simulate.Simulation``), with one device call per round and
+  job set, or one batched call per dependency level (``sim/levels.py``).
 
 A real multi-process runtime plugs in as one more class with these methods.
 """
@@ -105,8 +106,8 @@ def executor_name(config: ml_collections.ConfigDict, backend: str | None = None)
 def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
   """Builds the executor the config picks (``config.EXECUTORS``, checked by ``validate_config``).
 
-  The one place an executor name becomes an executor; the simulator's variants
-  differ only in the ``run_steps`` factory they hand it.
+  The one place an executor name becomes an executor; the simulator's two
+  variants differ only in the device runner they name.
   """
   name = executor_name(config)
   logging.info("executor: %s (config.executor=%r, sync.scheme=%r, cluster.profile=%r)", name,
