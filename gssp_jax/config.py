@@ -28,7 +28,8 @@ SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
 # auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
 # CPU and the dependency-level batched runner on an accelerator (train/executors.py).
-EXECUTORS = ("auto", "fused", "rounds", "levels")
+# dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/dist).
+EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -124,6 +125,16 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.max_checkpoints = 2
   c.train.log_every = 200         # updates between progress lines (chunk length cap)
   c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)
+
+  # The real multi-process runtime (python -m experiments.launch; gssp_jax/dist). Per-process
+  # settings: they may differ between the server and the meshes, and between sessions.
+  c.dist = ml_collections.ConfigDict()
+  c.dist.server_address = ""      # host:port the parameter server binds ('' = 127.0.0.1, free port)
+  c.dist.heartbeat_timeout = 10.0  # seconds without a heartbeat before the server drops a mesh
+  c.dist.join_timeout = 300.0     # seconds a mesh may take to join at the start (imports, data)
+  c.dist.retry_seconds = 60.0     # seconds a mesh keeps retrying an unreachable server
+  c.dist.hang_timeout = 300.0     # seconds one iteration may compute before the mesh stops beating
+  c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
   return c
 
 
@@ -233,6 +244,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
     _fail("data.train_size", config.data.train_size,
           f"0 (all) or at least num_workers={config.num_workers}")
   validate_sync(config, allow_unread=allow_unread)
+  validate_dist(config)
   from gssp_jax.sim import cluster  # pylint: disable=g-import-not-at-top
   cluster.cluster_from_config(config, base_time=1.0 if config.cluster.calibrate else None)
   validate_executor(config)
@@ -385,6 +397,23 @@ def validate_executor(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.executor='fused' cannot apply: {why}, and the fused executor"
                      " trains only BSP without a cluster (no virtual time); use 'rounds' or"
                      " 'auto'")
+
+
+def validate_dist(config: ml_collections.ConfigDict) -> None:
+  """``config.dist.*``: positive timeouts, a host:port address (the runtime's own checks aside)."""
+  if "dist" not in config:
+    return
+  for key in ("dist.heartbeat_timeout", "dist.join_timeout", "dist.retry_seconds",
+              "dist.hang_timeout"):
+    _positive(config, key)
+  if not isinstance(config.dist.emulate_cluster, bool):
+    _fail("dist.emulate_cluster", config.dist.emulate_cluster, "True or False")
+  if config.dist.server_address:
+    from gssp_jax.dist import wire  # pylint: disable=g-import-not-at-top
+    wire.check_address("config.dist.server_address", config.dist.server_address)
+  if config.get("executor", "auto") == "dist":
+    from gssp_jax import dist  # pylint: disable=g-import-not-at-top
+    dist.check_real_run(config)
 
 
 def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:

@@ -43,7 +43,7 @@ from gssp_jax.train import workdir as workdir_lib
 RUNNERS = ("rounds", "levels")   # the simulator's device runners (config.executor values)
 
 
-class _Ratios:
+class Ratios:
   """Per-worker keep-ratio of each iteration (GDTopK: by group speed class and worker epoch)."""
 
   def __init__(self, config, scheme, speeds, steps_per_epoch):
@@ -155,7 +155,7 @@ class Simulation:
     else:
       self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
     self.arrays = jax.device_put(task.train)
-    self.ratio_of = _Ratios(config, scheme, self.speeds, self.spe)
+    self.ratio_of = Ratios(config, scheme, self.speeds, self.spe)
     self.calibrated = None
     if config.cluster.calibrate:
       self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, self.state), self.arrays,

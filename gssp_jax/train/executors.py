@@ -114,6 +114,9 @@ def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Exec
                config.get("executor", "auto"), config.sync.scheme, config.cluster.profile)
   if name == "fused":
     return FusedBSP(config, task, workdir)
+  if name == "dist":
+    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+    return server.DistServer(config, task, workdir)
   from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
   return simulate.Simulation(config, task, workdir, runner=name)
 

@@ -19,6 +19,11 @@ _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "dat
 _ADDED_KEYS = {"executor": "auto"}
 
 
+def _mutable(key: str) -> bool:
+  """Keys that may differ between sessions: the listed ones and the per-process ``dist.*``."""
+  return key in _RESUME_MUTABLE or key.startswith("dist.")
+
+
 def _recorded(old: dict) -> dict:
   """A recorded config's flattened keys, with the defaults of keys added since."""
   return {**_ADDED_KEYS, **flatten(old)}
@@ -41,7 +46,7 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
     old = _recorded(json.load(f))
   new = flatten(json.loads(config.to_json()))
   diff = sorted(k for k in set(old) | set(new)
-                if k not in _RESUME_MUTABLE and old.get(k) != new.get(k))
+                if not _mutable(k) and old.get(k) != new.get(k))
   if diff:
     details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:5])
     raise ValueError(f"workdir {os.path.dirname(path)} holds a run with a different config"
@@ -53,7 +58,7 @@ def config_changes(old: dict, config: ml_collections.ConfigDict) -> list[tuple[s
   run recorded (its ``config.json``) and ``config``; keys that may change on resume left out."""
   old, new = _recorded(old), flatten(json.loads(config.to_json()))
   return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-          if k not in _RESUME_MUTABLE and old.get(k) != new.get(k)]
+          if not _mutable(k) and old.get(k) != new.get(k)]
 
 
 def write_json(path: str, obj, default=None) -> None:

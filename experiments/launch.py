@@ -1,0 +1,87 @@
+r"""Trains one configuration for real: a parameter server and meshes of worker processes.
+
+One host (the server and M x P worker processes on loopback, free ports):
+
+  python -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke \
+      --workdir=/tmp/real --num_meshes=4 --processes_per_mesh=1
+
+A cluster, one command per process (roles from flags or GSSP_* variables):
+
+  python -m experiments.launch --role=server --config=... --workdir=DIR \
+      --server_address=0.0.0.0:5000
+  python -m experiments.launch --role=worker --mesh=3 --config=... --workdir=DIR \
+      --server_address=node0:5000 [--processes_per_mesh=2 --rank=0 \
+      --coordinator_address=node3:6000]
+
+With several processes per mesh and no --rank/--coordinator_address,
+jax.distributed detects them (SLURM, Open MPI, Kubernetes).
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from gssp_jax import cli
+from gssp_jax.dist import launch
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary and checkpoints.")
+_ROLE = flags.DEFINE_enum("role", None, launch.ROLES,
+                          "local (default): start everything here; server; worker.")
+_NUM_MESHES = flags.DEFINE_integer("num_meshes", 0, "Meshes (= config.num_workers; 0: that).")
+_PPM = flags.DEFINE_integer("processes_per_mesh", 1, "Processes per mesh (split the batch).")
+_MESH = flags.DEFINE_integer("mesh", None, "worker: the mesh (protocol worker) of this process.")
+_RANK = flags.DEFINE_integer("rank", None, "worker: this process's rank in its mesh.")
+_SERVER = flags.DEFINE_string("server_address", None,
+                              "host:port of the parameter server (local: 127.0.0.1:0).")
+_COORD = flags.DEFINE_string("coordinator_address", None,
+                             "worker, P > 1: the mesh's jax.distributed coordinator host:port.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _config_flags(argv) -> list[str]:
+  """The --config and --config.* flags of this command, passed on to the children."""
+  return [a for a in argv[1:] if a.startswith("--config")]
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  cli.setup_logging()
+  config = _CONFIG.value
+  topo = launch.Topology.from_env(role=_ROLE.value, mesh=_MESH.value, rank=_RANK.value,
+                                  server_address=_SERVER.value,
+                                  coordinator_address=_COORD.value,
+                                  num_meshes=_NUM_MESHES.value,
+                                  processes_per_mesh=_PPM.value)
+  launch.check_topology(topo, config)
+  workdir = _WORKDIR.value
+  if topo.role == "server":
+    with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
+      summary = launch.run_server(config, workdir, topo)
+    print(f"status {summary['status']}; workdir {workdir}")
+    return
+  if topo.role == "worker":
+    with cli.sigterm_as_interrupt():
+      launch.run_worker(config, topo)
+    return
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  check = config.copy_and_resolve_references()
+  with check.unlocked():
+    check.executor = "dist"
+  config_lib.validate_config(check)   # before any process starts
+  launcher = launch.LocalLauncher(_config_flags(sys.argv), workdir, topo, config)
+  with cli.sigterm_as_interrupt():
+    code = launcher.run()
+  logging.info("the server exited with code %d; every process ended", code)
+  if code:
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+  app.run(main)

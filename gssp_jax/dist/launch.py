@@ -1,0 +1,300 @@
+"""Roles of a real run and the one-host launcher that starts them all.
+
+* ``server``: the parameter server; runs the training loop with the ``dist``
+  executor (``server.DistServer``) and writes the workdir's metrics, summary
+  and checkpoints.
+* ``worker``: one process (rank ``r``) of mesh ``m``; a mesh of several
+  processes is one ``jax.distributed`` cluster of its own.
+* ``local``: this host starts the server and ``M x P`` worker processes on
+  loopback with free ports, prints one merged progress line at a time, and
+  tears everything down on exit, Ctrl-C or SIGTERM (children also die with it
+  if it is killed outright: ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from absl import logging
+import ml_collections
+
+from gssp_jax import config as config_lib
+from gssp_jax.dist import wire
+
+ROLES = ("local", "server", "worker")
+PIDS_FILE = "pids.json"
+ENV = {"role": "GSSP_ROLE", "mesh": "GSSP_MESH", "rank": "GSSP_RANK",
+       "server_address": "GSSP_SERVER_ADDRESS", "coordinator_address": "GSSP_COORDINATOR_ADDRESS"}
+
+
+@dataclasses.dataclass
+class Topology:
+  """Who is who in a real run (flags, else the environment, else the defaults).
+
+  Attributes:
+    role: ``local``, ``server`` or ``worker``.
+    num_meshes: M, one per protocol worker (``config.num_workers``).
+    processes_per_mesh: P; the worker's batch is split over them.
+    mesh, rank: a worker process's mesh and rank in it (-1: from the environment
+      or, for the rank, from ``jax.distributed``'s cluster detection).
+    server_address: the parameter server's ``host:port``.
+    coordinator_address: the mesh's ``jax.distributed`` coordinator (P > 1;
+      '' lets ``jax.distributed.initialize`` detect SLURM, Open MPI, Kubernetes).
+  """
+  role: str = "local"
+  num_meshes: int = 0
+  processes_per_mesh: int = 1
+  mesh: int = -1
+  rank: int = -1
+  server_address: str = ""
+  coordinator_address: str = ""
+
+  @classmethod
+  def from_env(cls, **flags) -> "Topology":
+    """Flags given (not None) win; then ``GSSP_*`` environment variables; then defaults."""
+    values = {}
+    for key, value in flags.items():
+      if value is None and key in ENV and os.environ.get(ENV[key]):
+        value = os.environ[ENV[key]]
+        value = int(value) if key in ("mesh", "rank") else value
+      if value is not None:
+        values[key] = value
+    return cls(**values)
+
+
+def check_topology(topo: Topology, config: ml_collections.ConfigDict) -> Topology:
+  """Checks the topology against the config; fills ``num_meshes``. Raises ValueError naming it."""
+  if topo.role not in ROLES:
+    raise ValueError(f"--role={topo.role!r} is invalid; allowed: {', '.join(ROLES)}")
+  num_workers = config.num_workers
+  if topo.num_meshes == 0:
+    topo.num_meshes = num_workers
+  if topo.num_meshes != num_workers:
+    raise ValueError(f"--num_meshes={topo.num_meshes} does not fit config.num_workers="
+                     f"{num_workers}: each mesh is one protocol worker; set both equal "
+                     f"(e.g. --config.num_workers={topo.num_meshes})")
+  if topo.processes_per_mesh < 1:
+    raise ValueError(f"--processes_per_mesh={topo.processes_per_mesh} is invalid; allowed: an "
+                     "integer >= 1")
+  if config.batch_size % topo.processes_per_mesh:
+    raise ValueError(f"--processes_per_mesh={topo.processes_per_mesh} does not divide "
+                     f"config.batch_size={config.batch_size} (a mesh splits its worker's batch"
+                     " over its processes); allowed: a divisor of the batch size")
+  if topo.server_address:
+    wire.check_address("--server_address", topo.server_address)
+  if topo.role == "worker":
+    if not 0 <= topo.mesh < num_workers:
+      raise ValueError(f"--mesh={topo.mesh} is invalid; allowed: 0..{num_workers - 1} "
+                       f"(or {ENV['mesh']})")
+    if not topo.server_address:
+      raise ValueError("--server_address is required for --role=worker (host:port of the "
+                       f"parameter server, or {ENV['server_address']})")
+    if topo.processes_per_mesh > 1 and topo.coordinator_address:
+      wire.check_address("--coordinator_address", topo.coordinator_address)
+  return topo
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  with socket.socket() as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def check_port_free(address: str) -> None:
+  """Raises ValueError when ``address``'s port is taken here (port 0 always passes)."""
+  host, port = wire.check_address("--server_address", address)
+  if port == 0:
+    return
+  with socket.socket() as s:
+    try:
+      s.bind((host, port))
+    except OSError as e:
+      raise ValueError(f"--server_address={address!r}: port {port} cannot be bound here "
+                       f"({e.strerror}); allowed: a free port, or 0 for any") from None
+
+
+# -- the roles ------------------------------------------------------------------------------------
+
+
+def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
+  """The server role: the training loop with the ``dist`` executor."""
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  config.executor = "dist"
+  config.dist.server_address = topo.server_address or "127.0.0.1:0"
+  return loop.train_and_evaluate(config, workdir)
+
+
+def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
+  """The worker role: joins the mesh's ``jax.distributed`` cluster (P > 1), then trains."""
+  import jax  # pylint: disable=g-import-not-at-top
+  rank = max(topo.rank, 0)
+  if topo.processes_per_mesh > 1:
+    # Cross-process collectives of CPU devices (a GPU mesh uses NCCL; this changes nothing there).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {"heartbeat_timeout_seconds": max(10, int(config.dist.heartbeat_timeout)),
+              "initialization_timeout": int(config.dist.join_timeout)}
+    if topo.coordinator_address:   # else: detected (SLURM, Open MPI, Kubernetes)
+      kwargs.update(coordinator_address=topo.coordinator_address,
+                    num_processes=topo.processes_per_mesh, process_id=rank)
+    jax.distributed.initialize(**kwargs)
+    rank = jax.process_index()
+  from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
+  try:
+    return worker.MeshWorker(config, topo.mesh, rank, topo.processes_per_mesh,
+                             topo.server_address).run()
+  finally:
+    if topo.processes_per_mesh > 1:
+      jax.distributed.shutdown()
+
+
+# -- the one-host launcher ------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+  """In a child: SIGKILL when the launcher dies, however it dies (Linux)."""
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+  except OSError:
+    pass
+
+
+class LocalLauncher:
+  """Starts the server and the meshes' processes on this host; owns and ends them all.
+
+  Args:
+    argv_config: the ``--config`` and ``--config.*`` flags, passed to every child.
+    workdir: the run's workdir (children's logs go to ``workdir/logs``).
+    topo: the checked topology.
+    config: the run's config (for the addresses' defaults and timeouts).
+  """
+
+  def __init__(self, argv_config: Sequence[str], workdir: str, topo: Topology,
+               config: ml_collections.ConfigDict):
+    self.argv_config, self.workdir, self.topo, self.config = (list(argv_config), workdir, topo,
+                                                             config)
+    self.procs: dict[str, subprocess.Popen] = {}
+    self.logs = os.path.join(workdir, "logs")
+
+  def _spawn(self, name: str, role_flags: list[str]) -> subprocess.Popen:
+    os.makedirs(self.logs, exist_ok=True)
+    cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
+           f"--workdir={self.workdir}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key in ENV.values():
+      env.pop(key, None)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # processes share a GPU
+    log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=_die_with_parent)
+    log.close()
+    self.procs[name] = proc
+    self._write_pids()
+    return proc
+
+  def _write_pids(self) -> None:
+    """``workdir/logs/pids.json``: every child's pid by name (for operators and tests)."""
+    from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+    workdir_lib.write_json(os.path.join(self.logs, PIDS_FILE),
+                           {"launcher": os.getpid(),
+                            **{name: proc.pid for name, proc in self.procs.items()}})
+
+  def start_server(self) -> str:
+    """Starts the server; returns its address once it serves (read from the workdir)."""
+    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+    address = self.topo.server_address or "127.0.0.1:0"
+    check_port_free(address)
+    path = os.path.join(self.workdir, server.ADDRESS_FILE)
+    if os.path.exists(path):
+      os.remove(path)
+    proc = self._spawn("server", ["--role=server", f"--server_address={address}"])
+    deadline = time.monotonic() + self.config.dist.join_timeout
+    while not os.path.exists(path):
+      if proc.poll() is not None:
+        raise RuntimeError(f"the server exited with code {proc.returncode} before serving; see "
+                           f"{os.path.join(self.logs, 'server.txt')}")
+      if time.monotonic() > deadline:
+        raise RuntimeError("the server did not start serving within dist.join_timeout="
+                           f"{self.config.dist.join_timeout} s")
+      time.sleep(0.1)
+    with open(path) as f:
+      return json.load(f)["address"]
+
+  def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
+    """Starts mesh ``mesh``'s processes (a fresh coordinator port when P > 1)."""
+    P = self.topo.processes_per_mesh
+    flags = ["--role=worker", f"--mesh={mesh}", f"--server_address={server_address}",
+             f"--processes_per_mesh={P}", f"--num_meshes={self.topo.num_meshes}"]
+    if P > 1:
+      flags.append(f"--coordinator_address=127.0.0.1:{free_port()}")
+    return [self._spawn(f"mesh{mesh}_rank{r}", flags + [f"--rank={r}"]) for r in range(P)]
+
+  def run(self, poll: float = 0.5) -> int:
+    """Runs until the server exits; returns its exit code. Always ends every child."""
+    try:
+      address = self.start_server()
+      logging.info("server at %s; starting %d meshes x %d processes", address,
+                   self.topo.num_meshes, self.topo.processes_per_mesh)
+      for m in range(self.topo.num_meshes):
+        self.start_mesh(m, address)
+      code = self._follow(poll)
+      self._wait_meshes(self.config.dist.heartbeat_timeout)   # they read their stop and exit
+      return code
+    finally:
+      self.shutdown()
+
+  def _wait_meshes(self, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in self.procs.values():
+      try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        return
+
+  def _follow(self, poll: float) -> int:
+    """Prints the server's progress lines (merged view of the run) until it exits."""
+    server_log = os.path.join(self.logs, "server.txt")
+    offset = os.path.getsize(server_log) if os.path.exists(server_log) else 0
+    reported = set()
+    while True:
+      code = self.procs["server"].poll()
+      with open(server_log, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+      offset += len(chunk)
+      for line in chunk.decode(errors="replace").splitlines():
+        if any(tag in line for tag in ("epoch", "lost", "rejoin", "Error", "error")):
+          print(line.split("] ", 1)[-1], flush=True)
+      for name, proc in self.procs.items():
+        if name != "server" and proc.poll() not in (None, 0) and name not in reported:
+          reported.add(name)
+          print(f"{name} exited with code {proc.returncode}; see "
+                f"{os.path.join(self.logs, name + '.txt')}", flush=True)
+      if code is not None:
+        return code
+      time.sleep(poll)
+
+  def shutdown(self, grace: float = 5.0) -> None:
+    """SIGTERM to every child still running, SIGKILL after ``grace`` seconds; waits for all."""
+    live = [p for p in self.procs.values() if p.poll() is None]
+    workers_first = sorted(live, key=lambda p: p is self.procs.get("server"))
+    for proc in workers_first:
+      try:
+        proc.send_signal(signal.SIGTERM)
+      except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    for proc in workers_first:
+      try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
