@@ -211,6 +211,19 @@ def test_bsp_timeline_goes_on_without_the_hung_worker():
                              atol=1e-9)
 
 
+def test_engine_counts_a_dropped_workers_wait_up_to_the_drop_only():
+  engine = sync.TimelineEngine(sync.SSPProtocol(2, 0), lambda w, k: [1.0, 3.0][w])
+  engine.drop_at(2.0, 0)        # w0 waits for w1 since its push at 1
+  engine.drop_at(2.5, 0)        # a second drop of the same worker is an error
+  _starts(engine, 2.0)
+  assert engine.blocked_time.tolist() == [1.0, 0.0]
+  with pytest.raises(ValueError, match=r"ssp cannot drop worker 0: it was dropped"):
+    engine.step()
+  _starts(engine, 30.0)
+  assert engine.blocked_time_so_far().tolist() == [1.0, 0.0]   # w1 alone never waits
+  assert engine.protocol.clock.tolist() == [1, 10]
+
+
 # ---------------------------------------------------------------- GSSP
 
 

@@ -107,9 +107,9 @@ class TimelineEngine:
 
   def _drop(self, w: int) -> list:
     busy = any(kind in ("start", "push") and payload == w for _, _, kind, payload in self.queue)
+    reaction = self.protocol.drop(w, self.now)
     if not busy:   # it was waiting to be released
       self.blocked_time[w] += self.now - self.pushed_at[w]
-    reaction = self.protocol.drop(w, self.now)
     self.queue = [e for e in self.queue if not (e[2] in ("start", "push") and e[3] == w)]
     heapq.heapify(self.queue)
     return self._react(reaction, self.now)
