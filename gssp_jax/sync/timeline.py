@@ -31,7 +31,8 @@ class Timeline:
     blocked_time: ``[W]`` virtual time each worker spent waiting to be released.
     end_time: time of the last event.
     events: ``(kind, time, worker_or_message)`` of every processed event, in
-      processing order (kinds "start", "push", "message").
+      processing order (kinds "start", "push", "message", and "drop", "rejoin"
+      when scheduled with :meth:`TimelineEngine.drop_at` / ``rejoin_at``).
   """
   rounds: list
   starts: list
@@ -92,6 +93,32 @@ class TimelineEngine:
       self._schedule(time + self.message_delay(m), "message", m)
     return reaction.rounds
 
+  def drop_at(self, time: float, worker: int) -> None:
+    """Schedules ``worker``'s crash at ``time``: its pending start and push vanish.
+
+    At that event the protocol drops it (``Protocol.drop``); a wait it was in
+    counts as blocked time up to the drop, its time dead does not.
+    """
+    self._schedule(time, "drop", int(worker))
+
+  def rejoin_at(self, time: float, worker: int) -> None:
+    """Schedules a dropped ``worker``'s return at ``time``: it pulls, then starts (``rejoin``)."""
+    self._schedule(time, "rejoin", int(worker))
+
+  def _drop(self, w: int) -> list:
+    busy = any(kind in ("start", "push") and payload == w for _, _, kind, payload in self.queue)
+    reaction = self.protocol.drop(w, self.now)
+    if not busy:   # it was waiting to be released
+      self.blocked_time[w] += self.now - self.pushed_at[w]
+    self.queue = [e for e in self.queue if not (e[2] in ("start", "push") and e[3] == w)]
+    heapq.heapify(self.queue)
+    return self._react(reaction, self.now)
+
+  def _rejoin(self, w: int) -> list:
+    reaction = self.protocol.rejoin(w, self.now)
+    self.pushed_at[w] = self.now   # its release is no wait
+    return self._react(reaction, self.now)
+
   def step(self) -> list:
     """Processes the next event; returns the rounds it produced (often none)."""
     if not self.queue:
@@ -118,6 +145,10 @@ class TimelineEngine:
       self.pushed_at[w] = self.now
       self.num_pushes += 1
       return self._react(self.protocol.on_push(w, self.now), self.now)
+    if kind == "drop":
+      return self._drop(payload)
+    if kind == "rejoin":
+      return self._rejoin(payload)
     return self._react(self.protocol.on_message(payload, self.now), self.now)
 
   def blocked_time_so_far(self) -> np.ndarray:
@@ -125,10 +156,11 @@ class TimelineEngine:
 
     ``blocked_time`` grows only when a worker is released; a worker that has
     pushed and has neither a start nor a push scheduled is still waiting, since
-    its last push at ``pushed_at``.
+    its last push at ``pushed_at``. A dropped worker is not waiting.
     """
     busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push")}
     waiting = np.array([w not in busy for w in range(self.blocked_time.size)])
+    waiting &= self.protocol.alive
     return self.blocked_time + np.where(waiting, self.now - self.pushed_at, 0.0)
 
   def measured_times(self, reset: bool = True) -> np.ndarray:

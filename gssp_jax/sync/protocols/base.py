@@ -7,6 +7,12 @@ must apply now, the workers released to pull and start their next iteration,
 and the messages to deliver later (their delay is the cluster's business, not
 the protocol's). The same objects drive the simulator's timeline and the real
 multi-process runtime.
+
+Membership. In a real cluster a worker process can crash or hang; the runtime
+notices and calls :meth:`Protocol.drop`, and a restarted worker comes back
+through :meth:`Protocol.rejoin`. A dropped (dead) worker counts in no wait
+condition; until it rejoins its pushes are refused. Nobody leaving changes
+nothing: every rule reduces to the original one when all workers are alive.
 """
 
 from __future__ import annotations
@@ -45,9 +51,17 @@ class Protocol:
 
   Subclasses implement :meth:`on_push` and may implement :meth:`on_message`.
   Every worker starts its first iteration at time 0 with the initial weights.
+  Schemes with ``supports_membership`` implement :meth:`_after_drop` (and may
+  extend :meth:`_rejoin_peers`, :meth:`_after_rejoin`).
+
+  Attributes:
+    alive: ``[W]`` bool, workers not dropped (all True at start).
   """
 
   name = "protocol"
+  supports_membership = False
+  # Why a scheme cannot drop workers (its ValueError says it).
+  membership_unsupported = "it has no rule for workers that leave"
 
   def __init__(self, num_workers: int, num_replicas: int = 1, num_groups: int = 1,
                route=None):
@@ -58,6 +72,20 @@ class Protocol:
                   else np.asarray(route, np.int32).copy())
     self.clock = np.zeros([self.num_workers], np.int64)   # pushes per worker
     self.blocked = np.zeros([self.num_workers], bool)     # pushed, waiting to be released
+    self.__dict__.update(self._membership_defaults())
+
+  def _membership_defaults(self) -> dict:
+    """Attributes added for membership, as they are when nobody has ever left.
+
+    Pickles from before membership existed lack them; ``__setstate__`` fills
+    them in, so old checkpoints load and behave as before.
+    """
+    return {"alive": np.ones([self.num_workers], bool)}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    for key, value in self._membership_defaults().items():
+      self.__dict__.setdefault(key, value)
 
   def new_round(self, time: float) -> rounds_lib.Round:
     return rounds_lib.empty_round(time, self.num_workers, self.num_replicas, self.num_groups,
@@ -77,10 +105,97 @@ class Protocol:
     if not 0 <= int(worker) < self.num_workers:
       raise ValueError(f"{self.name} worker={worker!r} is invalid; allowed: "
                        f"0..{self.num_workers - 1}")
+    if not self.alive[worker]:
+      raise ValueError(f"{self.name} worker {worker} pushed while dropped: it must rejoin "
+                       "before its next iteration")
     if self.blocked[worker]:
       raise ValueError(f"{self.name} worker {worker} pushed while blocked: it must be "
                        "released before its next iteration")
     return int(worker)
+
+  def _check_member(self, worker, action: str, alive: bool) -> int:
+    if not self.supports_membership:
+      raise ValueError(f"{self.name} cannot {action} worker {worker!r}: "
+                       f"{self.membership_unsupported}")
+    if isinstance(worker, (bool, np.bool_)) or not isinstance(worker, (int, np.integer)) or not (
+        0 <= int(worker) < self.num_workers):
+      raise ValueError(f"{self.name} worker={worker!r} is invalid; allowed: "
+                       f"0..{self.num_workers - 1}")
+    if bool(self.alive[worker]) != alive:
+      state = "was dropped" if alive else "is alive"
+      raise ValueError(f"{self.name} cannot {action} worker {worker}: it {state}")
+    return int(worker)
+
+  def drop(self, worker: int, time: float) -> Reaction:
+    """Drops a crashed or hung ``worker``: from now on it counts in no wait condition.
+
+    If it was blocked it is no longer (it does not pull). Workers that its
+    absence frees are released as an ordinary push would release them: one
+    round (nothing applied, their ``pulls`` set) and their ids in ``release``;
+    a drop that frees nobody returns no round. A push of the worker that
+    reached its server but is not applied yet (BSP's barrier, GSSP-global's
+    held pushes) is kept: the server does not lose what it received.
+
+    Raises:
+      ValueError: the scheme does not support membership, ``worker`` is not
+        a worker id, or it is already dropped.
+    """
+    worker = self._check_member(worker, "drop", alive=True)
+    was_blocked = bool(self.blocked[worker])
+    self.alive[worker] = False
+    self.blocked[worker] = False
+    return self._after_drop(worker, float(time), was_blocked)
+
+  def _after_drop(self, worker: int, time: float, was_blocked: bool) -> Reaction:
+    """Releases whom ``worker``'s drop frees (it is already marked dead, not blocked)."""
+    raise NotImplementedError
+
+  def _rejoin_peers(self, worker: int) -> np.ndarray:
+    """``[W]`` bool: the alive workers whose wait conditions ``worker`` takes part in."""
+    peers = self.alive.copy()
+    peers[worker] = False
+    return peers
+
+  def rejoin(self, worker: int, time: float) -> Reaction:
+    """Brings back a dropped ``worker``: it pulls its replica's current weights and goes on.
+
+    Returns one round in which only ``pulls[worker]`` is set, and
+    ``release == [worker]``: it starts its next iteration from those weights.
+
+    Clock rule: its clock becomes the smallest clock among the alive workers
+    it is bounded with (:meth:`_rejoin_peers`: everyone for SSP and DSSP, its
+    group for GSSP, counted since the last regrouping). It starts from the
+    freshest weights, so it is not behind: it is not ahead of any of them
+    (it may start at once, ``0 <= s``), and the slowest alive clock does not
+    change, so nobody released is now over the bound and nobody waiting waits
+    longer. Any lower clock would hold the others back by the difference; a
+    higher one would let it run ahead of the slowest. With no such peer alive
+    its clock is left as it was (nobody to be bounded with).
+
+    Raises:
+      ValueError: the scheme does not support membership, ``worker`` is not
+        a worker id, or it is alive.
+    """
+    worker = self._check_member(worker, "rejoin", alive=False)
+    peers = self._rejoin_peers(worker)
+    if peers.any():
+      self.clock[worker] = self._rejoin_clock(worker, peers)
+    self.alive[worker] = True
+    self._after_rejoin(worker, float(time))
+    rnd = self.new_round(time)
+    rnd.pulls[worker] = True
+    return Reaction(rounds=[rnd], release=[worker])
+
+  def _rejoin_clock(self, worker: int, peers: np.ndarray) -> int:
+    return int(self.clock[peers].min())
+
+  def _after_rejoin(self, worker: int, time: float) -> None:
+    """Scheme-specific state of a rejoining worker (e.g. forget its stale push)."""
+
+
+def alive_min(clock: np.ndarray, members: np.ndarray) -> int:
+  """The smallest clock of ``members`` (``[W]`` bool); 0 when there is none."""
+  return int(clock[members].min()) if members.any() else 0
 
 
 def release_where(protocol: Protocol, rnd: rounds_lib.Round, ok: np.ndarray,

@@ -95,6 +95,11 @@ class CASPProtocol(Protocol):
   """
 
   name = "casp"
+  membership_unsupported = (
+      "a community pushes through its leader once every member has pushed, and the drain "
+      "and the agent's partitions cover all workers: dropping a member (or the leader, "
+      "with the community's push in flight) needs a leader re-elected and communities "
+      "re-formed mid-iteration, which this protocol does not model")
 
   def __init__(self, num_workers: int, *, max_communities: int = 4, reconfigure_every: int = 64,
                traffic_penalty: float = 0.01, seed: int = 0, initial_communities: int = 1):

@@ -42,6 +42,11 @@ class DSSyncProtocol(Protocol):
   """
 
   name = "dssync"
+  membership_unsupported = (
+      "a worker's group of iteration i is fixed by the shared shuffle, so its mates wait "
+      "for it at i, and a rejoining worker (its replica is its own weights, stale since it "
+      "left) has no consistent iteration to join: excluding it would need a new partition "
+      "agreed on by workers that are at different iterations")
 
   def __init__(self, num_workers: int, group_size: int = 2, seed: int = 0):
     num_workers = transforms.check_int("dssync", "num_workers", num_workers, 1)

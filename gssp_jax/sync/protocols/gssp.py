@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import alive_min
 from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
@@ -37,6 +38,17 @@ class GSSPProtocol(Protocol):
     A group has at most one forward in flight; pushes that complete another
     ``forward_every`` meanwhile are forwarded as soon as the previous one
     lands, so no gradient is lost or sent twice.
+  * Membership: the in-group bound uses the slowest *alive* member, so a
+    dropped worker holds back nobody; the regrouping barrier waits for the
+    alive workers only. Forwards count the pushes the group server processed,
+    so they go on with the live members; a group whose members are all dead
+    stops pushing (its partial sum stays at its server). Forwards in flight,
+    the global round trip and the held pushes (a dropped worker's own
+    included: it reached the server) are unaffected by a drop. A rejoining
+    worker takes its group's slowest alive clock and pulls its group server's
+    weights at once, also while that server waits for the global reply; its
+    own push still held from before its absence is discarded (it computes
+    the gradient again from the new weights).
 
   Args:
     num_workers: W.
@@ -48,6 +60,7 @@ class GSSPProtocol(Protocol):
   """
 
   name = "gssp"
+  supports_membership = True
 
   def __init__(self, num_workers: int, groups, staleness: int = 3, *,
                inter_group: str = "peer", forward_every: int | None = None):
@@ -133,12 +146,12 @@ class GSSPProtocol(Protocol):
     """SSP inside ``group``: release its blocked workers within ``s`` of its slowest."""
     mine = self.route == group
     clock = self.clock - self.baseline
-    ahead = clock - clock[mine].min()
+    ahead = clock - alive_min(clock, mine & self.alive)
     release_where(self, rnd, mine & (ahead <= self.staleness) & ~self._held_mask(), reaction)
 
   def _maybe_regroup(self, time, reaction) -> None:
-    """The regrouping barrier: everyone blocked, nothing held."""
-    if self.next_route is None or not self.blocked.all() or any(self.held):
+    """The regrouping barrier: every alive worker blocked, nothing held."""
+    if self.next_route is None or not self.blocked[self.alive].all() or any(self.held):
       return
     self.route = self.next_route
     self.next_route = None
@@ -209,3 +222,27 @@ class GSSPProtocol(Protocol):
     else:
       return super().on_message(message, time)
     return reaction
+
+  def _after_drop(self, worker, time, was_blocked):
+    g = int(self.route[worker])
+    rnd = self.new_round(time)
+    reaction = Reaction()
+    if self.next_route is not None:     # the barrier may now be complete
+      self._maybe_regroup(time, reaction)
+    elif not self._busy(g):             # a busy group server releases at the adopt
+      self._release_group(g, rnd, reaction)
+    if rnd.pulls.any():
+      reaction.rounds.insert(0, rnd)
+    return reaction
+
+  def _rejoin_peers(self, worker):
+    return super()._rejoin_peers(worker) & (self.route == self.route[worker])
+
+  def _rejoin_clock(self, worker, peers):
+    clock = self.clock - self.baseline   # clocks count since the last regrouping
+    return int(self.baseline[worker] + clock[peers].min())
+
+  def _after_rejoin(self, worker, time):
+    for queue in self.held:
+      while worker in queue:
+        queue.remove(worker)

@@ -25,6 +25,10 @@ class InHADProtocol(Protocol):
   a real node would hold them for the next one). A worker pulls the global
   model after each push, so it starts from the newest model the server has.
 
+  Membership: nobody ever waits, so a drop frees nobody; the threshold stays
+  a count of INs (a dead worker's node simply reports fewer). A rejoining
+  worker pulls the global model like after any push.
+
   Args:
     num_workers: W.
     nodes: ``[W]`` node id of each worker.
@@ -32,6 +36,7 @@ class InHADProtocol(Protocol):
   """
 
   name = "inhad"
+  supports_membership = True
 
   def __init__(self, num_workers: int, nodes, threshold: int | None = None):
     num_workers = transforms.check_int("inhad", "num_workers", num_workers, 1)
@@ -57,6 +62,9 @@ class InHADProtocol(Protocol):
       self.in_flight = True
       reaction.messages.append(Message("aggregate", 0))
     return reaction
+
+  def _after_drop(self, worker, time, was_blocked):
+    return Reaction()
 
   def on_message(self, message, time):
     if message.kind != "aggregate" or not self.in_flight:

@@ -5,31 +5,60 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import alive_min
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
 from gssp_jax.sync.protocols.base import release_where
 
 
 class BSPProtocol(Protocol):
-  """Everyone pushes, the server applies once, everyone pulls."""
+  """Everyone pushes, the server applies once, everyone pulls.
+
+  Membership: the barrier waits for the alive workers only. A push that
+  reached the barrier before its worker was dropped is kept and applied with
+  the others (``orphans``); if the worker rejoins first, it is discarded, since
+  the worker computes this round's gradient again from the same weights.
+  A rejoining worker joins the round in progress: the barrier now waits for
+  it too (it starts from the weights everyone else's gradient is computed on).
+  """
 
   name = "bsp"
+  supports_membership = True
 
   def __init__(self, num_workers: int):
     super().__init__(transforms.check_int("bsp", "num_workers", num_workers, 1))
+
+  def _membership_defaults(self):
+    # orphans: ``[W]`` bool, pushes of dropped workers waiting for the barrier.
+    return {**super()._membership_defaults(), "orphans": np.zeros([self.num_workers], bool)}
 
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
     self.clock[worker] += 1
     self.blocked[worker] = True
     reaction = Reaction()
-    if self.blocked.all():
-      rnd = self.new_round(time)
-      rnd.arrived[:] = True
-      rnd.applies[0] = True
-      release_where(self, rnd, np.ones([self.num_workers], bool), reaction)
-      reaction.rounds.append(rnd)
+    self._maybe_barrier(time, reaction)
     return reaction
+
+  def _maybe_barrier(self, time, reaction) -> None:
+    """Applies the round once every alive worker has pushed; everyone alive pulls."""
+    if not (self.alive.any() and self.blocked[self.alive].all()):
+      return
+    rnd = self.new_round(time)
+    rnd.arrived[:] = self.alive | self.orphans
+    rnd.applies[0] = True
+    self.orphans[:] = False
+    release_where(self, rnd, self.alive, reaction)
+    reaction.rounds.append(rnd)
+
+  def _after_drop(self, worker, time, was_blocked):
+    self.orphans[worker] = was_blocked   # its push this round still counts
+    reaction = Reaction()
+    self._maybe_barrier(time, reaction)
+    return reaction
+
+  def _after_rejoin(self, worker, time):
+    self.orphans[worker] = False
 
 
 class SSPProtocol(Protocol):
@@ -38,9 +67,13 @@ class SSPProtocol(Protocol):
   A worker that has pushed ``c`` times may start its next iteration only while
   ``c - min(clock) <= s``; ``staleness=None`` is ASP (never wait). The waiting
   worker pulls when it is released, so it starts from the freshest weights.
+
+  Membership: ``min(clock)`` is over the alive workers, so a dropped worker
+  holds nobody back; the drop releases whom the new minimum lets go.
   """
 
   name = "ssp"
+  supports_membership = True
 
   def __init__(self, num_workers: int, staleness: int | None = 3):
     num_workers = transforms.check_int(self.name, "num_workers", num_workers, 1)
@@ -53,7 +86,8 @@ class SSPProtocol(Protocol):
     return np.inf if self.staleness is None else self.staleness
 
   def ahead(self) -> np.ndarray:
-    return self.clock - self.clock.min()
+    """``[W]`` clocks ahead of the slowest alive worker."""
+    return self.clock - alive_min(self.clock, self.alive)
 
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
@@ -63,10 +97,21 @@ class SSPProtocol(Protocol):
     rnd.applies[0] = True
     reaction = Reaction(rounds=[rnd])
     self.blocked[worker] = True
+    self._release_within_bound(rnd, reaction, time)
+    return reaction
+
+  def _release_within_bound(self, rnd, reaction, time) -> None:
     ahead = self.ahead()
     ok = np.array([ahead[w] <= self.allowance(w, time) if self.blocked[w] else False
                    for w in range(self.num_workers)])
     release_where(self, rnd, ok, reaction)
+
+  def _after_drop(self, worker, time, was_blocked):
+    rnd = self.new_round(time)
+    reaction = Reaction()
+    self._release_within_bound(rnd, reaction, time)
+    if reaction.release:
+      reaction.rounds.append(rnd)
     return reaction
 
 
@@ -118,6 +163,11 @@ class DSSPProtocol(SSPProtocol):
   last credited one at most at ``ahead + r - 1 <= s_U``. At the first push
   beyond ``s_L`` (``ahead = s_L + 1``) the cap is exactly ``r_max``.
 
+  Membership: the slowest and the fastest are the alive ones. A drop is no
+  push: the waiting workers it may release wait for ``s_L`` (nobody spends
+  credit or meets the controller). A rejoining worker has no credit and no
+  push history (its last push times predate its absence).
+
   Attributes:
     credit: ``[W]`` int64, the credit ``r_p`` each worker has left.
     thresholds: ``(time, worker, r)`` of every controller decision, ``r = 0``
@@ -147,12 +197,13 @@ class DSSPProtocol(SSPProtocol):
 
     Reads the clocks (after the push) and the push times; changes nothing.
     """
-    slow = int(np.argmin(self.clock))
+    alive = np.flatnonzero(self.alive)
+    slow = int(alive[np.argmin(self.clock[alive])])   # the first slowest alive worker
     i_fast = self.last[worker] - self.prev[worker]
     i_slow = self.last[slow] - self.prev[slow]
     if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
       return None
-    ahead = int(self.clock[worker] - self.clock.min())
+    ahead = int(self.clock[worker] - alive_min(self.clock, self.alive))
     r_cap = max(0, min(self.high - self.low, self.high - ahead + 1))
     fast = time + np.arange(r_cap + 1) * i_fast
     num_slow = max(1, int(np.ceil((fast[-1] - self.last[slow]) / i_slow)) + 1)
@@ -166,8 +217,8 @@ class DSSPProtocol(SSPProtocol):
     if self.credit[worker] > 0:     # credited: goes on without a check
       self.credit[worker] -= 1
       return np.inf
-    ahead = self.clock[worker] - self.clock.min()
-    if ahead <= self.low or self.clock[worker] != self.clock.max():
+    ahead = self.clock[worker] - alive_min(self.clock, self.alive)
+    if ahead <= self.low or self.clock[worker] != self.clock[self.alive].max():
       return self.low
     r = self.extra_iterations(worker, time) or 0
     self.thresholds.append((float(time), int(worker), int(r)))
@@ -175,3 +226,12 @@ class DSSPProtocol(SSPProtocol):
       self.credit[worker] = r - 1
       return np.inf
     return self.low
+
+  def _after_drop(self, worker, time, was_blocked):
+    self._pusher = -1   # nobody pushed: every waiting worker waits for s_L
+    self.credit[worker] = 0
+    return super()._after_drop(worker, time, was_blocked)
+
+  def _after_rejoin(self, worker, time):
+    self.credit[worker] = 0
+    self.last[worker] = self.prev[worker] = np.nan
