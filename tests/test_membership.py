@@ -57,7 +57,7 @@ def _worst_ahead(starts, members=None):
 
 
 def _step_through(engine, kind):
-  """Steps ``engine`` up to and including its next event of ``kind``; returns that event's rounds."""
+  """Steps ``engine`` through its next event of ``kind``; returns that event's rounds."""
   while True:
     popped = engine.queue[0][2]
     rounds = engine.step()
