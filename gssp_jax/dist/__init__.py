@@ -25,8 +25,8 @@ def check_real_run(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime: its protocol"
         " cannot drop a lost mesh or take a restarted one back (supports_membership is False),"
-        " so one crash would stall every mesh; the real runtime runs bsp, asp, ssp, dssp and"
-        " gssp. Simulate it with python -m experiments.main instead")
+        " so one crash would stall every mesh; the real runtime runs bsp, asp, ssp, dssp, gssp and"
+        " inhad. Simulate it with python -m experiments.main instead")
   if config.sync.get("regroup_every_epoch", False):
     raise ValueError("config.sync.regroup_every_epoch=True cannot run on the real runtime: "
                      + _UNSUPPORTED_SYNC["regroup_every_epoch"] + "; set it False")

@@ -208,25 +208,17 @@ class LocalLauncher:
                             **{name: proc.pid for name, proc in self.procs.items()}})
 
   def start_server(self) -> str:
-    """Starts the server; returns its address once it serves (read from the workdir)."""
-    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
-    address = self.topo.server_address or "127.0.0.1:0"
+    """Starts the server on a fixed port (a free one for port 0); returns its address.
+
+    The meshes start at once beside it: they retry until it serves, so their
+    start-up (imports, data, compilation) overlaps the server's.
+    """
+    host, port = wire.check_address("--server_address", self.topo.server_address or
+                                    "127.0.0.1:0")
+    address = f"{host}:{port or free_port(host)}"
     check_port_free(address)
-    path = os.path.join(self.workdir, server.ADDRESS_FILE)
-    if os.path.exists(path):
-      os.remove(path)
-    proc = self._spawn("server", ["--role=server", f"--server_address={address}"])
-    deadline = time.monotonic() + self.config.dist.join_timeout
-    while not os.path.exists(path):
-      if proc.poll() is not None:
-        raise RuntimeError(f"the server exited with code {proc.returncode} before serving; see "
-                           f"{os.path.join(self.logs, 'server.txt')}")
-      if time.monotonic() > deadline:
-        raise RuntimeError("the server did not start serving within dist.join_timeout="
-                           f"{self.config.dist.join_timeout} s")
-      time.sleep(0.1)
-    with open(path) as f:
-      return json.load(f)["address"]
+    self._spawn("server", ["--role=server", f"--server_address={address}"])
+    return address
 
   def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
     """Starts mesh ``mesh``'s processes (a fresh coordinator port when P > 1)."""

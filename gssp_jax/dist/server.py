@@ -103,7 +103,8 @@ class DistServer:
                                                  round(self.total_pushes / self.W))
     tx = optim.make_sync_chain(config.optimizer, scheme.transform, scheme.num_replicas)
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    params, model_state = task.init(init_rng)
+    # One compiled init (eager init compiles each initializer: ~7 s for LeNet-5 here).
+    params, model_state = jax.jit(task.init)(init_rng)
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
     self.dense_bytes = step_lib.tree_bytes(params)
     self.stats_bytes = step_lib.tree_bytes(model_state)
@@ -112,7 +113,16 @@ class DistServer:
                                      scheme.num_replicas, train_rng)
     self.round_fn = executor.make_round_fn(tx)
     self.put_fn = make_put_fn()
+    self._compile(params, model_state)
     self.ratio_of = simulate.Ratios(config, scheme, self.cluster.speeds, self.spe)
+
+  def _compile(self, params, model_state) -> None:
+    """Runs the round and the push once on a copy, so no compilation happens under the lock."""
+    copy_state = lambda: jax.tree.map(jnp.copy, self.state)
+    self.put_fn(copy_state(), np.int32(0), params, model_state, np.float32(0), np.int32(0))
+    args = sync.round_args(self.scheme.make_protocol().new_round(0.0))
+    args["learning_rate"] = np.float32(0.0)
+    jax.block_until_ready(self.round_fn(copy_state(), args))
 
   def _build_host(self) -> None:
     W = self.W
@@ -270,6 +280,8 @@ class DistServer:
   def close(self) -> None:
     with self.lock:
       self._finish()
+    if self._clock_started:
+      self.save()   # also after Ctrl-C, SIGTERM or a failure: what was applied stays
     # Give the meshes a moment to read their stop (a heartbeat or a pending push).
     deadline = time.monotonic() + 2 * self._heartbeat_interval()
     while time.monotonic() < deadline and self.waiting.any():
@@ -321,7 +333,7 @@ class DistServer:
                            {"address": self.address, "session": self.session, "pid": os.getpid()})
     logging.info("parameter server of %s (%d replicas) serving %d meshes at %s", self.scheme.name,
                  self.scheme.num_replicas, self.W, self.address)
-    join_by = time.monotonic() + float(dist.join_timeout)
+    self._join_by = join_by = time.monotonic() + float(dist.join_timeout)
     with self.lock:
       self.last_seen[:] = join_by - float(dist.heartbeat_timeout)   # the first join's grace
       for due, message in self.host["in_flight"]:   # messages in flight at the checkpoint
@@ -350,21 +362,39 @@ class DistServer:
                          " with the same --config and --config.* flags"}
       if self.done:
         return {"stop": True}
-      if not self._clock_started:   # the run's clock starts at the first join of a session
-        self._clock_started = True
-        self._session_start = time.perf_counter()
-      now = self._now()
       if not self.host["started"][w] and self.protocol.alive[w]:
         self.host["started"][w] = True   # the first start: the initial weights, iteration 0
+        self._await_start(w)
         reply = self._pull_reply(w, self._next_job(w))
         self.host["pulls_per_worker"][w] += 1
         return self._sent(w, reply)
+      self._start_clock()               # a resumed session starts at its first rejoin
+      now = self._now()
       if self.protocol.alive[w]:         # restarted before its heartbeat ran out
         self._lose(w, now, "restarted")
       self.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"])})
       logging.info("mesh %d rejoins at %d pushes", w, self.host["pushes"])
       self._react(self.protocol.rejoin(w, now), now)
       return self._sent(w, self.replies.pop(w))
+
+  def _await_start(self, w: int) -> None:
+    """The start barrier: a fresh run begins when every mesh has joined (or at join_timeout).
+
+    As on a real cluster, where jobs start together; the run's clock starts
+    then, so wall time counts training, not the meshes' staggered start-up.
+    """
+    self.changed.notify_all()
+    while (not self.host["started"].all() and time.monotonic() < self._join_by
+           and not self.done):
+      self.last_seen[w] = time.monotonic()   # waiting here is alive
+      self.changed.wait(timeout=0.2)
+    self._start_clock()
+    self.changed.notify_all()
+
+  def _start_clock(self) -> None:
+    if not self._clock_started:
+      self._clock_started = True
+      self._session_start = time.perf_counter()
 
   def on_push(self, request: dict) -> dict:
     """A mesh's gradient: applied as the protocol says; the reply waits for the mesh's release."""
@@ -390,10 +420,11 @@ class DistServer:
       return self._sent(w, self.replies.pop(w, {"stop": True}))
 
   def on_heartbeat(self, request: dict) -> dict:
-    with self.lock:
-      w = self._check_call(request)
-      return {"stop": self.done, "rejoin": (request.get("session") != self.session
-                                            or not self.protocol.alive[w])}
+    # No lock: a heartbeat counts even while the lock is held (a long round, a checkpoint),
+    # so a busy server never drops a live mesh.
+    w = self._check_call(request)
+    return {"stop": self.done, "rejoin": (request.get("session") != self.session
+                                          or not self.protocol.alive[w])}
 
   def on_status(self, request: dict) -> dict:
     del request
