@@ -175,6 +175,13 @@ def _wait_for(predicate, timeout: float, what: str, procs=()):
     time.sleep(0.2)
 
 
+def _tv_distance(hist_a, hist_b) -> float:
+  """Total variation distance of two staleness histograms (counts of 0, 1, 2, ...)."""
+  n = max(len(hist_a), len(hist_b))
+  a, b = (np.pad(np.asarray(h, float), (0, n - len(h))) for h in (hist_a, hist_b))
+  return 0.5 * float(np.abs(a / a.sum() - b / b.sum()).sum())
+
+
 def _groups(config) -> np.ndarray:
   from gssp_jax import sync  # pylint: disable=g-import-not-at-top
   from gssp_jax.sim import cluster  # pylint: disable=g-import-not-at-top
@@ -203,7 +210,7 @@ def test_real_gssp_converges_survives_a_killed_mesh_that_rejoins_and_agrees_with
   keeps every update, and its checkpoint restores.
   """
   workdir = tmp_path / "real"
-  changes = {"cluster.base_time": 0.2, "train.num_epochs": 10.0, "train.eval_every": 1.0,
+  changes = {"cluster.base_time": 0.2, "train.num_epochs": 7.0, "train.eval_every": 1.0,
              "dist.heartbeat_timeout": 5.0}
   flags = ["--config.num_workers=4", "--config.sync.num_groups=2",
            "--config.cluster.tiers=(1.0,3.0)", "--num_meshes=4"] + [
@@ -237,7 +244,8 @@ def test_real_gssp_converges_survives_a_killed_mesh_that_rejoins_and_agrees_with
   assert [e["mesh"] for e in summary["meshes"]["lost"]] == [victim]
   assert [e["mesh"] for e in summary["meshes"]["rejoined"]] == [victim]
   versions = np.array([m["updates_per_replica"] for m in lines])
-  assert np.all(np.diff(versions, axis=0) >= 0) and np.all(np.diff([m["pushes"] for m in lines]) > 0)
+  assert np.all(np.diff(versions, axis=0) >= 0)
+  assert np.all(np.diff([m["pushes"] for m in lines]) > 0)
   assert summary["scheme"]["groups"] == groups.tolist()
   fast, slow_group = groups[0], groups[-1]
   per_replica = summary["totals"]["updates_per_replica"]
@@ -253,9 +261,13 @@ def test_real_gssp_converges_survives_a_killed_mesh_that_rejoins_and_agrees_with
   assert restored.restore() == summary["totals"]["pushes"]
   assert restored.acct.version.tolist() == per_replica
   restored.close()
-  # Agreement with the simulator on the same cluster, before the kill (see the README's
-  # tolerance): mean staleness within 25 %, the fast group's share of updates within 0.1.
+  # Agreement with the simulator on the same cluster, before the kill (docs/REAL_RUNS.md
+  # justifies the tolerances): the staleness histograms within a total variation distance of
+  # 0.15 (measured 0.03; SSP's histogram on this cluster is 0.64 away, ASP's 0.47), the means
+  # within 25 %, the fast group server's share of the updates within 0.1.
   sim = _simulated_first_eval(changes, tmp_path)
+  assert _tv_distance(first["staleness"]["hist"], sim["staleness"]["hist"]) <= 0.15, (
+      first["staleness"], sim["staleness"])
   share = lambda m: m["updates_per_replica"][fast] / sum(m["updates_per_replica"][:2])
   assert abs(first["staleness"]["mean"] - sim["staleness"]["mean"]) <= 0.25 * sim[
       "staleness"]["mean"], (first["staleness"], sim["staleness"])
@@ -264,12 +276,12 @@ def test_real_gssp_converges_survives_a_killed_mesh_that_rejoins_and_agrees_with
 
 
 @pytest.mark.slow
-def test_two_process_meshes_train_and_sigterm_to_the_launcher_leaves_no_process(
+def test_two_process_meshes_train_sigterm_leaves_no_process_and_a_rerun_resumes(
     tmp_path, data_dir):
   workdir = tmp_path / "real"
-  procs = [_launch(workdir, data_dir, "--config.num_workers=2", "--config.sync.scheme=ssp",
-                   "--config.cluster.profile=none", "--config.train.num_epochs=50.0",
-                   "--config.train.eval_every=0.25", "--processes_per_mesh=2")]
+  flags = ["--config.num_workers=2", "--config.sync.scheme=ssp", "--config.cluster.profile=none",
+           "--config.train.num_epochs=50.0", "--config.train.eval_every=0.25"]
+  procs = [_launch(workdir, data_dir, *flags, "--processes_per_mesh=2")]
   try:
     _wait_for(lambda: _metrics(workdir), 240, "the first evaluation", procs)
     pids = _pids(workdir)
@@ -282,6 +294,47 @@ def test_two_process_meshes_train_and_sigterm_to_the_launcher_leaves_no_process(
     _kill_all(procs, workdir)
   first = _metrics(workdir)[0]
   assert first["pushes"] >= 2 * 4 and first["test_accuracy"] > 0.2
-  assert json.load(open(workdir / "summary.json"))["status"] == "interrupted"
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["status"] == "interrupted"
   for name in ("mesh0_rank1", "mesh1_rank1"):
     assert "joined" in (workdir / "logs" / f"{name}.txt").read_text()
+  # The rerun (one process per mesh now: the split of a mesh is not part of the run) resumes
+  # from the checkpoint the interrupted server saved, and stops after a few more pushes.
+  saved = summary["totals"]["pushes"]
+  procs = [_launch(workdir, data_dir, *flags, f"--config.train.stop_after_updates={saved + 8}")]
+  try:
+    out, _ = procs[0].communicate(timeout=240)
+    assert procs[0].returncode == 0, out[-3000:]
+  finally:
+    _kill_all(procs, workdir)
+  assert f"resumed from the server checkpoint at {saved} pushes" in (workdir / "log.txt"
+                                                                     ).read_text()
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["status"] == "stopped" and summary["totals"]["pushes"] == saved + 8
+  lines = _metrics(workdir)
+  assert lines[0] == first and lines[-1]["pushes"] == saved + 8
+
+
+def test_each_process_gets_its_own_gpu_round_robin_and_none_preallocates(tmp_path, monkeypatch):
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  launcher = launch.LocalLauncher([], str(tmp_path), launch.Topology(num_meshes=3,
+                                                                     processes_per_mesh=1),
+                                  _config(num_workers=3))
+  assert launcher.gpus == ["3", "5"]
+  assert [launcher._gpu(i) for i in range(4)] == ["3", "5", "3", "5"]
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+  assert launch.visible_gpus() == []
+  spawned = {}
+
+  class FakePopen:   # records what a child would get; starts nothing
+    pid = 0
+
+    def __init__(self, cmd, env, **kwargs):
+      del kwargs
+      spawned.update(cmd=cmd, env=env)
+
+  monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
+  launcher._spawn("mesh0_rank0", ["--role=worker"], gpu="5")
+  assert spawned["env"]["CUDA_VISIBLE_DEVICES"] == "5"
+  assert spawned["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert spawned["cmd"][-1] == f"--workdir={tmp_path}"

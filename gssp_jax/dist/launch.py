@@ -27,7 +27,7 @@ from typing import Sequence
 from absl import logging
 import ml_collections
 
-from gssp_jax import config as config_lib
+from gssp_jax.data import paths
 from gssp_jax.dist import wire
 
 ROLES = ("local", "server", "worker")
@@ -109,6 +109,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
+def visible_gpus() -> list[str]:
+  """This host's GPU ids: ``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi -L``'s; [] without."""
+  env = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if env is not None:
+    return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.TimeoutExpired):
+    return []
+  return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
 def check_port_free(address: str) -> None:
   """Raises ValueError when ``address``'s port is taken here (port 0 always passes)."""
   host, port = wire.check_address("--server_address", address)
@@ -182,16 +194,25 @@ class LocalLauncher:
     self.argv_config, self.workdir, self.topo, self.config = (list(argv_config), workdir, topo,
                                                              config)
     self.procs: dict[str, subprocess.Popen] = {}
+    self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
 
-  def _spawn(self, name: str, role_flags: list[str]) -> subprocess.Popen:
+  def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None
+             ) -> subprocess.Popen:
     os.makedirs(self.logs, exist_ok=True)
     cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
            f"--workdir={self.workdir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for key in ENV.values():
       env.pop(key, None)
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # processes share a GPU
+    # Processes share a GPU: none preallocates (JAX's default takes 75 % of it at start-up).
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if gpu is not None:
+      env["CUDA_VISIBLE_DEVICES"] = gpu   # this process's own device
+    # Every mesh compiles the same programs: a shared persistent cache lets restarted meshes
+    # and resumed runs skip compilation (the cached executables are the same programs).
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(paths.resolve_cache_dir(None) / "xla"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=_die_with_parent)
@@ -217,7 +238,7 @@ class LocalLauncher:
                                     "127.0.0.1:0")
     address = f"{host}:{port or free_port(host)}"
     check_port_free(address)
-    self._spawn("server", ["--role=server", f"--server_address={address}"])
+    self._spawn("server", ["--role=server", f"--server_address={address}"], self._gpu(0))
     return address
 
   def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
@@ -227,7 +248,12 @@ class LocalLauncher:
              f"--processes_per_mesh={P}", f"--num_meshes={self.topo.num_meshes}"]
     if P > 1:
       flags.append(f"--coordinator_address=127.0.0.1:{free_port()}")
-    return [self._spawn(f"mesh{mesh}_rank{r}", flags + [f"--rank={r}"]) for r in range(P)]
+    return [self._spawn(f"mesh{mesh}_rank{r}", flags + [f"--rank={r}"], self._gpu(mesh * P + r))
+            for r in range(P)]
+
+  def _gpu(self, index: int) -> str | None:
+    """Round-robin over this host's GPUs (None on a host without): one device per process."""
+    return self.gpus[index % len(self.gpus)] if self.gpus else None
 
   def run(self, poll: float = 0.5) -> int:
     """Runs until the server exits; returns its exit code. Always ends every child."""

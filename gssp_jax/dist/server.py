@@ -51,7 +51,7 @@ ADDRESS_FILE = "server_address.json"   # in the workdir: where the launcher find
 
 
 def make_put_fn():
-  """``(state, worker, grad, model_state, loss, nbytes) -> state``: a push into the worker's slot."""
+  """``(state, worker, grad, model_state, loss, nbytes) -> state``: a push into its slot."""
 
   def put(state: executor.SimState, w, grad, model_state, loss, nbytes):
     set_row = lambda buf, value: jax.tree.map(lambda b, v: b.at[w].set(v.astype(b.dtype)),

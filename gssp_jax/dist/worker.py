@@ -50,7 +50,7 @@ class Stop(Exception):
 
 
 def make_mesh_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int):
-  """``(params, model_state, comp_state, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
+  """``(params, model_state, comp, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
 
   One jitted SPMD program over ``mesh``: the batch is split over the ``data``
   axis, everything else replicated, so the gradient is the mean over the whole
