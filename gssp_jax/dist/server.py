@@ -385,7 +385,7 @@ class DistServer:
     """
     self.changed.notify_all()
     while (not self.host["started"].all() and time.monotonic() < self._join_by
-           and not self.done):
+           and not self.done and self.host["pushes"] == 0):   # only a fresh run waits
       self.last_seen[w] = time.monotonic()   # waiting here is alive
       self.changed.wait(timeout=0.2)
     self._start_clock()
