@@ -59,7 +59,9 @@ def _base_config_flag(argv: list[str]) -> list[str]:
 
 
 def _overrides() -> dict:
-  return config_flags.get_override_values(flags.FLAGS["config"]) if _CONFIG.value is not None else {}
+  if _CONFIG.value is None:   # no --config.* flags
+    return {}
+  return config_flags.get_override_values(flags.FLAGS["config"])
 
 
 def main(argv):

@@ -166,15 +166,21 @@ def check_config_files(argv: Sequence[str]) -> None:
 
 def _unknown_override(argv: Sequence[str], error: BaseException) -> str | None:
   """``--config.sync.nokey=1``: ml_collections says only ``"'nokey'"``; name the flag."""
-  missing = str(error).strip("\"'")
+  text = str(error)
+  found = re.search(r"'([A-Za-z0-9_]+)", text)
+  if found is None:
+    return None
+  missing = found.group(1)
+  suggestion = re.search(r'Did you mean "([A-Za-z0-9_]+)"', text)
   for arg in argv[1:]:
     for name in _config_file_flags():
       match = re.match(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)", arg)
       if match and missing in match.group(1).split("."):
         key = match.group(1)
         where = f" (no {missing!r})" if key != missing else ""
+        hint = f" (did you mean {suggestion.group(1)!r}?)" if suggestion else ""
         return (f"flag {arg}: the config has no key {key!r}{where}; allowed: keys of the "
-                "config file's get_config()")
+                f"config file's get_config(){hint}")
   return None
 
 

@@ -359,7 +359,7 @@ def describe_more_epochs(longer: dict[str, tuple], workdir: str) -> str:
   runs = "; ".join(f"{', '.join(names)} ({old!r} -> {new!r})"
                    for (old, new), names in by_epochs.items())
   keep = " or ".join(f"--config.train.num_epochs={old!r}" for old, _ in by_epochs)
-  return (f"finished runs asking for more train.num_epochs: {runs}. A finished run is not "
+  return (f"Finished runs asking for more train.num_epochs: {runs}. A finished run is not "
           "extended in place (its learning-rate schedule spans the epochs it was given, and "
           "resuming it with another train.num_epochs is refused): --rerun_changed trains them "
           f"again from the start for the new length (the old runs kept in "
