@@ -15,6 +15,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from gssp_jax import cli
+from gssp_jax import config as config_lib
 from gssp_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -27,6 +28,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.setup_logging()
+  # Checked before log.txt is created: a mistake leaves no empty workdir behind.
+  cli.check_workdir(_WORKDIR.value)
+  config_lib.validate_config(_CONFIG.value)
   with (cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")),   # appended on resume
         cli.sigterm_as_interrupt()):   # `kill` records an interrupted run like Ctrl-C
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
@@ -39,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run_main(main)   # user errors: one line (--verbose: the traceback)

@@ -14,6 +14,7 @@ each configuration's best tuned value, with the tuning disclosed in report.md.
 from absl import app
 from absl import flags
 
+from gssp_jax import cli
 from gssp_jax import report
 
 _OUT = flags.DEFINE_string("out", None, "where to write the report (default: DIR itself)")
@@ -33,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run_main(main)

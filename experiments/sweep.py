@@ -1,6 +1,11 @@
 """Runs a config-file ablation sweep: one workdir per trial, resumable.
 
-  python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N]
+  python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR [--parallel=N] \
+      [--config.key=value ...]
+
+--config.key=value overrides a key of the sweep's base config (its get_config()) for every
+trial, as in experiments.main; a key the grid sets is refused (change it in the sweep
+file). A rerun with other overrides is a changed sweep (below).
 
 A rerun with the same workdir skips finished trials (done, collapsed, diverged),
 retries failed or interrupted ones and resumes each from its checkpoint. If the
@@ -14,6 +19,7 @@ library code (``gssp_jax.sweep``).
 
 from absl import app
 from absl import flags
+from ml_collections import config_flags
 
 from gssp_jax import cli
 from gssp_jax import sweep
@@ -26,10 +32,41 @@ _RERUN_CHANGED = flags.DEFINE_bool(
     "rerun_changed", False, "move trials whose config the sweep file changed to DIR/_stale/<time>/ "
     "and run them again (default: refuse, naming them)")
 _ONLY = flags.DEFINE_string("only", None, "run just this trial (used by --parallel)")
+# The sweep file's base config, loaded by ml_collections only when --config.key=value
+# overrides are given (_base_config_flag), so that they parse exactly as in experiments.main.
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "not given: the sweep file itself (get_config()), when --config.key=value "
+    "overrides its keys", lock_config=True)
+
+
+def _base_config_flag(argv: list[str]) -> list[str]:
+  """With --config.* overrides, ``--config=<the --sweep file>`` before them (ml_collections
+  defines the override flags from the config file it loads)."""
+  if any(a.split("=", 1)[0] in ("--config", "-config") for a in argv[1:]):
+    raise ValueError("--config is not a flag of experiments.sweep: the base config is the sweep "
+                     "file's get_config(); allowed: --config.key=value overrides of it")
+  if not any(a.startswith(("--config.", "--noconfig.", "-config.", "-noconfig.")) for a in argv):
+    return argv
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith(("--sweep=", "-sweep="))), None)
+  if spec is None:
+    spec = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--sweep", "-sweep")),
+                None)
+  if spec is None:
+    raise ValueError("--config.key=value overrides need --sweep=FILE (whose base config they "
+                     "change)")
+  sweep.load_sweep(spec)   # a missing or broken sweep file named as such, not as --config
+  return [argv[0], f"--config={spec}", *argv[1:]]
+
+
+def _overrides() -> dict:
+  if _CONFIG.value is None:   # no --config.* flags
+    return {}
+  return config_flags.get_override_values(flags.FLAGS["config"])
 
 
 def main(argv):
   del argv
+  cli.check_workdir(_WORKDIR.value)
   cli.setup_logging()
   with cli.sigterm_as_interrupt():   # `kill` stops the trials like Ctrl-C; a rerun resumes
     _main()
@@ -37,7 +74,7 @@ def main(argv):
 
 def _main():
   if _ONLY.value:
-    trials = {t.name: t for t in sweep.expand(_SWEEP.value)}
+    trials = {t.name: t for t in sweep.expand(_SWEEP.value, _overrides())}
     if _ONLY.value not in trials:
       raise app.UsageError(f"--only={_ONLY.value!r} is not a trial of {_SWEEP.value}; trials: "
                            f"{', '.join(trials)}")
@@ -45,7 +82,8 @@ def _main():
     return
   try:
     statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
-                               max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value)
+                               max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value,
+                               overrides=_overrides())
   except sweep.ChangedTrialsError as e:
     raise SystemExit(f"error: {e}") from None   # one line, no traceback
   for name, status in statuses.items():
@@ -53,4 +91,4 @@ def _main():
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run_main(main, prepare_argv=_base_config_flag)

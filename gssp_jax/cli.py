@@ -1,13 +1,22 @@
 """What the command-line entry points share: logging that keeps Orbax's per-save chatter out,
-and ``kill`` treated like Ctrl-C."""
+``kill`` treated like Ctrl-C, and user errors in one line (:func:`run_main`)."""
+
+from __future__ import annotations
 
 import contextlib
 import logging as std_logging
 import os
+import re
 import signal
+import sys
 import threading
+from typing import Any, Callable, Sequence
 
+from absl import app
+from absl import flags
 from absl import logging
+import ml_collections
+from ml_collections.config_flags import config_flags   # is_config_flag: not re-exported
 
 
 def quiet_orbax(record) -> bool:
@@ -60,3 +69,174 @@ def sigterm_as_interrupt():
     yield
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+# --- Errors a person reads -------------------------------------------------------------------
+#
+# A user error (a bad flag or config value, a config key that does not exist, a path that is
+# missing or of the wrong kind) ends the command with one line on stderr and exit code 1: the
+# framework's messages already name the key, the value and what is allowed, and a traceback
+# only hides them. Anything else is a programming error and keeps its traceback, as does
+# every error under --verbose or GSSP_VERBOSE=1.
+
+VERBOSE_ENV = "GSSP_VERBOSE"
+USER_ERRORS = (ValueError, KeyError, OSError, flags.Error)
+_ML_COLLECTIONS_TRACE = "Error whilst parsing config file:"
+
+
+def _verbose_requested(argv: Sequence[str]) -> bool:
+  """--verbose (any spelling absl accepts) or GSSP_VERBOSE=1; read from argv, as an error may
+  come before the flags are parsed."""
+  if os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes"):
+    return True
+  verbose = False
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name, _, value = arg.lstrip("-").partition("=")
+    if name == "verbose":
+      verbose = value.lower() not in ("0", "false", "no") if value else True
+    elif name == "noverbose":
+      verbose = False
+  return verbose
+
+
+def user_message(error: BaseException) -> str:
+  """The one line printed for a user error: its message, without the Python wrapping."""
+  if isinstance(error, KeyError) and len(error.args) == 1 and isinstance(error.args[0], str):
+    message = error.args[0]   # str(KeyError) is the repr of its argument
+  elif isinstance(error, OSError) and error.filename is not None and error.strerror:
+    message = f"{error.strerror}: {error.filename}"
+  else:
+    message = str(error) or type(error).__name__
+  if _ML_COLLECTIONS_TRACE in message:
+    # ml_collections puts the traceback of a failing get_config() into the flag's error;
+    # its last line is the exception itself.
+    head, _, trace = message.partition(_ML_COLLECTIONS_TRACE)
+    last = [line.strip() for line in trace.splitlines() if line.strip()][-1:]
+    message = head + (last[0] if last else "")
+  lines = [line for line in message.splitlines() if line.strip()]
+  if len(lines) > 1:
+    message = (f"{lines[0].rstrip()} (and {len(lines) - 1} more lines: --verbose shows them "
+               "with the traceback)")
+  return message
+
+
+@contextlib.contextmanager
+def user_errors(argv: Sequence[str], kinds=USER_ERRORS):
+  """Inside, an exception of ``kinds`` exits with ``error: <one line>`` on stderr and code 1.
+
+  Under --verbose (in ``argv``) or GSSP_VERBOSE=1 it propagates with its traceback.
+  """
+  try:
+    yield
+  except kinds as e:
+    if _verbose_requested(argv):
+      raise
+    raise SystemExit(f"error: {user_message(e)}") from None
+
+
+def _config_file_flags() -> list[str]:
+  return [name for name in flags.FLAGS if config_flags.is_config_flag(flags.FLAGS[name])]
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+  """Refuses a ``--config=FILE[:arg]`` whose file does not exist, before anything loads it.
+
+  ml_collections would defer the failure to the first use of the config, with a
+  44-line chained OSError, after the entry point may have created its workdir.
+  """
+  names = _config_file_flags()
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      break
+    for name in names:
+      spec = None
+      if arg.startswith((f"--{name}=", f"-{name}=")):
+        spec = arg.partition("=")[2]
+      elif arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+        spec = argv[i + 1]
+      if spec is not None:
+        path = spec.split(":", 1)[0]
+        if not os.path.isfile(path):
+          what = "is a directory" if os.path.isdir(path) else "does not exist"
+          raise FileNotFoundError(f"--{name}={spec}: config file {path!r} {what}; allowed: a "
+                                  "Python file defining get_config()")
+
+
+def _unknown_override(argv: Sequence[str], error: BaseException) -> str | None:
+  """``--config.sync.nokey=1``: ml_collections says only ``"'nokey'"``; name the flag."""
+  text = str(error)
+  found = re.search(r"'([A-Za-z0-9_]+)", text)
+  if found is None:
+    return None
+  missing = found.group(1)
+  suggestion = re.search(r'Did you mean "([A-Za-z0-9_]+)"', text)
+  for arg in argv[1:]:
+    for name in _config_file_flags():
+      match = re.match(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)", arg)
+      if match and missing in match.group(1).split("."):
+        key = match.group(1)
+        where = f" (no {missing!r})" if key != missing else ""
+        hint = f" (did you mean {suggestion.group(1)!r}?)" if suggestion else ""
+        return (f"flag {arg}: the config has no key {key!r}{where}; allowed: keys of the "
+                f"config file's get_config(){hint}")
+  return None
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's flag parsing with user errors in one line; config files must exist and load."""
+  with user_errors(argv):
+    check_config_files(argv)
+    try:
+      rest = flags.FLAGS(list(argv))
+    except (AttributeError, KeyError) as e:   # ml_collections: --config.<key it does not have>
+      message = _unknown_override(argv, e)
+      if message is None:
+        raise
+      raise ValueError(message) from e
+    for name in _config_file_flags():
+      value = flags.FLAGS[name].value
+      if value is not None and not isinstance(value, ml_collections.ConfigDict):
+        # ml_collections' stand-in for a config that failed to load raises its error here.
+        getattr(value, "keys", None)
+    return rest
+
+
+def check_workdir(path: str) -> str:
+  """Refuses a ``--workdir`` that is a file or lies under one, before anything is created."""
+  if not path:
+    raise ValueError(f"--workdir={path!r} is invalid; allowed: a directory path")
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    where = "is a file" if probe == os.path.abspath(path) else f"lies under the file {probe}"
+    raise NotADirectoryError(f"--workdir={path} {where}; allowed: a directory (created if "
+                             "missing) or a new path")
+  return path
+
+
+def run_main(main: Callable[[list[str]], Any],
+             prepare_argv: Callable[[list[str]], list[str]] | None = None) -> None:
+  """``app.run(main)`` where user errors print one line (:func:`user_errors`) and exit with 1.
+
+  Defines ``--verbose`` (keep the traceback). ``prepare_argv`` may rewrite the
+  command line before the flags are parsed (``sys.argv`` too, as
+  ml_collections' config flags read it).
+  """
+  if "verbose" not in flags.FLAGS:
+    flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (also: "
+                      f"{VERBOSE_ENV}=1); by default it is one line.")
+
+  def parser(argv):
+    if prepare_argv is not None:
+      with user_errors(argv):
+        argv = sys.argv = prepare_argv(list(argv))
+    return parse_flags(argv)
+
+  def guarded(argv):
+    with user_errors(sys.argv):
+      return main(argv)
+
+  app.run(guarded, flags_parser=parser)

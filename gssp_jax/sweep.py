@@ -18,6 +18,12 @@ with the changed keys, and only ``rerun_changed`` moves such trials aside
 (into ``_stale/<time>/``, nothing is deleted) and runs them again. The current
 grid is written to ``sweep.json``, which the report keeps to.
 
+Overrides of the base config (``--config.key=value`` on the command line, ``overrides=``
+here) apply to every trial before its grid values; a key the grid sets is refused
+(:func:`check_overrides`). They are part of each trial's config, so a rerun with other
+overrides is a changed sweep (refused, or ``rerun_changed``), and ``sweep.json``
+records them.
+
 An axis declared with :func:`tune` instead of :func:`sweep` (e.g. the learning
 rate) is a hyperparameter to tune, not a factor to compare: every trial
 records the tuned keys in its ``trial.json`` and the report shows each
@@ -149,47 +155,75 @@ def load_sweep(spec: str):
   return module, arg
 
 
-def expand(path: str) -> list[Trial]:
+def _set(config: ml_collections.ConfigDict, changes: dict, where: str) -> None:
+  """``config_lib.override`` with errors that say where the key came from."""
+  for key, value in changes.items():
+    try:
+      config_lib.override(config, {key: value})
+    except KeyError as e:
+      raise ValueError(f"{where}: key {key!r} is not a config key ({e})") from None
+    except TypeError as e:
+      raise ValueError(f"{where}: {key}={value!r} has the wrong type: {e}") from None
+
+
+def check_overrides(overrides: dict, grid: Sequence[dict], path: str) -> None:
+  """Refuses a base-config override of a key (or a parent or child of one) the grid sets.
+
+  The grid's value would silently replace the override in the trials that set
+  it; a sweep over ``seed`` run with ``--config.seed=3`` would not do what it
+  says. Such a value belongs in the sweep file.
+  """
+  grid_keys = list(dict.fromkeys(k for trial in grid for k in trial))
+  for key in overrides:
+    clash = [g for g in grid_keys if g == key or g.startswith(key + ".")
+             or key.startswith(g + ".")]
+    if clash:
+      raise ValueError(f"--config.{key}={overrides[key]!r} overrides a key the grid of {path} "
+                       f"sets ({', '.join(clash)}); allowed: keys the grid does not set (change "
+                       "the grid's values in the sweep file)")
+
+
+def expand(path: str, overrides: dict | None = None) -> list[Trial]:
   """The sweep's trials, each config built and validated (nothing runs or compiles).
 
   ``path`` may end in ``:arg`` (``configs/sweeps/x.py:full``); the arg goes to
-  ``get_config(arg)`` and ``get_sweep(arg)`` when they take one.
+  ``get_config(arg)`` and ``get_sweep(arg)`` when they take one. ``overrides``
+  (dotted keys, as ``--config.key=value``) change the base config of every
+  trial; they do not enter the trial names.
 
   Raises:
     ValueError: an empty grid, an unknown key, a value of the wrong type or an
-      invalid value, naming the key; two trials with the same overrides.
+      invalid value, naming the key; two trials with the same overrides; an
+      override of a key the grid sets.
   """
+  overrides = dict(overrides or {})
   module, arg = load_sweep(path)
   grid = _call(module.get_sweep, arg)
   if not grid:
     raise ValueError(f"sweep file {path}: get_sweep() returned an empty grid; allowed: at least "
                      "one trial")
-  allow_unread = _base_sync_keys(module, arg, grid)
+  check_overrides(overrides, grid, path)
+  allow_unread = _base_sync_keys(module, arg, grid, overrides)
   trials, names = [], set()
-  for overrides in grid:
+  for overrides_of_trial in grid:
     config = _call(module.get_config, arg)
-    for key, value in overrides.items():
-      try:
-        config_lib.override(config, {key: value})
-      except KeyError as e:
-        raise ValueError(f"sweep file {path}: key {key!r} is not a config key ({e})") from None
-      except TypeError as e:
-        raise ValueError(f"sweep file {path}: {key}={value!r} has the wrong type: {e}") from None
+    _set(config, overrides, f"sweep {path}, --config.*")
+    _set(config, overrides_of_trial, f"sweep file {path}")
     try:
       config_lib.validate_config(config, allow_unread=allow_unread)
     except ValueError as e:
-      raise ValueError(f"sweep file {path}, trial {overrides}: {e}") from None
-    name = trial_name(overrides)
+      raise ValueError(f"sweep file {path}, trial {overrides_of_trial}: {e}") from None
+    name = trial_name(overrides_of_trial)
     if name in names:
-      raise ValueError(f"sweep file {path}: trial {overrides} appears twice")
+      raise ValueError(f"sweep file {path}: trial {overrides_of_trial} appears twice")
     names.add(name)
-    trials.append(Trial(name, dict(overrides), config,
-                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides),
+    trials.append(Trial(name, dict(overrides_of_trial), config,
+                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides_of_trial),
                         allow_unread))
   return trials
 
 
-def _base_sync_keys(module, arg, grid) -> tuple[str, ...]:
+def _base_sync_keys(module, arg, grid, overrides: dict) -> tuple[str, ...]:
   """The sync keys the base config sets that some trial's scheme reads.
 
   A sweep over schemes shares one base config, so it may set a key for some
@@ -198,6 +232,7 @@ def _base_sync_keys(module, arg, grid) -> tuple[str, ...]:
   """
   from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
   base = _call(module.get_config, arg)
+  _set(base, overrides, "--config.*")
   schemes = {overrides.get("sync.scheme", base.sync.scheme) for overrides in grid}
   read = {f"sync.{k}" for s in schemes for k in registry.SYNC_KEYS.get(s, ())}
   return tuple(k for k in config_lib.changed_sync_keys(base) if k in read)
@@ -303,9 +338,56 @@ def describe_changes(changed: dict[str, list[tuple]], workdir: str) -> str:
     text = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes[:5])
     text += f" and {len(changes) - 5} more keys" if len(changes) > 5 else ""
     if _only_more_epochs(changes) and trial_status(os.path.join(workdir, name)) in FINISHED:
-      text += " (finished; only more epochs: not extended in place, it must run again)"
+      text += " (finished; only more epochs)"
     groups.setdefault(text, []).append(name)
   return "; ".join(f"{text} in {', '.join(names)}" for text, names in groups.items())
+
+
+def more_epochs(changed: dict[str, list[tuple]], workdir: str) -> dict[str, tuple]:
+  """The finished trials whose only change is a larger ``train.num_epochs``: ``(ran, asked)``."""
+  return {name: changes[0][1:] for name, changes in changed.items()
+          if _only_more_epochs(changes) and trial_status(os.path.join(workdir, name)) in FINISHED}
+
+
+def describe_more_epochs(longer: dict[str, tuple], workdir: str) -> str:
+  """How to extend finished runs that now ask for more epochs ('' for none)."""
+  if not longer:
+    return ""
+  by_epochs: dict[tuple, list[str]] = {}
+  for name, epochs in longer.items():
+    by_epochs.setdefault(epochs, []).append(name)
+  runs = "; ".join(f"{', '.join(names)} ({old!r} -> {new!r})"
+                   for (old, new), names in by_epochs.items())
+  keep = " or ".join(f"--config.train.num_epochs={old!r}" for old, _ in by_epochs)
+  return (f"Finished runs asking for more train.num_epochs: {runs}. A finished run is not "
+          "extended in place (its learning-rate schedule spans the epochs it was given, and "
+          "resuming it with another train.num_epochs is refused): --rerun_changed trains them "
+          f"again from the start for the new length (the old runs kept in "
+          f"{os.path.join(workdir, STALE_DIR, '<time>')}/), or {keep} keeps them as they are")
+
+
+def recorded_overrides(workdir: str) -> dict | None:
+  """The ``--config.*`` overrides the sweep's last run recorded in ``sweep.json`` (None: no
+  record; a record from before overrides existed counts as none)."""
+  path = os.path.join(workdir, GRID_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f).get("overrides", {})
+
+
+def override_args(overrides: dict) -> list[str]:
+  """``--config.key=value`` flags that ml_collections parses back into ``overrides``
+  (for the trial processes of a parallel sweep)."""
+  def text(value):
+    if isinstance(value, bool):
+      return "true" if value else "false"
+    if isinstance(value, str):
+      return value
+    if isinstance(value, (list, tuple)):
+      return repr(tuple(value))
+    return repr(value)
+  return [f"--config.{key}={text(value)}" for key, value in overrides.items()]
 
 
 def _move_aside(workdir: str, names: Sequence[str]) -> str:
@@ -320,16 +402,20 @@ def _move_aside(workdir: str, names: Sequence[str]) -> str:
   return dest
 
 
-def write_grid(workdir: str, path: str, trials: Sequence[Trial]) -> None:
-  """Records the current grid (trial names, overrides, tuned keys) in ``<workdir>/sweep.json``."""
+def write_grid(workdir: str, path: str, trials: Sequence[Trial],
+               overrides: dict | None = None) -> None:
+  """Records the current grid (trial names, overrides, tuned keys) and the base config's
+  ``--config.*`` overrides in ``<workdir>/sweep.json``."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned)} for t in trials]
-  workdir_lib.write_json(os.path.join(workdir, GRID_FILE), {"sweep": path, "trials": grid},
+  workdir_lib.write_json(os.path.join(workdir, GRID_FILE),
+                         {"sweep": path, "overrides": dict(overrides or {}), "trials": grid},
                          default=str)
 
 
 def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,
-              report_every: float = 60.0, rerun_changed: bool = False) -> dict[str, str]:
+              report_every: float = 60.0, rerun_changed: bool = False,
+              overrides: dict | None = None) -> dict[str, str]:
   """Runs every unfinished trial of the sweep ``path``; returns each trial's status.
 
   Progress (trials finished, ETA, each finished trial's metric; with
@@ -344,6 +430,9 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     report_every: seconds between progress lines on running trials (parallel).
     rerun_changed: trials recorded with a config other than the one the sweep
       file now builds are moved into ``<workdir>/_stale/<time>/`` and run again.
+    overrides: dotted keys of the base config set for every trial
+      (``--config.key=value``), before the trial's grid values; a key the grid
+      sets is refused.
 
   Raises:
     ChangedTrialsError: such trials exist and ``rerun_changed`` is False
@@ -355,14 +444,20 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     raise ValueError(f"max_trials={max_trials!r} is invalid; allowed: an int >= 0 (0 = all)")
   if not isinstance(rerun_changed, bool):
     raise ValueError(f"rerun_changed={rerun_changed!r} is invalid; allowed: True or False")
-  trials = expand(path)
+  overrides = dict(overrides or {})
+  trials = expand(path, overrides)
   changed = changed_trials(trials, workdir)
   if changed and not rerun_changed:
+    before = recorded_overrides(workdir)
+    flags_changed = (f" (the --config.* overrides were {before}, now {overrides})"
+                     if before is not None and json.dumps(before, default=str, sort_keys=True)
+                     != json.dumps(overrides, default=str, sort_keys=True) else "")
+    longer = describe_more_epochs(more_epochs(changed, workdir), workdir)
     raise ChangedTrialsError(
         f"sweep {path}: {len(changed)} trial(s) in {workdir} were run with a different config "
-        f"({describe_changes(changed, workdir)}); rerun with --rerun_changed to move them to "
-        f"{os.path.join(workdir, STALE_DIR, '<time>')}/ and run them again, or use a new "
-        "--workdir")
+        f"({describe_changes(changed, workdir)}){flags_changed}; rerun with --rerun_changed to "
+        f"move them to {os.path.join(workdir, STALE_DIR, '<time>')}/ and run them again, or use "
+        "a new --workdir" + (f". {longer}" if longer else ""))
   os.makedirs(workdir, exist_ok=True)
   with cli.log_to_file(os.path.join(workdir, "sweep.log")):
     if changed:
@@ -370,8 +465,8 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
       dest = _move_aside(workdir, list(changed))
       logging.info("sweep %s: config changed (%s); moved %s to %s; running them again",
                    path, what, ", ".join(changed), dest)
-    write_grid(workdir, path, trials)
-    return _run(path, trials, workdir, parallel, max_trials, report_every)
+    write_grid(workdir, path, trials, overrides)
+    return _run(path, trials, workdir, parallel, max_trials, report_every, overrides)
 
 
 def _children_env(parallel: int) -> dict[str, str]:
@@ -386,7 +481,8 @@ def _children_env(parallel: int) -> dict[str, str]:
   return xla_env.child_env(os.environ, parallel)
 
 
-def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str, str]:
+def _run(path, trials, workdir, parallel, max_trials, report_every,
+         overrides) -> dict[str, str]:
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
   todo = [t for t in trials if statuses[t.name] not in FINISHED]
@@ -423,7 +519,7 @@ def _run(path, trials, workdir, parallel, max_trials, report_every) -> dict[str,
         os.makedirs(os.path.join(workdir, trial.name), exist_ok=True)
         log = open(os.path.join(workdir, trial.name, "stdout.txt"), "a")
         cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
-               f"--workdir={workdir}", f"--only={trial.name}"]
+               f"--workdir={workdir}", f"--only={trial.name}", *override_args(overrides)]
         logging.info("trial %s: starting in a child process", trial.name)
         running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 env=env), log))

@@ -390,3 +390,106 @@ def test_a_changed_sweep_file_is_refused_or_its_changed_trials_rerun(tmp_path, d
   grid = json.load(open(workdir / "sweep.json"))
   assert grid["trials"] == [{"name": "sync.scheme=bsp", "overrides": {"sync.scheme": "bsp"},
                              "tuned": []}]
+
+
+def test_config_overrides_apply_to_every_trial_before_the_grid(tmp_path):
+  path = _sweep_file(tmp_path, 'product(sweep("sync.scheme", ["bsp", "dssync"]), '
+                               'sweep("seed", [0, 1]))')
+  plain = sweep.expand(path)
+  trials = sweep.expand(path, {"num_workers": 8, "sync.group_size": 4,
+                               "cluster.profile": "tiers", "cluster.tiers": (1.0, 3.0)})
+  assert [t.name for t in trials] == [t.name for t in plain]   # names: the grid's values only
+  assert {(t.config.num_workers, t.config.sync.group_size, tuple(t.config.cluster.tiers))
+          for t in trials} == {(8, 4, (1.0, 3.0))}
+  assert [(t.config.sync.scheme, t.config.seed) for t in trials] == [
+      ("bsp", 0), ("bsp", 1), ("dssync", 0), ("dssync", 1)]
+  # A base-config key for DS-Sync only (sync.group_size) is allowed for the BSP trials too.
+  assert all("sync.group_size" in t.allow_unread for t in trials)
+  # A key the grid sets (or its parent) is refused, not silently replaced by the grid.
+  for key in ("seed", "sync"):
+    with pytest.raises(ValueError, match=rf"--config.{key}=.* overrides a key the grid of .* "
+                                         r"sets \((sync.scheme|seed)\); allowed: keys the grid"):
+      sweep.expand(path, {key: 3})
+  with pytest.raises(ValueError, match=r"--config.\*: key 'sync.stalenes' is not a config key"):
+    sweep.expand(path, {"sync.stalenes": 2})
+  with pytest.raises(ValueError, match=r"config.num_workers=0 is invalid"):
+    sweep.expand(path, {"num_workers": 0})
+
+
+def test_override_args_parse_back_to_the_overrides(tmp_path):
+  """The flags a parallel sweep passes to its trial processes, parsed as they parse them."""
+  from absl import flags   # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags   # pylint: disable=g-import-not-at-top
+  path = _sweep_file(tmp_path, 'sweep("seed", [0])')
+  overrides = {"num_workers": 8, "optimizer.learning_rate": 0.1 / 3, "sync.scheme": "gssp",
+               "data_download": False, "cluster.tiers": (1.0, 2.5), "data_dir": ""}
+  argv = ["prog", f"--config={path}", *sweep.override_args(overrides)]
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+  values(argv)
+  assert config_flags.get_override_values(values["config"]) == overrides
+  assert holder.value.cluster.tiers == (1.0, 2.5)
+
+
+def _recorded_run(workdir, trial, status="done"):
+  """What a run leaves in its trial directory for the sweep runner: its config and status."""
+  trial_dir = workdir / trial.name
+  trial_dir.mkdir(parents=True)
+  (trial_dir / "config.json").write_text(trial.config.to_json())
+  (trial_dir / "summary.json").write_text(json.dumps({"status": status}))
+
+
+def test_a_rerun_with_other_overrides_is_a_changed_sweep(tmp_path):
+  path = _sweep_file(tmp_path, 'sweep("seed", [0, 1])')
+  workdir = tmp_path / "sweep"
+  first = {"train.num_epochs": 0.5, "num_workers": 2}
+  trials = sweep.expand(path, first)
+  for trial in trials:
+    _recorded_run(workdir, trial, "done" if trial.config.seed == 0 else "interrupted")
+  sweep.write_grid(str(workdir), path, trials, first)
+  assert json.load(open(workdir / "sweep.json"))["overrides"] == first
+  assert sweep.changed_trials(sweep.expand(path, first), str(workdir)) == {}
+
+  # Other overrides: refused like an edited sweep file, naming both sets of overrides.
+  with pytest.raises(sweep.ChangedTrialsError,
+                     match=r"2 trial\(s\) in .* were run with a different config \(num_workers: "
+                           r"2 -> 4, train.num_epochs: 0.5 -> 1.0 in seed=0, seed=1\) \(the "
+                           r"--config.\* overrides were .*'num_workers': 2.*, now .*'num_workers'"
+                           r": 4.*\); rerun with --rerun_changed"):
+    sweep.run_sweep(path, str(workdir), overrides={"train.num_epochs": 1.0, "num_workers": 4})
+
+  # Only more epochs: the finished run is named with the ways to extend it; the interrupted
+  # one (not finished) is just a changed trial.
+  with pytest.raises(sweep.ChangedTrialsError) as e:
+    sweep.run_sweep(path, str(workdir), overrides={"num_workers": 2})
+  message = str(e.value)
+  assert ("train.num_epochs: 0.5 -> 3.0 (finished; only more epochs) in seed=0; "   # smoke: 3
+          "train.num_epochs: 0.5 -> 3.0 in seed=1" in message)
+  assert message.endswith(
+      "Finished runs asking for more train.num_epochs: seed=0 (0.5 -> 3.0). A finished run is "
+      "not extended in place (its learning-rate schedule spans the epochs it was given, and "
+      "resuming it with another train.num_epochs is refused): --rerun_changed trains them "
+      f"again from the start for the new length (the old runs kept in {workdir}/_stale/<time>/),"
+      " or --config.train.num_epochs=0.5 keeps them as they are")
+  assert sorted(os.listdir(workdir)) == ["seed=0", "seed=1", "sweep.json"]   # nothing moved
+
+
+def test_sweep_command_line_overrides_reach_every_trial_process(tmp_path, monkeypatch):
+  """--config.* on the command line, with --parallel: each trial's process gets them (the
+  trials fail at once on a data directory that does not exist, before training)."""
+  monkeypatch.delenv("GSSP_DATA_DIR", raising=False)
+  path = _sweep_file(tmp_path, 'sweep("seed", [0, 1])')
+  workdir = tmp_path / "sweep"
+  cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}", f"--workdir={workdir}",
+         "--parallel=2", "--config.data_dir=/nonexistent/overridden",
+         "--config.data_download=false",
+         "--config.cluster.profile=tiers", "--config.cluster.tiers=(1.0, 3.0)"]
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split() == ["failed", "seed=0", "failed", "seed=1"]
+  for name in ("seed=0", "seed=1"):
+    trial = json.load(open(workdir / name / "trial.json"))
+    assert trial["status"] == "failed" and "/nonexistent/overridden" in trial["error"]
+  assert json.load(open(workdir / "sweep.json"))["overrides"] == {
+      "data_dir": "/nonexistent/overridden", "data_download": False, "cluster.profile": "tiers",
+      "cluster.tiers": [1.0, 3.0]}

@@ -1,0 +1,105 @@
+"""Errors a person reads: user errors end an entry point with one line and exit code 1."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+from absl import flags
+import pytest
+
+from gssp_jax import cli
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(*args, env=None):
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, **(env or {})}, timeout=300)
+
+
+def _one_line(proc) -> str:
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 1 and len(lines) == 1 and proc.stdout == "", proc.stderr
+  assert lines[0].startswith("error: ")
+  return lines[0]
+
+
+def test_user_errors_one_line_and_others_keep_their_traceback(monkeypatch):
+  monkeypatch.delenv(cli.VERBOSE_ENV, raising=False)
+  with pytest.raises(SystemExit) as e, cli.user_errors(["prog"]):
+    raise KeyError("config has no key 'sync.x'")
+  assert e.value.code == "error: config has no key 'sync.x'"   # not its repr
+  with pytest.raises(SystemExit) as e, cli.user_errors(["prog"]):
+    raise FileNotFoundError(2, "No such file or directory", "/x/y")
+  assert e.value.code == "error: No such file or directory: /x/y"
+  with pytest.raises(RuntimeError), cli.user_errors(["prog"]):   # a programming error
+    raise RuntimeError("bug")
+  for argv in (["prog", "--verbose"], ["prog", "--verbose=true"]):
+    with pytest.raises(ValueError), cli.user_errors(argv):
+      raise ValueError("kept with its traceback")
+  with pytest.raises(SystemExit), cli.user_errors(["prog", "--verbose", "--noverbose"]):
+    raise ValueError("one line")
+  monkeypatch.setenv(cli.VERBOSE_ENV, "1")
+  with pytest.raises(ValueError), cli.user_errors(["prog"]):
+    raise ValueError("kept")
+
+
+def test_user_message_of_ml_collections_and_multi_line_errors():
+  trace = ("flag --config=c.py:bogus: Error whilst parsing config file:\n\nTraceback (most "
+           "recent call last):\n  File \"c.py\", line 3\n    raise ValueError(...)\n"
+           "ValueError: unknown config arg 'bogus'; allowed: smoke\n")
+  assert cli.user_message(flags.IllegalFlagValueError(trace)) == (
+      "flag --config=c.py:bogus: ValueError: unknown config arg 'bogus'; allowed: smoke")
+  assert cli.user_message(ValueError("first\nsecond\nthird")) == (
+      "first (and 2 more lines: --verbose shows them with the traceback)")
+
+
+def test_check_workdir_refuses_a_file_and_a_path_under_one(tmp_path):
+  afile = tmp_path / "f"
+  afile.write_text("")
+  with pytest.raises(NotADirectoryError, match=rf"--workdir={afile} is a file; allowed"):
+    cli.check_workdir(str(afile))
+  with pytest.raises(NotADirectoryError, match=rf"lies under the file {afile}"):
+    cli.check_workdir(str(afile / "run"))
+  assert cli.check_workdir(str(tmp_path / "new" / "run")) == str(tmp_path / "new" / "run")
+  assert not (tmp_path / "new").exists()
+
+
+def test_main_examples_of_the_issue_one_line_nothing_created(tmp_path):
+  workdir = tmp_path / "run"
+  # A config file that does not exist: one line, and no workdir, no empty log.txt.
+  line = _one_line(_run("experiments.main", "--config=configs/nope.py", f"--workdir={workdir}"))
+  assert line == ("error: --config=configs/nope.py: config file 'configs/nope.py' does not "
+                  "exist; allowed: a Python file defining get_config()")
+  assert not workdir.exists()
+  # A workdir that is a file (was a raw FileExistsError), with a config key that does not
+  # exist in another run; --verbose keeps the traceback.
+  afile = tmp_path / "file"
+  afile.write_text("")
+  proc = _run("experiments.main", "--config=configs/mnist_lenet5.py:smoke", f"--workdir={afile}",
+              "--verbose")
+  assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"NotADirectoryError: --workdir={afile} is a file; allowed: a directory (created if "
+      "missing) or a new path")
+  assert afile.read_text() == ""
+
+
+def test_sweep_and_report_errors_one_line(tmp_path):
+  workdir = tmp_path / "sweep"
+  line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/tiny.py",
+                        f"--workdir={workdir}", "--config.sync.stalenes=2"))
+  assert line == ("error: flag --config.sync.stalenes=2: the config has no key 'sync.stalenes' "
+                  "(no 'stalenes'); allowed: keys of the config file's get_config() (did you mean "
+                  "'staleness'?)")
+  line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/nope.py",
+                        f"--workdir={workdir}", "--config.seed=1"))
+  assert line == "error: sweep file 'configs/sweeps/nope.py' does not exist"
+  line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/tiny.py",
+                        f"--workdir={workdir}", "--config.num_workers=four"))
+  assert line == ("error: flag --config.num_workers=four: invalid literal for int() with base "
+                  "10: 'four'")
+  assert not workdir.exists()
+  line = _one_line(_run("experiments.report", str(tmp_path / "nope")))
+  assert "does not exist" in line
