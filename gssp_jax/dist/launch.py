@@ -210,9 +210,12 @@ class LocalLauncher:
     if gpu is not None:
       env["CUDA_VISIBLE_DEVICES"] = gpu   # this process's own device
     # Every mesh compiles the same programs: a shared persistent cache lets restarted meshes
-    # and resumed runs skip compilation (the cached executables are the same programs).
+    # and resumed runs skip compilation (the cached executables are the same programs). A size
+    # cap turns on jax's file lock around reads and writes (filelock), which processes sharing
+    # the directory need: without it an entry is written in place and may be read half-written.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(paths.resolve_cache_dir(None) / "xla"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             preexec_fn=_die_with_parent)
