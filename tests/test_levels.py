@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 from gssp_jax import compress
 from gssp_jax import sync
 from gssp_jax.sim import executor
@@ -238,28 +239,11 @@ def test_compilations_bounded_by_shape_buckets():
 
 
 def _run_config(scheme, compressor, **extra):
-  from configs import mnist_lenet5  # pylint: disable=g-import-not-at-top
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  config = mnist_lenet5.get_config("smoke")
-  config.data.train_size, config.data.test_size = 512, 200
-  config.num_workers = 4
-  config.sync.scheme = scheme
-  if scheme == "gssp":
-    config.sync.num_groups = 2
-  config.compress.name = compressor
-  config.cluster.profile = "tiers"
-  config.cluster.tiers = (1.0, 2.5)
-  config.cluster.jitter = 0.1
-  config.train.num_epochs, config.train.eval_every = 1.0, 0.5
-  return config_lib.override(config, extra)
+  # 512 examples: 4 iterations per worker per epoch, 16 pushes in the epoch.
+  return helpers.cluster_config(scheme, **{"compress.name": compressor, **extra})
 
 
-def _metric_lines(workdir):
-  import json  # pylint: disable=g-import-not-at-top
-  lines = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  for line in lines:
-    line.pop("wall_time")
-  return lines
+_metric_lines = helpers.metric_lines
 
 
 def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
