@@ -258,15 +258,18 @@ def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
   assert executors.executor_name(forced, backend="gpu") == "rounds"
 
 
-@pytest.mark.parametrize("scheme,compressor", [("gssp", "gdtopk"), ("ssp", "dgc")])
+@pytest.mark.parametrize("scheme,compressor,workers", [("gssp", "gdtopk", 4), ("ssp", "dgc", 2)])
 def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, scheme,
-                                                            compressor):
+                                                            compressor, workers):
   # DGC's push times read its sent bytes from the device, which flushes the level buffer at
-  # every read; GDTopK flushes its residual at each worker's epoch end.
+  # every read; GDTopK flushes its residual at each worker's epoch end. SSP runs on 2 workers
+  # (speeds 1 and 2.5, levels of 1 or 2 jobs): both runners compile DGC's jobs once per job
+  # count, and with 4 workers those compilations were most of this test's time.
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   runs = {}
   for name in ("rounds", "levels"):
-    config = _run_config(scheme, compressor, executor=name, data_dir=data_dir)
+    config = _run_config(scheme, compressor, executor=name, data_dir=data_dir,
+                         num_workers=workers)
     runs[name] = loop.train_and_evaluate(config, str(tmp_path / name))
   want, got = _metric_lines(tmp_path / "rounds"), _metric_lines(tmp_path / "levels")
   assert len(got) == len(want) == 2
