@@ -529,7 +529,7 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   config = _sim_config("gssp", **{"cluster.profile": "trace", "cluster.trace_file": str(path),
                                   "cluster.tiers": (1.0, 1.5, 2.0, 3.0), "cluster.jitter": 0.0,
                                   "sync.regroup_every_epoch": True, "compress.name": "gdtopk",
-                                  "train.num_epochs": 4.0, "train.eval_every": 1.0})
+                                  "train.num_epochs": 3.0, "train.eval_every": 1.0})
   config.data_dir = data_dir
   summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
   # The summary reports the trace's mean times, not speed factors of ones.
@@ -540,6 +540,7 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   assert history[0] == [1, 1, 0, 0]   # by the trace's mean times: 2 and 3 are faster overall
   assert history[1] == [0, 0, 1, 1]   # measured over epoch 1, 0 and 1 were the fast ones
   assert history[-1] == [1, 1, 0, 0]  # ... and later they are slow again
+  assert len(history) == 3   # regrouped at the ends of epochs 1 and 2, not after the last
   # And the regrouped run is still exactly reproducible across a resume.
   config.train.stop_after_updates = 80   # after the regrouping at 64 pushes
   loop.train_and_evaluate(config, str(tmp_path / "split"))
