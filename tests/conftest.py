@@ -35,7 +35,7 @@ def _use_a_session_compilation_cache() -> None:
   path = tempfile.mkdtemp(prefix="gssp_jax_test_xla_cache_")
   atexit.register(shutil.rmtree, path, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", path)
-  # Every program, however quick to compile: the suite compiles thousands of small ones.
+  # Every program, however quick to compile: most of the suite's programs are small ones.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
