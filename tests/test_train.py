@@ -97,8 +97,6 @@ def test_smoke_configs_train_end_to_end(name, data_dir, tmp_path):
     # A quarter of the channels: the same layers, blocks, BatchNorm and augmentation at
     # ~1/16 of the convolutions' cost, which at full width was most of this test's time.
     config.model_args.width = 0.25
-  if name.startswith("multi30k"):
-    config.train.num_epochs = 2.0   # two evaluations (BLEU), the loss compared between them
   summary = loop.train_and_evaluate(config, str(tmp_path))
   lines = _lines(tmp_path)
   assert len(lines) >= 2
