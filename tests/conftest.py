@@ -1,7 +1,10 @@
 """Shared fixtures. Tests never download: data comes from $GSSP_DATA_DIR or ../shared/data."""
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 # Importing gssp_jax sets XLA's deterministic-ops flag (gssp_jax.xla_env) before any test
 # starts a jax backend, so the bit-for-bit rerun and resume tests hold on a GPU too.
@@ -10,6 +13,34 @@ import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _use_a_session_compilation_cache() -> None:
+  """Compiles each distinct XLA program once per test session, in this process.
+
+  Most of the suite's time is compilation: a test builds a training run's jitted
+  functions afresh (new closures, so jax's in-memory caches miss), and the runs of
+  one test (whole vs split, rounds vs levels, a rerun) and of many tests compile
+  the very same programs. jax's persistent cache keys an executable by its HLO,
+  compile options and backend, so a hit returns exactly the executable a fresh
+  compile would (the bit-for-bit tests still compare identical programs) and
+  shares no run state. A fresh directory per session (removed at exit) keeps
+  nothing across sessions. Only this process uses it: jax writes entries
+  non-atomically, so the suite's subprocesses (command lines, multi-process runs)
+  do not get it. GSSP_TEST_COMPILATION_CACHE=0 turns it off. It must be set
+  before the first compilation: jax decides once per process whether to use it.
+  """
+  if os.environ.get("GSSP_TEST_COMPILATION_CACHE", "1").lower() in ("0", "false", "off", "no"):
+    return
+  path = tempfile.mkdtemp(prefix="gssp_jax_test_xla_cache_")
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  # Every program, however quick to compile: most of the suite's programs are small ones.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_use_a_session_compilation_cache()
 
 
 def _data_dir() -> pathlib.Path | None:

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 from gssp_jax import compress
 from gssp_jax import sync
 from gssp_jax.sim import executor
@@ -238,28 +239,11 @@ def test_compilations_bounded_by_shape_buckets():
 
 
 def _run_config(scheme, compressor, **extra):
-  from configs import mnist_lenet5  # pylint: disable=g-import-not-at-top
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  config = mnist_lenet5.get_config("smoke")
-  config.data.train_size, config.data.test_size = 512, 200
-  config.num_workers = 4
-  config.sync.scheme = scheme
-  if scheme == "gssp":
-    config.sync.num_groups = 2
-  config.compress.name = compressor
-  config.cluster.profile = "tiers"
-  config.cluster.tiers = (1.0, 2.5)
-  config.cluster.jitter = 0.1
-  config.train.num_epochs, config.train.eval_every = 1.0, 0.5
-  return config_lib.override(config, extra)
+  # 512 examples: 4 iterations per worker per epoch, 16 pushes in the epoch.
+  return helpers.cluster_config(scheme, **{"compress.name": compressor, **extra})
 
 
-def _metric_lines(workdir):
-  import json  # pylint: disable=g-import-not-at-top
-  lines = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  for line in lines:
-    line.pop("wall_time")
-  return lines
+_metric_lines = helpers.metric_lines
 
 
 def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
@@ -274,15 +258,18 @@ def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
   assert executors.executor_name(forced, backend="gpu") == "rounds"
 
 
-@pytest.mark.parametrize("scheme,compressor", [("gssp", "gdtopk"), ("ssp", "dgc")])
+@pytest.mark.parametrize("scheme,compressor,workers", [("gssp", "gdtopk", 4), ("ssp", "dgc", 2)])
 def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, scheme,
-                                                            compressor):
+                                                            compressor, workers):
   # DGC's push times read its sent bytes from the device, which flushes the level buffer at
-  # every read; GDTopK flushes its residual at each worker's epoch end.
+  # every read; GDTopK flushes its residual at each worker's epoch end. SSP runs on 2 workers
+  # (speeds 1 and 2.5, levels of 1 or 2 jobs): both runners compile DGC's jobs once per job
+  # count, and with 4 workers those compilations were most of this test's time.
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   runs = {}
   for name in ("rounds", "levels"):
-    config = _run_config(scheme, compressor, executor=name, data_dir=data_dir)
+    config = _run_config(scheme, compressor, executor=name, data_dir=data_dir,
+                         num_workers=workers)
     runs[name] = loop.train_and_evaluate(config, str(tmp_path / name))
   want, got = _metric_lines(tmp_path / "rounds"), _metric_lines(tmp_path / "levels")
   assert len(got) == len(want) == 2

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from configs import mnist_lenet5
+import helpers
 from gssp_jax import config as config_lib
 from gssp_jax import sweep
 from gssp_jax.sim import executor as sim_executor
@@ -17,18 +17,10 @@ from gssp_jax.train import workdir as workdir_lib
 
 
 def _small(data_dir, **changes):
-  config = mnist_lenet5.get_config("smoke")
-  config.data_dir = data_dir
-  config.data.train_size, config.data.test_size = 512, 200
-  config.train.num_epochs, config.train.eval_every = 1.0, 0.5
-  return config_lib.override(config, changes)
+  return helpers.mnist_smoke(data_dir, **changes)
 
 
-def _metrics(workdir):
-  lines = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  for line in lines:
-    line.pop("wall_time")
-  return lines
+_metrics = helpers.metric_lines
 
 
 def test_bsp_with_cluster_speeds_runs_simulated_and_reports_virtual_time(tmp_path, data_dir):

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import cluster as cluster_lib
@@ -320,26 +321,11 @@ def test_inhad_counts_every_push_between_aggregations():
 
 
 def _sim_config(scheme, **extra):
-  from configs import mnist_lenet5
-  config = mnist_lenet5.get_config("smoke")
-  config.data.train_size, config.data.test_size = 1024, 200
-  config.num_workers = 4
-  config.sync.scheme = scheme
-  if scheme == "gssp":   # a sync key a scheme does not read is rejected
-    config.sync.num_groups = 2
-  config.cluster.profile = "tiers"
-  config.cluster.tiers = (1.0, 2.5)
-  config.cluster.jitter = 0.1
-  config.train.num_epochs = 2.0
-  config.train.eval_every = 0.5
-  return config_lib.override(config, extra)
+  # 1,024 examples: 8 iterations per worker per epoch, 64 pushes in 2 epochs.
+  return helpers.cluster_config(scheme, train_size=1024, num_epochs=2.0, **extra)
 
 
-def _metrics(workdir):
-  lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
-  for line in lines:
-    line.pop("wall_time")
-  return lines
+_metrics = helpers.metric_lines
 
 
 def test_same_config_same_metrics_bit_for_bit(tmp_path, data_dir):
@@ -543,7 +529,7 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   config = _sim_config("gssp", **{"cluster.profile": "trace", "cluster.trace_file": str(path),
                                   "cluster.tiers": (1.0, 1.5, 2.0, 3.0), "cluster.jitter": 0.0,
                                   "sync.regroup_every_epoch": True, "compress.name": "gdtopk",
-                                  "train.num_epochs": 4.0, "train.eval_every": 1.0})
+                                  "train.num_epochs": 3.0, "train.eval_every": 1.0})
   config.data_dir = data_dir
   summary = loop.train_and_evaluate(config, str(tmp_path / "run"))
   # The summary reports the trace's mean times, not speed factors of ones.
@@ -554,6 +540,7 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   assert history[0] == [1, 1, 0, 0]   # by the trace's mean times: 2 and 3 are faster overall
   assert history[1] == [0, 0, 1, 1]   # measured over epoch 1, 0 and 1 were the fast ones
   assert history[-1] == [1, 1, 0, 0]  # ... and later they are slow again
+  assert len(history) == 3   # regrouped at the ends of epochs 1 and 2, not after the last
   # And the regrouped run is still exactly reproducible across a resume.
   config.train.stop_after_updates = 80   # after the regrouping at 64 pushes
   loop.train_and_evaluate(config, str(tmp_path / "split"))

@@ -1,0 +1,54 @@
+"""What the end-to-end tests share: small LeNet-5/MNIST runs, on a simulated cluster or not.
+
+The test files import it as ``helpers`` (pytest puts ``tests/`` on the path). Runs
+built from the same helper with the same sizes compile the same programs, which
+the session's compilation cache (conftest.py) then compiles only once.
+"""
+
+import json
+
+from configs import mnist_lenet5
+from gssp_jax import config as config_lib
+
+
+def mnist_smoke(data_dir=None, *, train_size=512, test_size=200, num_epochs=1.0,
+                eval_every=0.5, **changes):
+  """``configs/mnist_lenet5.py:smoke`` (4 BSP workers x batch 32), cut to ``train_size``.
+
+  Args:
+    data_dir: the offline data directory, or None to leave ``data_dir`` unset.
+    train_size, test_size: examples used; 512 / 4 workers / batch 32 = 4 iterations
+      per worker per epoch.
+    num_epochs, eval_every: ``train.*``.
+    **changes: dotted keys, as ``config.override`` takes them, applied last.
+  """
+  config = mnist_lenet5.get_config("smoke")
+  if data_dir is not None:
+    config.data_dir = data_dir
+  config.data.train_size, config.data.test_size = train_size, test_size
+  config.train.num_epochs, config.train.eval_every = num_epochs, eval_every
+  return config_lib.override(config, changes)
+
+
+def cluster_config(scheme, data_dir=None, **changes):
+  """:func:`mnist_smoke` with ``scheme`` on 4 workers in two speed tiers (1, 2.5), jitter 0.1.
+
+  GSSP gets 2 groups (a sync key the scheme does not read is an error, so only it).
+  ``changes`` (dotted keys, or ``mnist_smoke``'s sizes) override any of these.
+  """
+  keys = {"num_workers": 4, "sync.scheme": scheme, "cluster.profile": "tiers",
+          "cluster.tiers": (1.0, 2.5), "cluster.jitter": 0.1}
+  if scheme == "gssp":
+    keys["sync.num_groups"] = 2
+  sizes = {k: changes.pop(k) for k in ("train_size", "test_size", "num_epochs", "eval_every")
+           if k in changes}
+  return mnist_smoke(data_dir, **sizes, **{**keys, **changes})
+
+
+def metric_lines(workdir):
+  """The run's ``metrics.jsonl`` lines without ``wall_time`` (the one key that varies)."""
+  with open(f"{workdir}/metrics.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  for line in lines:
+    line.pop("wall_time")
+  return lines
