@@ -114,6 +114,7 @@ class Simulation:
     self._build_device(runner)
     self._build_host()
     self._steps: list[executor.Step] = []
+    logging.info(run_header(config, self.cluster, self.scheme, self.calibrated))
 
   # -- building the run -----------------------------------------------------------------------
 
@@ -440,3 +441,34 @@ def _one_worker(config):
   one = ml_collections.ConfigDict(config.to_dict())
   one.num_workers = 1
   return one
+
+
+def _counts(values) -> str:
+  """``[1, 1, 2, 2]`` -> ``1 x2, 2 x2`` (few distinct values), else their range."""
+  values = np.asarray(values, np.float64)
+  distinct = np.unique(values)
+  if distinct.size > 6:
+    return f"{values.min():.3g}..{values.max():.3g} (median {np.median(values):.3g})"
+  return ", ".join(f"{v:.4g} x{int((values == v).sum())}" for v in distinct)
+
+
+def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=None) -> str:
+  """The simulator's opening log lines: the cluster, the groups and the scheme."""
+  c, s = config.cluster, config.sync
+  if cluster.trace is not None:
+    speed = (f"trace {c.trace_file} ({cluster.trace.shape[0]} iterations), mean iteration"
+             f" time {_counts(cluster.trace.mean(0))} s")
+  else:
+    base = f"{cluster.base_time:.4g} s" + (" (calibrated)" if calibrated else "")
+    speed = f"profile {c.profile}, slowdown {_counts(cluster.speeds)}, base_time {base}"
+  extras = "".join(f", {k} {c[k]}" for k in ("jitter", "straggler_prob") if c[k])
+  link = f"link {_counts(cluster.bandwidth / 1e6)} MB/s, latency {_counts(cluster.latency)} s"
+  groups = [np.flatnonzero(scheme.groups == g).tolist() for g in np.unique(scheme.groups)]
+  knobs = {"bsp": "", "asp": "", "ssp": f", staleness {s.staleness}",
+           "dssp": f", staleness range {tuple(s.staleness_range)}",
+           "gssp": f", staleness {s.staleness}, inter-group {s.inter_group}"}.get(scheme.name, "")
+  compress_name = config.compress.name
+  comp = "" if compress_name == "none" else f", compress {compress_name}"
+  return (f"simulated cluster: {scheme.num_workers} workers, {speed}{extras}; {link}\n"
+          f"scheme: {scheme.name}{knobs}{comp}, {scheme.num_replicas} server replica(s);"
+          f" groups: {groups}")

@@ -20,6 +20,7 @@ import ml_collections
 from gssp_jax import config as config_lib
 from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import health
+from gssp_jax.train import observe
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import workdir as workdir_lib
 
@@ -40,16 +41,33 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       allow_unread: Collection[str] = ()) -> dict[str, Any]:
+                       allow_unread: Collection[str] = (), progress: bool = True
+                       ) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
 
-  ``allow_unread``: sync keys a sweep's base config sets for its other trials
-  (``config.validate_config``); empty for a single run.
+  Progress lines (one per evaluation, with the metric and an ETA) are logged,
+  appended to ``workdir/log.txt`` and written as TensorBoard scalars to
+  ``workdir/tensorboard`` (``train/observe.py``); from a notebook or a script
+  they are printed too. ``load_trained(workdir)`` gives the trained model back.
+
+  Args:
+    config: the run's config (``config.validate_config`` checks it first).
+    workdir: where metrics, summary, logs and checkpoints go.
+    allow_unread: sync keys a sweep's base config sets for its other trials
+      (``config.validate_config``); empty for a single run.
+    progress: False keeps the console quiet (``log.txt`` is written anyway).
   """
+  config_lib.validate_config(config, allow_unread=allow_unread)   # no workdir for a bad config
+  with observe.run_output(workdir, progress):
+    return _train_and_evaluate(config, workdir, allow_unread)
+
+
+def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
   executor = build_run(config, workdir, allow_unread=allow_unread)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   position = executor.restore()
   history = workdir_lib.restart_metrics(metrics_path, position, key=executor.position_key)
+  board = observe.MetricWriter(workdir, executor.position_key, history)
   status = "failed"  # until the loop says otherwise; the summary records why a run ended
   try:
     while not executor.finished():
@@ -57,6 +75,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
         continue   # stopped between evaluations (train.stop_after_updates)
       record = executor.evaluate()
       _append_metrics(metrics_path, record)
+      board.write(record)
       history.append(record)
       logging.info(executor.progress(record))
       if executor.evaluations % config.train.checkpoint_every == 0:
@@ -71,6 +90,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     raise
   finally:
     executor.close()
+    board.close()
     summary = summarize(config, history, status, executor)
     workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
