@@ -1,6 +1,6 @@
 r"""Real runs of the multi-process runtime on an emulated heterogeneous cluster (loopback).
 
-    python -m benchmarks.dist_groups [--base_time=0.2] [--rate_epochs=2] [--epochs=6] \
+    python -m benchmarks.dist_groups [--base_time=0.2] [--rate_epochs=3] [--epochs=4] \
         [--target=0.85] [--parts=rate,target] [--workdir=DIR] [--keep] [--timeout=400]
 
 Every run is ``python -m experiments.launch`` with
@@ -21,7 +21,10 @@ end, on a failure and on Ctrl-C.
   it stays below ``base_time``.
 * ``target``: wall seconds to ``--target`` test accuracy, BSP across all 4
   meshes against GSSP (2 groups), on the same cluster (tiers (1, 3)), same
-  optimizer and learning rate, one seed.
+  optimizer and learning rate, one seed. With ``--simulate`` the simulator
+  (``experiments.main``) runs the same config on the same cluster model, and
+  its virtual time to target is printed beside the real wall time; then the
+  times to a few other accuracies from the same runs.
 
 The data comes from ``$GSSP_DATA_DIR`` (or ``--config``'s ``data_dir``), as
 for ``experiments.launch``.
@@ -43,6 +46,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from gssp_jax.train import health
+
 from benchmarks import common
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +55,16 @@ CONFIG = "configs/mnist_lenet5_hetero.py:smoke"
 PARTS = ("rate", "target")
 
 _BASE_TIME = flags.DEFINE_float("base_time", 0.2, "emulated seconds per iteration at speed 1")
-_RATE_EPOCHS = flags.DEFINE_float("rate_epochs", 2.0, "epochs of the update-rate runs")
-_EPOCHS = flags.DEFINE_float("epochs", 6.0, "epochs of the time-to-target runs")
+_RATE_EPOCHS = flags.DEFINE_float("rate_epochs", 3.0, "epochs of the update-rate runs")
+_EPOCHS = flags.DEFINE_float("epochs", 4.0, "epochs of the time-to-target runs")
 _TARGET = flags.DEFINE_float("target", 0.85, "test accuracy of the time-to-target runs")
 _EVAL_EVERY = flags.DEFINE_float("eval_every", 0.25, "epochs between evaluations")
 _PARTS = flags.DEFINE_list("parts", list(PARTS), "which measurements: rate, target")
 _WORKDIR = flags.DEFINE_string("workdir", None, "parent of the runs' workdirs (default: a temp dir)")
 _KEEP = flags.DEFINE_bool("keep", False, "keep the runs' workdirs")
 _TIMEOUT = flags.DEFINE_float("timeout", 400.0, "seconds one run may take before it is killed")
+_SIMULATE = flags.DEFINE_bool("simulate", True, "also simulate the time-to-target runs")
+_LEVELS = (0.7, 0.8, 0.9)   # further accuracies whose times are printed from the same runs
 
 _COMPUTE = re.compile(r"mesh (\d+) rank 0: compute per iteration median ([\d.]+) ms, p90 "
                       r"([\d.]+) ms, max ([\d.]+) ms over (\d+) iterations; (\S+) exceeded")
@@ -94,10 +101,10 @@ def _kill(proc: subprocess.Popen, workdir: str) -> None:
   proc.wait()
 
 
-def launch(workdir: str, flags_: list[str], timeout: float) -> float:
-  """Runs ``experiments.launch`` in ``workdir``; returns its seconds. Raises if it fails."""
+def launch(workdir: str, flags_: list[str], timeout: float, entry: str = "launch") -> float:
+  """Runs ``experiments.<entry>`` in ``workdir``; returns its seconds. Raises if it fails."""
   os.makedirs(workdir, exist_ok=True)
-  cmd = [sys.executable, "-m", "experiments.launch", f"--config={CONFIG}",
+  cmd = [sys.executable, "-m", f"experiments.{entry}", f"--config={CONFIG}",
          f"--workdir={workdir}", *flags_]
   start = time.perf_counter()
   with open(os.path.join(workdir, "launcher.txt"), "wb") as out:
@@ -202,12 +209,16 @@ def measure_rate(root: str) -> None:
 
 
 def measure_target(root: str) -> None:
-  target, results = _TARGET.value, {}
+  target, results, histories = _TARGET.value, {}, {}
   for scheme in ("bsp", "gssp"):
     workdir = os.path.join(root, f"target_{scheme}")
-    seconds = launch(workdir, run_flags(scheme, 4, 2, (1.0, 3.0), _EPOCHS.value, target),
-                     _TIMEOUT.value)
+    run = run_flags(scheme, 4, 2, (1.0, 3.0), _EPOCHS.value, target)
+    seconds = launch(workdir, run, _TIMEOUT.value)
     lines, summ = metrics(workdir), summary(workdir)
+    histories[scheme] = {"real": lines}
+    if _SIMULATE.value:
+      launch(workdir + "_sim", run, _TIMEOUT.value, entry="main")
+      histories[scheme]["simulated"] = metrics(workdir + "_sim")
     first = next((m for m in lines if m["test_accuracy"] >= target), None)
     results[scheme] = {"time": summ.get("time_to_target"),
                        "first_eval": first["wall_time"] if first else None,
@@ -215,23 +226,40 @@ def measure_target(root: str) -> None:
                        "final": summ["final"]["test_accuracy"],
                        "best": max(m["test_accuracy"] for m in lines),
                        "wall": summ["final"]["wall_time"], "seconds": seconds,
-                       "updates": summ["final"]["updates"]}
+                       "updates": summ["final"]["updates"],
+                       "sim": (summary(workdir + "_sim").get("time_to_target")
+                               if _SIMULATE.value else None)}
   fmt = lambda x, f="{:.1f}": "not reached" if x is None else f.format(x)
   print(f"\n(b) wall seconds to {target:.2f} test accuracy, 4 meshes, tiers (1, 3), base time "
         f"{_BASE_TIME.value} s, {_EPOCHS.value:g} epochs, one seed (0)")
   print("| scheme | time to target (s, interpolated) | first evaluation at target (s) |"
         " pushes then | final accuracy | best accuracy | server updates | training wall (s) |"
-        " run incl. start-up (s) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        " run incl. start-up (s) | simulator, virtual s to target |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for scheme, r in results.items():
     print(f"| {scheme} | {fmt(r['time'])} | {fmt(r['first_eval'])} | {fmt(r['pushes'], '{}')} |"
           f" {r['final']:.4f} | {r['best']:.4f} | {r['updates']} | {r['wall']:.1f} |"
-          f" {r['seconds']:.0f} |")
+          f" {r['seconds']:.0f} | {fmt(r['sim']) if _SIMULATE.value else 'not run'} |")
   bsp, gssp = results["bsp"]["time"], results["gssp"]["time"]
   if bsp is not None and gssp is not None:
     print(f"speedup of GSSP over BSP to {target:.2f}: {bsp / gssp:.2f}x")
   else:
     print(f"no speedup: a scheme did not reach {target:.2f}; lower --target or raise --epochs")
+  levels = sorted(set(_LEVELS) | {target})
+  print("\nseconds to each accuracy (interpolated between evaluations), from the same runs:")
+  print("| run | " + " | ".join(f"{a:.2f}" for a in levels) + " |")
+  print("|---|" + "---|" * len(levels))
+  for kind in ("real", "simulated"):
+    if kind == "simulated" and not _SIMULATE.value:
+      continue
+    times = {scheme: [health.time_to(h[kind], "test_accuracy", a,
+                                     time_key="wall_time" if kind == "real" else "virtual_time")
+                      for a in levels] for scheme, h in histories.items()}
+    for scheme, row in times.items():
+      print(f"| {scheme} ({kind}) | " + " | ".join(fmt(t) for t in row) + " |")
+    ratio = [b / g if b and g else None for b, g in zip(times["bsp"], times["gssp"])]
+    print(f"| speedup GSSP/BSP ({kind}) | " + " | ".join(fmt(x, "{:.2f}x") for x in ratio)
+          + " |")
 
 
 def main(argv):
@@ -248,7 +276,7 @@ def main(argv):
   root = _WORKDIR.value or tempfile.mkdtemp(prefix="dist_groups_")
   os.makedirs(root, exist_ok=True)
   names = [os.path.join(root, n) for n in ("rate_alone", "rate_hetero", "target_bsp",
-                                           "target_gssp")]
+                                           "target_gssp", "target_bsp_sim", "target_gssp_sim")]
   taken = [n for n in names if os.path.exists(n)]
   if taken:
     raise app.UsageError(f"--workdir={root} already holds {', '.join(taken)}; a run there "
