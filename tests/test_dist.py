@@ -106,6 +106,42 @@ def test_the_launcher_refuses_bad_input_before_starting_anything(tmp_path, data_
   assert not (workdir / "logs").exists()
 
 
+def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog):
+  """A join's pull, a push's round and release, and the evaluated weights compile nothing.
+
+  They run under the server's lock after the run's clock started: a first-call
+  compilation there (the pull's per-leaf slices, the learning-rate schedule,
+  the replicas' mean: ~30 small programs, seconds on a loaded CPU) stalled every
+  mesh and was counted in the wall time to target.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import executor  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = _config(executor="dist", data_dir=data_dir)
+  srv = server.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path))
+  grad = [np.ones_like(x) for x in jax.tree.leaves(srv.state.replica_params)]
+  try:
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+      caplog.clear()
+      for w in range(srv.W):   # what on_join does for each mesh at the start
+        srv._pull_reply(w, srv._next_job(w))
+      for w in (0, 3, 1):      # pushes: rounds applied, meshes released (pulls)
+        reply = srv.on_push({"mesh": w, "session": srv.session, "iteration": 0, "loss": 1.0,
+                             "grad": wire.pack_leaves([g[0] for g in grad]),
+                             "model_state": [], "bytes": 4})
+        assert "params" in reply, reply.keys()
+      deadline = time.monotonic() + 30
+      while srv.host["in_flight"] and time.monotonic() < deadline:   # forwards between groups
+        time.sleep(0.01)
+      with srv.lock:   # as evaluate() reads them; a delivery thread donates the state
+        executor.served_weights(srv.state, srv.eval_replica)
+    compiled = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiled, compiled
+  finally:
+    srv.close()
+
+
 # -- real runs ----------------------------------------------------------------------------------
 
 

@@ -113,6 +113,7 @@ class DistServer:
                                      scheme.num_replicas, train_rng)
     self.round_fn = executor.make_round_fn(tx)
     self.put_fn = make_put_fn()
+    self.take_fn = jax.jit(lambda tree, w: jax.tree.map(lambda x: x[w], tree))   # a pull
     self._compile(params, model_state)
     self.ratio_of = simulate.Ratios(config, scheme, self.cluster.speeds, self.spe)
 
@@ -123,6 +124,14 @@ class DistServer:
     args = sync.round_args(self.scheme.make_protocol().new_round(0.0))
     args["learning_rate"] = np.float32(0.0)
     jax.block_until_ready(self.round_fn(copy_state(), args))
+    # What runs under the lock after the clock started compiles here too: the pull, the
+    # schedule, the evaluated weights (their first calls compiled ~30 programs, seconds on a
+    # loaded CPU, while every mesh waited). The schedule stays eager, as the simulator's: a
+    # jitted one rounds differently.
+    jax.block_until_ready((self.take_fn((self.state.worker_params, self.state.worker_model_state),
+                                        np.int32(0)), self.schedule(0)))
+    executor.served_weights(self.state, getattr(self.scheme.make_protocol(), "global_replica",
+                                                None))
 
   def _build_host(self) -> None:
     W = self.W
@@ -535,9 +544,8 @@ class DistServer:
             "flush": bool(self.ratio_of.flush(w, k))}
 
   def _pull_reply(self, w: int, job: dict) -> dict:
-    params = jax.tree.map(lambda x: x[w], self.state.worker_params)
-    stats = jax.tree.map(lambda x: x[w], self.state.worker_model_state)
-    params, stats = jax.device_get((params, stats))
+    params, stats = jax.device_get(self.take_fn(
+        (self.state.worker_params, self.state.worker_model_state), np.int32(w)))
     return {"params": wire.pack_leaves(jax.tree.leaves(params)),
             "model_state": wire.pack_leaves(jax.tree.leaves(stats)),
             "session": self.session, **job}

@@ -222,6 +222,7 @@ class MeshWorker:
     else:
       reply = None
     logging.info("mesh %d rank %d/%d: joined %s", self.w, self.rank, self.P, self.server_address)
+    compute, over = [], 0   # seconds of real compute per iteration; how many exceeded emulation
     try:
       while True:
         stop, job = self._share(reply)
@@ -229,9 +230,11 @@ class MeshWorker:
           break
         started = time.perf_counter()
         loss, grad, model_state, nbytes = self._compute(job)
+        compute.append(time.perf_counter() - started)
         if self.emulate:
           k = job["iteration"]
           wait = self.cluster.compute_time(self.w, k) - (time.perf_counter() - started)
+          over += wait < 0
           time.sleep(max(0.0, wait))
         if self.rank == 0:
           if heart.error is not None:
@@ -251,6 +254,7 @@ class MeshWorker:
         heart.close()
       if client is not None:
         client.close()
+      _log_compute(self.w, self.rank, compute, over if self.emulate else None)
     logging.info("mesh %d rank %d: stopped after %d iterations", self.w, self.rank,
                  self.iterations)
     return self.iterations
@@ -295,6 +299,16 @@ class MeshWorker:
     if self._order[0] != epoch:
       self._order = (epoch, sharding.worker_order(self.shards, self.config.seed, self.w, epoch))
     return self._order[1][pos * self.B:(pos + 1) * self.B]
+
+
+def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -> None:
+  """Logs the real compute per iteration, so a run can check it stayed under the emulated time."""
+  if not compute:
+    return
+  ms = 1e3 * np.asarray(compute)
+  logging.info("mesh %d rank %d: compute per iteration median %.1f ms, p90 %.1f ms, max %.1f ms "
+               "over %d iterations; %s exceeded the emulated time", mesh, rank, np.median(ms),
+               np.percentile(ms, 90), ms.max(), ms.size, "n/a" if over is None else over)
 
 
 def _one_worker(config):
