@@ -21,7 +21,10 @@ end, on a failure and on Ctrl-C.
   it stays below ``base_time``.
 * ``target``: wall seconds to ``--target`` test accuracy, BSP across all 4
   meshes against GSSP (2 groups), on the same cluster (tiers (1, 3)), same
-  optimizer and learning rate, one seed. With ``--simulate`` the simulator
+  optimizer and learning rate, one seed. BSP is deterministic (its real run
+  retraces the simulator's accuracies); GSSP's accuracy depends on the real
+  arrival order, so it differs from run to run: repeat before quoting it. With
+  ``--simulate`` the simulator
   (``experiments.main``) runs the same config on the same cluster model, and
   its virtual time to target is printed beside the real wall time; then the
   times to a few other accuracies from the same runs.
