@@ -18,6 +18,8 @@ from absl import logging
 import ml_collections
 from ml_collections.config_flags import config_flags   # is_config_flag: not re-exported
 
+from gssp_jax.data.types import DataError
+
 
 def quiet_orbax(record) -> bool:
   """Orbax logs every checkpoint step at INFO; keep its warnings and errors only."""
@@ -80,7 +82,7 @@ def sigterm_as_interrupt():
 # every error under --verbose or GSSP_VERBOSE=1.
 
 VERBOSE_ENV = "GSSP_VERBOSE"
-USER_ERRORS = (ValueError, KeyError, OSError, flags.Error)
+USER_ERRORS = (ValueError, KeyError, OSError, flags.Error, DataError)
 _ML_COLLECTIONS_TRACE = "Error whilst parsing config file:"
 
 
@@ -116,6 +118,8 @@ def user_message(error: BaseException) -> str:
     last = [line.strip() for line in trace.splitlines() if line.strip()][-1:]
     message = head + (last[0] if last else "")
   lines = [line for line in message.splitlines() if line.strip()]
+  if isinstance(error, DataError):
+    return message   # missing data: its lines list where it looked and how to provide the files
   if len(lines) > 1:
     message = (f"{lines[0].rstrip()} (and {len(lines) - 1} more lines: --verbose shows them "
                "with the traceback)")

@@ -103,3 +103,13 @@ def test_sweep_and_report_errors_one_line(tmp_path):
   assert not workdir.exists()
   line = _one_line(_run("experiments.report", str(tmp_path / "nope")))
   assert "does not exist" in line
+
+
+def test_missing_data_is_a_user_error_printed_whole():
+  from gssp_jax.data.types import DataError  # pylint: disable=g-import-not-at-top
+  error = DataError("No data found for dataset 'mnist'. Looked at:\n  - data directory: not set\n"
+                    "Provide the files in one of these ways:\n  1. pass --config.data_dir=DIR")
+  with pytest.raises(SystemExit) as exit_info:
+    with cli.user_errors(["prog"]):
+      raise error
+  assert str(exit_info.value) == f"error: {error}"   # every line: where it looked, what to do
