@@ -49,6 +49,19 @@ def _config_flags(argv) -> list[str]:
   return [a for a in argv[1:] if a.startswith("--config")]
 
 
+def _exit_now(code: int) -> None:
+  """Exits at once once a role's work is done and written (summary, checkpoint, logs).
+
+  The interpreter's teardown can abort (``terminate called … exception not
+  rethrown``) while gRPC's and other native background threads still run;
+  nothing is left to write, so the process leaves without it.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  logging.flush()
+  os._exit(code)  # pylint: disable=protected-access
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -65,11 +78,11 @@ def main(argv):
     with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
       summary = launch.run_server(config, workdir, topo)
     print(f"status {summary['status']}; workdir {workdir}")
-    return
+    _exit_now(0)
   if topo.role == "worker":
     with cli.sigterm_as_interrupt():
       launch.run_worker(config, topo)
-    return
+    _exit_now(0)
   from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   check = config.copy_and_resolve_references()
   with check.unlocked():

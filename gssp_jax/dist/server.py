@@ -154,6 +154,7 @@ class DistServer:
     self.session = uuid.uuid4().hex
     self.replies: dict[int, dict] = {}
     self.waiting = np.zeros([W], bool)        # a Push of this mesh waits for its release
+    self.told_stop = np.zeros([W], bool)      # the mesh got a reply saying the run is over
     self.blocked_since = np.zeros([W])
     self.last_seen = np.full([W], np.inf)     # monotonic seconds of the last call (inf: never)
     self.done = False                         # the run reached end_pushes: meshes stop
@@ -291,9 +292,12 @@ class DistServer:
       self._finish()
     if self._clock_started:
       self.save()   # also after Ctrl-C, SIGTERM or a failure: what was applied stays
-    # Give the meshes a moment to read their stop (a heartbeat or a pending push).
-    deadline = time.monotonic() + 2 * self._heartbeat_interval()
-    while time.monotonic() < deadline and self.waiting.any():
+    # Serve until every live mesh has read its stop (a push reply or a heartbeat), so none is
+    # left retrying a server that is gone; a mesh that does not call within the heartbeat
+    # timeout is not waited for.
+    deadline = time.monotonic() + float(self.config.dist.heartbeat_timeout)
+    while (time.monotonic() < deadline and self._grpc is not None
+           and not (self.told_stop | ~self.protocol.alive).all()):
       time.sleep(0.05)
     if self._grpc is not None:
       self._grpc.stop(grace=1.0).wait()
@@ -370,7 +374,7 @@ class DistServer:
         return {"error": f"mesh {w}'s config differs from the server's; start every process"
                          " with the same --config and --config.* flags"}
       if self.done:
-        return {"stop": True}
+        return self._stop(w)
       if not self.host["started"][w] and self.protocol.alive[w]:
         self.host["started"][w] = True   # the first start: the initial weights, iteration 0
         self._await_start(w)
@@ -410,7 +414,7 @@ class DistServer:
     with self.lock:
       w = self._check_call(request)
       if self.done:
-        return {"stop": True}
+        return self._stop(w)
       if (request.get("session") != self.session or not self.protocol.alive[w]
           or int(request["iteration"]) != self.host["jobs"][w] - 1):
         return {"rejoin": True}   # from before a drop or a server restart
@@ -426,14 +430,18 @@ class DistServer:
           self.waiting[w] = False
           return {"rejoin": True}
       self.waiting[w] = False
-      return self._sent(w, self.replies.pop(w, {"stop": True}))
+      if self.done:   # the run ended while this mesh waited: no further iteration
+        return self._stop(w)
+      return self._sent(w, self.replies.pop(w))
 
   def on_heartbeat(self, request: dict) -> dict:
     # No lock: a heartbeat counts even while the lock is held (a long round, a checkpoint),
     # so a busy server never drops a live mesh.
     w = self._check_call(request)
-    return {"stop": self.done, "rejoin": (request.get("session") != self.session
-                                          or not self.protocol.alive[w])}
+    if self.done:
+      return self._stop(w)
+    return {"stop": False, "rejoin": (request.get("session") != self.session
+                                      or not self.protocol.alive[w])}
 
   def on_status(self, request: dict) -> dict:
     del request
@@ -549,6 +557,10 @@ class DistServer:
     return {"params": wire.pack_leaves(jax.tree.leaves(params)),
             "model_state": wire.pack_leaves(jax.tree.leaves(stats)),
             "session": self.session, **job}
+
+  def _stop(self, w: int) -> dict:
+    self.told_stop[w] = True
+    return {"stop": True}
 
   def _sent(self, w: int, reply: dict) -> dict:
     if "params" in reply:

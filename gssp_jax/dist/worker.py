@@ -239,6 +239,9 @@ class MeshWorker:
         if self.rank == 0:
           if heart.error is not None:
             raise heart.error
+          if heart.stop.is_set():   # a heartbeat said the run is over: no push, stop
+            reply = {"stop": True}
+            continue
           heart.progress_at = time.monotonic()
           message = self._push_message(job, loss, grad, model_state, nbytes)
           if self.emulate:
