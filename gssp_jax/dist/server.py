@@ -158,28 +158,23 @@ class DistServer:
     self.blocked_since = np.zeros([W])
     self.last_seen = np.full([W], np.inf)     # monotonic seconds of the last call (inf: never)
     self.done = False                         # the run reached end_pushes: meshes stop
-    self.fatal: str | None = None
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               self.config.train.max_checkpoints)
+    self.host_states = ckpt_lib.HostStates(os.path.join(self.workdir, "checkpoints"),
+                                           "server_")
     self._grpc = None
-    self._threads: list[threading.Thread] = []
     self._wall_base, self._session_start = 0.0, time.perf_counter()
     self._session_pushes = 0
     self._clock_started = False
 
-  def _host_path(self, step: int) -> str:
-    return os.path.join(self.workdir, "checkpoints", f"server_{step}.pkl")
-
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
-    latest = next((step for step in sorted(self.checkpointer.all_steps(), reverse=True)
-                   if os.path.exists(self._host_path(step))), None)
+    latest = self.host_states.latest(self.checkpointer)
     if latest is not None:
       state, _ = self.checkpointer.restore(latest, self.state)
       self.state = jax.device_put(state)
-      with open(self._host_path(latest), "rb") as f:
-        saved = pickle.load(f)
+      saved = self.host_states.load(latest)
       self.protocol, self.host = saved["protocol"], saved["host"]
       self.acct.load_state_dict(saved["acct"])
       logging.info("resumed from the server checkpoint at %d pushes", latest)
@@ -203,8 +198,6 @@ class DistServer:
     self._serve()
     with self.changed:
       while not (self.done or self.host["pushes"] >= self.host["next_eval"]):
-        if self.fatal:
-          raise RuntimeError(self.fatal)
         self.changed.wait(timeout=0.5)
       return True   # an evaluation point, or the end
 
@@ -277,15 +270,7 @@ class DistServer:
       return
     self.checkpointer.save(step, state, {"pushes": step})
     self.checkpointer.wait()
-    tmp = self._host_path(step) + ".tmp"
-    with open(tmp, "wb") as f:
-      f.write(saved)
-    os.replace(tmp, self._host_path(step))
-    kept = self.checkpointer.all_steps()
-    directory = os.path.dirname(self._host_path(step))
-    for name in os.listdir(directory):
-      if name.startswith("server_") and name.endswith(".pkl") and int(name[7:-4]) not in kept:
-        os.remove(os.path.join(directory, name))
+    self.host_states.write(step, saved, self.checkpointer)
 
   def close(self) -> None:
     with self.lock:
@@ -337,8 +322,7 @@ class DistServer:
       return
     dist = self.config.dist
     address = dist.server_address or "127.0.0.1:0"
-    handlers = {"Join": self.on_join, "Push": self.on_push, "Heartbeat": self.on_heartbeat,
-                "Status": self.on_status}
+    handlers = {"Join": self.on_join, "Push": self.on_push, "Heartbeat": self.on_heartbeat}
     self._grpc, port = wire.make_server(handlers, address, max_workers=2 * self.W + 8)
     host, _ = wire.check_address("dist.server_address", address)
     self.address = f"{host}:{port}"
@@ -354,7 +338,6 @@ class DistServer:
       self.host["in_flight"] = []
     monitor = threading.Thread(target=self._monitor, name="heartbeat-monitor", daemon=True)
     monitor.start()
-    self._threads.append(monitor)
 
   def _heartbeat_interval(self) -> float:
     return max(0.05, float(self.config.dist.heartbeat_timeout) / 4)
@@ -442,13 +425,6 @@ class DistServer:
       return self._stop(w)
     return {"stop": False, "rejoin": (request.get("session") != self.session
                                       or not self.protocol.alive[w])}
-
-  def on_status(self, request: dict) -> dict:
-    del request
-    with self.lock:
-      return {"pushes": int(self.host["pushes"]), "end": int(self.end_pushes),
-              "alive": self.protocol.alive.astype(np.int32), "done": self.done,
-              "updates_per_replica": self.acct.version, "session": self.session}
 
   def _monitor(self) -> None:
     """Drops every mesh whose heartbeat stopped for ``dist.heartbeat_timeout`` seconds."""

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 SERVICE = "gssp.ParameterServer"
-METHODS = ("Join", "Push", "Heartbeat", "Status")
+METHODS = ("Join", "Push", "Heartbeat")
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # a ResNet-18's weights are ~45 MB; gRPC's default cap is 4 MB
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]

@@ -20,15 +20,12 @@ simulator on the same cluster.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from typing import Any
 
 from absl import logging
 import grpc
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import Mesh
@@ -40,6 +37,8 @@ from gssp_jax.data import sharding
 from gssp_jax.dist import server as server_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import executor as sim_executor
+from gssp_jax.sim import simulate
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
@@ -59,19 +58,7 @@ def make_mesh_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int):
   """
   replicated = NamedSharding(mesh, PartitionSpec())
   split = NamedSharding(mesh, PartitionSpec("data"))
-
-  def step(params, model_state, comp_state, batch, rng, ratio, flush):
-    (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
-                                                                     rng)
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-    nbytes = jnp.int32(dense_bytes)
-    if compressor is not None:
-      sent, comp_state = compressor.update(jax.tree.map(lambda g: g[None], grad), comp_state,
-                                           ratios=ratio[None], flush=flush)
-      grad = jax.tree.map(lambda s: s[0], sent)
-      nbytes = comp_state.last_bytes[0]
-    return loss.astype(jnp.float32), grad, new_ms, comp_state, nbytes
-
+  step = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes)   # the simulator's
   return jax.jit(step, in_shardings=(replicated, replicated, replicated, split, replicated,
                                      replicated, replicated),
                  out_shardings=replicated), replicated, split
@@ -144,7 +131,7 @@ class MeshWorker:
     self.templates = (params, model_state)
     self.stats_bytes = step_lib.tree_bytes(model_state)
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
-    compressor = run_lib.make_compressor(_one_worker(config))
+    compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     self.step, self.replicated, self.split = make_mesh_step(
         self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params))
     self.comp_state = self._init_compressor(compressor, params)
@@ -313,8 +300,3 @@ def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -
                "over %d iterations; %s exceeded the emulated time", mesh, rank, np.median(ms),
                np.percentile(ms, 90), ms.max(), ms.size, "n/a" if over is None else over)
 
-
-def _one_worker(config):
-  one = ml_collections.ConfigDict(config.to_dict())
-  one.num_workers = 1
-  return one

@@ -99,6 +99,31 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
       job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng)
 
 
+def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int):
+  """``(params, model_state, comp, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
+
+  One worker's job, pure: its float32 gradient on the weights it pulled,
+  compressed with its own one-worker compressor state ``comp`` (worker axis of
+  size 1; ``()`` without a compressor), and the bytes that compressor sends
+  (``dense_bytes`` without one). The simulator's jobs (unrolled here, ``vmap``-ed
+  in ``sim/levels.py``) and the real runtime's meshes (``dist/worker.py``) all
+  compute this function.
+  """
+
+  def gradient(params, model_state, comp, batch, rng, ratio, flush):
+    (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
+                                                                      rng)
+    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    nbytes = jnp.int32(dense_bytes)
+    if compressor is not None:
+      sent, comp = compressor.update(jax.tree.map(lambda g: g[None], grad), comp,
+                                     ratios=ratio[None], flush=flush)
+      grad = jax.tree.map(lambda s: s[0], sent)
+      nbytes = comp.last_bytes[0]
+    return loss.astype(jnp.float32), grad, new_ms, comp, nbytes
+  return gradient
+
+
 def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int = 0):
   """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
 
@@ -109,6 +134,8 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
   ``job_bytes``); they count only once the push arrives (``make_round_fn``).
   """
 
+  gradient = make_worker_gradient(loss_fn, compressor, dense_bytes)
+
   def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None):
     if flushes is None:
       flushes = jnp.zeros(workers.shape, bool)
@@ -118,18 +145,13 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
       w = workers[i]
       batch = jax.tree.map(lambda a: a[idx[i]], arrays)
       rng = jax.random.fold_in(jax.random.fold_in(state.rng, w), iters[i])
-      (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(
-          take(state.worker_params, w), take(state.worker_model_state, w), batch, rng)
-      grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-      nbytes = jnp.int32(dense_bytes)
       comp_state = state.comp_state
+      # A one-worker compressor: its state's worker axis has size 1.
+      loss, grad, new_ms, one, nbytes = gradient(
+          take(state.worker_params, w), take(state.worker_model_state, w),
+          take(comp_state, w) if compressor is not None else (), batch, rng, ratios[i],
+          flushes[i])
       if compressor is not None:
-        # A one-worker compressor: its state's worker axis has size 1.
-        sent, one = compressor.update(jax.tree.map(lambda g: g[None], grad),
-                                      take(comp_state, w), ratios=ratios[i][None],
-                                      flush=flushes[i])
-        grad = jax.tree.map(lambda s: s[0], sent)
-        nbytes = one.last_bytes[0]
         comp_state = put(comp_state, w, one)
       state = state.replace(
           grad_buf=put(state.grad_buf, w, grad),

@@ -157,18 +157,13 @@ def make_level_jobs_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_by
   compilations with it).
   """
 
+  gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes)
+
   def one_job(params, model_state, comp, batch, rng, ratio, flush):
-    (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
-                                                                      rng)
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-    nbytes = jnp.int32(dense_bytes)
-    if compressor is not None:
-      # A one-worker compressor on this worker's state slice (worker axis of size 1).
-      sent, comp = compressor.update(jax.tree.map(lambda g: g[None], grad), comp,
-                                     ratios=ratio[None], flush=flush)
-      grad = jax.tree.map(lambda s: s[0], sent)
-      nbytes = comp.last_bytes[0]
-    return grad, new_ms, comp, loss.astype(jnp.float32), nbytes + jnp.int32(stats_bytes)
+    # A one-worker compressor on this worker's state slice (worker axis of size 1).
+    loss, grad, new_ms, comp, nbytes = gradient(params, model_state, comp, batch, rng, ratio,
+                                                flush)
+    return grad, new_ms, comp, loss, nbytes + jnp.int32(stats_bytes)
 
   def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes):
     on_trace()

@@ -140,7 +140,7 @@ class Simulation:
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
                                                  round(self.total_pushes / W))
     tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
-    compressor = run_lib.make_compressor(_one_worker(config))   # None for "none"
+    compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     params, model_state = task.init(init_rng)
     self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
@@ -189,25 +189,19 @@ class Simulation:
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
+    self.host_states = ckpt_lib.HostStates(os.path.join(self.workdir, "checkpoints"), "host_")
     self._orders: dict = {}
     self._session_start, self._session_pushes = time.perf_counter(), 0
     self._wall_base = 0.0
 
-  def _host_path(self, step: int) -> str:
-    return os.path.join(self.workdir, "checkpoints", f"host_{step}.pkl")
-
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
-    # The newest step whose host state was written too (a crash between the two writes
-    # leaves a device checkpoint without it; the older complete one is used instead).
-    latest = next((step for step in sorted(self.checkpointer.all_steps(), reverse=True)
-                   if os.path.exists(self._host_path(step))), None)
+    latest = self.host_states.latest(self.checkpointer)
     if latest is not None:
       state, _ = self.checkpointer.restore(latest, self.state)
       self.state = jax.device_put(state)
-      with open(self._host_path(latest), "rb") as f:
-        saved = pickle.load(f)
+      saved = self.host_states.load(latest)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
@@ -303,16 +297,9 @@ class Simulation:
     host["wall_time"] = self._wall_time()
     self.checkpointer.save(step, self.state, {"pushes": step})
     self.checkpointer.wait()
-    tmp = self._host_path(step) + ".tmp"
-    with open(tmp, "wb") as f:
-      pickle.dump({"engine": self.engine.state_dict(), "acct": self.acct.state_dict(),
-                   "host": host, "steps": self._steps}, f)
-    os.replace(tmp, self._host_path(step))
-    kept = self.checkpointer.all_steps()   # host states of steps Orbax dropped go too
-    directory = os.path.dirname(self._host_path(step))
-    for name in os.listdir(directory):
-      if name.startswith("host_") and name.endswith(".pkl") and int(name[5:-4]) not in kept:
-        os.remove(os.path.join(directory, name))
+    self.host_states.write(step, pickle.dumps({
+        "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
+        "steps": self._steps}), self.checkpointer)
 
   def close(self) -> None:
     self.checkpointer.close()
@@ -436,7 +423,7 @@ class Simulation:
             "bytes_local": host["local_bytes"]}
 
 
-def _one_worker(config):
+def one_worker_config(config):
   """A copy of ``config`` with one worker: the executor runs a compressor per worker."""
   one = ml_collections.ConfigDict(config.to_dict())
   one.num_workers = 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import jax
@@ -49,3 +50,41 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+class HostStates:
+  """Host-state files beside a :class:`Checkpointer`'s steps: ``<directory>/<prefix><step>.pkl``.
+
+  An executor whose state is partly on the host (the simulator, the real
+  runtime's server) writes one file per checkpoint step, after Orbax's, and
+  resumes from the newest step that has both.
+  """
+
+  def __init__(self, directory: str, prefix: str):
+    self.directory, self.prefix = directory, prefix
+
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, f"{self.prefix}{step}.pkl")
+
+  def latest(self, checkpointer: Checkpointer) -> int | None:
+    """The newest step with its host file (a crash between the two writes leaves a device
+    checkpoint without one; the older complete step is used instead)."""
+    return next((step for step in sorted(checkpointer.all_steps(), reverse=True)
+                 if os.path.exists(self.path(step))), None)
+
+  def load(self, step: int) -> Any:
+    with open(self.path(step), "rb") as f:
+      return pickle.load(f)
+
+  def write(self, step: int, data: bytes, checkpointer: Checkpointer) -> None:
+    """Writes ``data`` atomically for ``step``; drops the files of steps Orbax no longer keeps."""
+    tmp = self.path(step) + ".tmp"
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, self.path(step))
+    kept = checkpointer.all_steps()
+    for name in os.listdir(self.directory):
+      number = name[len(self.prefix):-len(".pkl")]
+      if (name.startswith(self.prefix) and name.endswith(".pkl") and number.isdigit()
+          and int(number) not in kept):
+        os.remove(os.path.join(self.directory, name))
