@@ -3,7 +3,7 @@
   python -m experiments.main --config=configs/cifar10_resnet18.py --workdir=/tmp/c10_resnet18
 
 Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes about
-80 min, see README). `configs/cifar10_resnet18.py:smoke`: 256 examples, lr 0.01, ~1 min (with compilation).
+81 min, see docs/RESULTS.md). `configs/cifar10_resnet18.py:smoke`: 256 examples, lr 0.01, ~1 min (with compilation).
 """
 
 from gssp_jax.config import default_config, parse_arg

@@ -3,7 +3,7 @@
   python -m experiments.main --config=configs/cifar10_vgg19.py --workdir=/tmp/c10_vgg19
 
 Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes about
-33 min, see README). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~30 s.
+33 min, see docs/RESULTS.md). `configs/cifar10_vgg19.py:smoke`: 256 examples, ~30 s.
 """
 
 from configs import cifar10_resnet18

@@ -12,8 +12,8 @@ s = 3, peer exchange every 4 pushes (DS-Sync in groups of 4, as in
 docs/REPRODUCTION.md, needs ``--config.sync.group_size=4``: a sync key the
 scheme does not read is rejected, so this file sets only GSSP's). Every
 scheme uses the same optimizer (SGD 0.05, momentum 0.9, cosine over 8 epochs, each gradient scaled by 1/16).
-Full: 8 epochs, about 2-3 min per scheme on a 2-core CPU (see README for the
-measured table). `:smoke`: 2,048 examples, 2 epochs, seconds.
+Full: 8 epochs, 1.5-4 min per scheme on a 2-core CPU (docs/RESULTS.md; the
+measured tables are in docs/REPRODUCTION.md). `:smoke`: 2,048 examples, 2 epochs, seconds.
 """
 
 from configs import mnist_lenet5

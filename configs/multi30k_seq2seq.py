@@ -3,7 +3,7 @@
   python -m experiments.main --config=configs/multi30k_seq2seq.py --workdir=/tmp/m30k
 
 Full: embedding 256, hidden 512, dropout 0.5, Adam 1e-3, gradient clip 1, 10 epochs;
-test BLEU (sacrebleu, greedy decoding) on test_2016_flickr. On a 2-core CPU ~20 min per epoch (see README).
+test BLEU (sacrebleu, greedy decoding) on test_2016_flickr. On a 2-core CPU ~20 min per epoch (see docs/RESULTS.md).
 `configs/multi30k_seq2seq.py:smoke`: a small model on 512 sentence pairs, ~1 min.
 """
 

@@ -1,6 +1,6 @@
 """ResNet-18 on CIFAR-10 across schemes on a heterogeneous cluster: reduced for a CPU, or full size.
 
-  # reduced (default): about 25 min on a 2-core CPU
+  # reduced (default): 21 min on a 2-core CPU (docs/REPRODUCTION.md)
   python -m experiments.sweep --sweep=configs/sweeps/paper_cifar10_resnet18.py \\
       --workdir=/tmp/paper_resnet18 --parallel=2
   # full size, for GPUs: every scheme, 3 seeds, the paper's model and data

@@ -1,6 +1,6 @@
 """VGG-19 (BatchNorm) on CIFAR-10 across schemes on a heterogeneous cluster: reduced or full size.
 
-  # reduced (default): about 20 min on a 2-core CPU
+  # reduced (default): 36 min on a 2-core CPU, sharing it (docs/REPRODUCTION.md)
   python -m experiments.sweep --sweep=configs/sweeps/paper_cifar10_vgg19.py \\
       --workdir=/tmp/paper_vgg19 --parallel=2
   # full size, for GPUs

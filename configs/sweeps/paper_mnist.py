@@ -37,10 +37,9 @@ virtual (simulated cluster) seconds, interpolated linearly between the
 evaluations around the target; speedups are per seed against BSP, reported as
 median and min-max over the 3 seeds. A run that ends at chance accuracy or
 whose loss stopped falling after the warm-up is recorded as ``collapsed``.
-Cost (an estimate, not measured with these settings): the earlier 2-seed sweep
-took about 45 min for 18 trials with --parallel=2 on a 2-core CPU; with 3 seeds
-and twice as many evaluations, about 70-75 min for the 27 trials, and about
-3.5-4 h for the 81 trials of ``:tune`` (on a GPU, a fraction of that).
+Cost, measured: 27 trials in 77 min with --parallel=2 on a 2-core CPU, partly
+sharing the cores (docs/REPRODUCTION.md). ``:tune``'s 81 trials were not run
+(an estimated 3.5-4 h here; on a GPU, a fraction of that).
 """
 
 from configs import mnist_lenet5_hetero
