@@ -297,8 +297,10 @@ def _bars(ax, xs, means, los, his, points, colors) -> None:
       continue
     ax.bar(x, mean, color=c, alpha=0.85)
     if len(pts) > 1:
-      ax.errorbar(x, mean, yerr=[[mean - lo], [hi - mean]], color="black", capsize=3,
-                  linewidth=1)
+      # max(0, ·): a mean of equal values can land an ulp outside them, and matplotlib
+      # refuses a negative error.
+      ax.errorbar(x, mean, yerr=[[max(0.0, mean - lo)], [max(0.0, hi - mean)]], color="black",
+                  capsize=3, linewidth=1)
       ax.plot([x] * len(pts), pts, "o", color="black", markersize=2.5)
 
 
