@@ -124,11 +124,12 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   return table
 
 
-def speedup_text(speedup: float) -> str:
-  """A bar's label: how much faster (or slower) than BSP, as the ratio of the bar lengths."""
+def speedup_text(speedup: float, baseline: str = "BSP") -> str:
+  """A bar's label: how much faster (or slower) than ``baseline``, as the ratio of the bar
+  lengths."""
   if speedup >= 1:
-    return f"{speedup:.2f}× faster\nthan BSP"
-  return f"{1 / speedup:.2f}× slower\nthan BSP"
+    return f"{speedup:.2f}× faster\nthan {baseline}"
+  return f"{1 / speedup:.2f}× slower\nthan {baseline}"
 
 
 def staleness_table(rows: list[dict]) -> list[dict]:
@@ -202,9 +203,10 @@ def _metric_name(metric: str) -> str:
 
 def plot_metric(curves: list[dict], color: dict, metric: str, target, out_dir: str) -> str:
   """The metric against virtual time: a line per configuration (mean over seeds) with its
-  min–max band; for accuracies a second panel zooms in near the target."""
+  min–max band; for accuracies that come near the target a second panel zooms in on it."""
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  zoom = metric == "test_accuracy" and target
+  top = max((float(c["hi"].max()) for c in curves if c["hi"].size), default=-math.inf)
+  zoom = metric == "test_accuracy" and target and top >= target - 0.02
   fig, axes = plt.subplots(1, 2 if zoom else 1, figsize=(12 if zoom else 8, 4.8), squeeze=False)
   seeds = max(c["seeds"] for c in curves)
   for ax in axes[0]:
@@ -224,7 +226,6 @@ def plot_metric(curves: list[dict], color: dict, metric: str, target, out_dir: s
                        fontsize=10)
   axes[0][0].legend(fontsize=7)
   if zoom:
-    top = max(float(c["hi"].max()) for c in curves)
     axes[0][1].set_ylim(max(0.0, target - 0.05), min(1.0, max(top, target) + 0.005))
     axes[0][1].set_title(f"Zoom near the target {target}", fontsize=10)
   return _save(fig, out_dir, "metric_vs_virtual_time.png")
@@ -251,6 +252,8 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
     _bars(ax1, xs, [t["mean"] for t in table], [t["lo"] for t in table],
           [t["hi"] for t in table], [t["times"] for t in table], colors)
     top = max(t["hi"] for t in table if t["reached"])
+    # Several BSP configurations (e.g. a learning-rate sweep): name the one compared with.
+    several = len({t["baseline"] for t in table if t["baseline"]}) > 1
     for x, t in zip(xs, table):
       reach = f"{t['reached']}/{t['seeds']} seeds"
       if not t["reached"]:
@@ -258,7 +261,7 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
         continue
       text = reach
       if t["speedup"] is not None and t["label"] != t["baseline"]:
-        text += "\n" + speedup_text(t["speedup"])
+        text += "\n" + speedup_text(t["speedup"], t["baseline"] if several else "BSP")
       ax1.text(x, t["hi"] + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
     ax1.set_ylim(0, top * 1.3)
     ax1.set_ylabel(f"virtual seconds to {_metric_name(metric)} {target}")
@@ -287,6 +290,8 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
     _say(ax2, "No trial recorded a final metric.")
   for ax in (ax1, ax2):
     ax.grid(axis="y", alpha=0.3)
+    if ax.get_xticks().size:   # keep an empty first or last slot ("not reached") in view
+      ax.set_xlim(-0.6, len(table) - 0.4)
   return _save(fig, out_dir, "time_to_target.png"), notes
 
 
