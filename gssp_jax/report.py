@@ -163,6 +163,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
         "_named": not trial["from_sweep"],
+        "_speeds": (s.get("cluster") or {}).get("speeds"),   # per worker, for the figures
         "_tuned": [k for k in trial["tuned"] if k in trial["overrides"]],
     })
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
@@ -406,8 +407,12 @@ def write_report(workdir: str, out_dir: str | None = None,
             "swept values but the sync/compress keys" + (" and, in the headline tables, the "
             "tuned keys: BSP at its own best value" if choices else "") + "); delta_vs_bsp: "
             "final metric minus BSP's.", ""]
-  for name in plot(selected, out_dir):
+  notes = []
+  names = plot(selected, out_dir, notes)
+  lines += [f"Not drawn: {note}." for note in notes] + ([""] if notes else [])
+  for name in names:
     lines.append(f"![{name}]({name})")
+    paths["figure_" + os.path.splitext(name)[0]] = os.path.join(out_dir, name)
   with open(paths["md"], "w") as f:
     f.write("\n".join(lines) + "\n")
   return paths
@@ -484,115 +489,14 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str) -> list[s
   return lines
 
 
-def plot(rows: list[dict], out_dir: str) -> list[str]:
-  """PNG figures, one question each; returns their file names.
+def plot(rows: list[dict], out_dir: str, notes: list[str] | None = None) -> list[str]:
+  """PNG figures, one question each (``gssp_jax.report_figures``); returns their file names.
 
-  Trials that differ only in the seed share a colour; where one curve per
-  configuration is enough (staleness, blocked time, bytes) the first seed's
-  trial stands for its configuration.
+  What could not be drawn (e.g. no trial reached the target) is appended to
+  ``notes`` (and warned about); its figure says so in words.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  names = []
-  labels = list(dict.fromkeys(label(r) for r in rows))
-  cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
-  color = {lab: cmap(i % cmap.N) for i, lab in enumerate(labels)}
-  # Identical curves (e.g. BSP and SSP blocked times) stay visible: each label its own dash/marker.
-  dash = {lab: ("-", "--", "-.", ":")[i % 4] for i, lab in enumerate(labels)}
-  mark = {lab: "osD^v<>ph*"[i % 10] for i, lab in enumerate(labels)}
-
-  def finish(fig, ax, xlabel, ylabel, title, fname, grid=True):
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    if grid:
-      ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, fname), dpi=120)
-    plt.close(fig)
-    names.append(fname)
-
-  timed = [r for r in rows if r["_metrics"] and r["_metrics"][-1].get("virtual_time") is not None]
-  first = list({label(r): r for r in reversed(timed)}.values())[::-1]   # one trial per label
-  first.sort(key=lambda r: labels.index(label(r)))
-  if timed:
-    metric = timed[0]["metric"]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    seen = set()
-    for r in timed:
-      m = r["_metrics"]
-      lab = label(r)
-      ax.plot([x["virtual_time"] for x in m], [x.get(metric) for x in m], marker="o",
-              markersize=2.5, linewidth=1.2, color=color[lab],
-              label=None if lab in seen else lab, alpha=0.85)
-      seen.add(lab)
-    if timed[0].get("target"):
-      ax.axhline(timed[0]["target"], color="grey", linestyle=":", linewidth=1, label="target")
-    values = [x.get(metric) for r in timed for x in r["_metrics"] if x.get(metric) is not None]
-    if metric == "test_accuracy" and values and timed[0].get("target"):
-      ax.set_ylim(max(0.0, min(timed[0]["target"] - 0.05, sorted(values)[len(values) // 10])),
-                  min(1.0, max(values) + 0.005))
-    finish(fig, ax, "virtual time (s)", metric.replace("_", " "),
-           f"{metric.replace('_', ' ').capitalize()} against virtual time (every seed)",
-           "metric_vs_virtual_time.png")
-  agg = [a for a in aggregate(rows) if a["final"] is not None]
-  if agg and any(a["time_to_target"] is not None for a in agg):
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
-    labs = [label(a) for a in agg]
-    xs = range(len(agg))
-    ax1.bar(xs, [a["time_to_target"] or 0 for a in agg],
-            yerr=[a["time_to_target_std"] or 0 for a in agg], capsize=3,
-            color=[color.get(lab, "grey") for lab in labs])
-    for x, a in zip(xs, agg):
-      if a["time_to_target"] is None:
-        ax1.text(x, 0, "not\nreached", ha="center", va="bottom", fontsize=7)
-      elif a["speedup_vs_bsp"] is not None:
-        ax1.text(x, a["time_to_target"] + (a["time_to_target_std"] or 0),
-                 f"{a['speedup_vs_bsp']:.2f}×", ha="center", va="bottom", fontsize=7)
-    ax1.set_xticks(list(xs), labs, rotation=45, ha="right", fontsize=8)
-    ax1.set_ylabel(f"virtual seconds to {agg[0]['target']}")
-    ax1.set_title("Time to target (mean ± std over seeds)")
-    ax2.bar(xs, [a["final"] for a in agg], yerr=[a["final_std"] or 0 for a in agg], capsize=3,
-            color=[color.get(lab, "grey") for lab in labs])
-    finals = [a["final"] for a in agg]
-    if agg[0].get("target") and rows[0]["metric"] == "test_accuracy":
-      ax2.set_ylim(max(0.0, min(finals) - 0.02), min(1.0, max(finals) + 0.01))
-    ax2.set_xticks(list(xs), labs, rotation=45, ha="right", fontsize=8)
-    ax2.set_ylabel(f"final {rows[0]['metric'].replace('_', ' ')}")
-    ax2.set_title("Final metric (mean ± std over seeds)")
-    for ax in (ax1, ax2):
-      ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "time_to_target.png"), dpi=120)
-    plt.close(fig)
-    names.append("time_to_target.png")
-  hists = [r for r in first if (r["_metrics"][-1].get("staleness") or {}).get("hist")]
-  if hists:
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in hists:
-      h = r["_metrics"][-1]["staleness"]["hist"]
-      total = max(sum(h), 1)
-      ax.step(range(len(h)), [c / total for c in h], where="mid", color=color[label(r)],
-              linestyle=dash[label(r)], label=label(r))
-    finish(fig, ax, "staleness of an applied gradient (updates)", "fraction of applied gradients",
-           "Staleness distribution (first seed)", "staleness.png")
-  for key, title, ylabel, fname in (
-      ("blocked_time_per_worker", "Blocked time per worker (first seed)",
-       "blocked virtual time (s)", "blocked_time.png"),
-      ("bytes_pushed_per_worker", "Bytes pushed per worker link (first seed)", "bytes pushed",
-       "bytes_per_link.png")):
-    have = [r for r in first if r["_metrics"][-1].get(key)]
-    if not have:
-      continue
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in have:
-      values = r["_metrics"][-1][key]
-      ax.plot(range(len(values)), values, marker=mark[label(r)], markersize=4, color=color[label(r)],
-              linestyle=dash[label(r)], label=label(r), alpha=0.85)
-    positive = [v for r in have for v in r["_metrics"][-1][key] if v > 0]
-    if positive and max(positive) / min(positive) > 50:
-      ax.set_yscale("log")
-    finish(fig, ax, "worker", ylabel, title, fname)
+  from gssp_jax import report_figures  # pylint: disable=g-import-not-at-top  (it imports this)
+  names, more = report_figures.plot(rows, out_dir)
+  if notes is not None:
+    notes += more
   return names

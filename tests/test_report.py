@@ -14,6 +14,7 @@ import pytest
 
 from configs import mnist_lenet5
 from gssp_jax import report
+from gssp_jax import report_figures
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -130,3 +131,109 @@ def test_without_a_grid_file_every_trial_is_reported(tmp_path):
                trial_overrides={"sync.scheme": scheme})
   assert report.orphans(str(tmp_path)) == []
   assert len(report.collect(str(tmp_path))) == 2
+
+
+# --- Figures -----------------------------------------------------------------------------------
+
+_SPEEDS = [1.0, 1.0, 3.0, 3.0]
+
+
+def _write_timed_run(run_dir, scheme, *, seed=0, accuracies=(0.2, 0.4, 0.6), step=1.0,
+                     hist=(10,), compress="none", target=0.5):
+  """A sweep trial with ``metrics.jsonl`` (accuracy at ``step``-second evaluations, staleness,
+  per-worker blocked time and bytes) and the cluster's per-worker speeds in ``summary.json``."""
+  overrides = {"sync.scheme": scheme, "compress.name": compress, "seed": seed}
+  _write_run(run_dir, scheme=scheme, seed=seed, final=accuracies[-1], trial_overrides=overrides)
+  metrics = [{"epoch": i + 1.0, "virtual_time": step * (i + 1), "test_accuracy": acc,
+              "staleness": {"hist": list(hist)},
+              "blocked_time_per_worker": [2.0, 2.0, 0.0, 0.0],
+              "bytes_pushed_per_worker": [100, 100, 50, 50]}
+             for i, acc in enumerate(accuracies)]
+  with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(m) + "\n" for m in metrics)
+  with open(os.path.join(run_dir, "summary.json")) as f:
+    summary = json.load(f)
+  summary["target"] = target
+  summary["cluster"] = {"speeds": _SPEEDS, "base_time": 0.01}
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    json.dump(summary, f)
+
+
+def test_staleness_figure_has_every_scheme_even_at_zero_staleness(tmp_path):
+  # BSP and DS-Sync apply every gradient at staleness 0 (hist [N]); they used to vanish.
+  for scheme, hist in (("bsp", (16,)), ("ssp", (4, 8, 4)), ("dssync", (16,)),
+                       ("asp", (0, 0, 0, 16))):
+    _write_timed_run(tmp_path / scheme, scheme, hist=hist)
+  _write_timed_run(tmp_path / "bsp1", "bsp", seed=1, hist=(8,))   # a second seed pools in
+  table = {t["label"]: t for t in report_figures.staleness_table(report.collect(str(tmp_path)))}
+  assert set(table) == {"bsp", "ssp", "dssync", "asp"}
+  assert table["bsp"]["fractions"].tolist() == [1.0] and table["bsp"]["applied"] == 24
+  assert table["dssync"]["mean"] == 0.0
+  assert table["ssp"]["fractions"].tolist() == [0.25, 0.5, 0.25]
+  assert table["asp"]["mean"] == 3.0
+
+
+def test_time_to_target_labels_are_bsp_bar_over_bar_and_count_seeds(tmp_path):
+  # Target 0.5: BSP reaches it at 2.5 s (both seeds), GSSP at 1.25 s and 2.5 s, ASP never.
+  for seed in (0, 1):
+    _write_timed_run(tmp_path / f"bsp{seed}", "bsp", seed=seed)
+    _write_timed_run(tmp_path / f"asp{seed}", "asp", seed=seed, accuracies=(0.1, 0.2, 0.3))
+  _write_timed_run(tmp_path / "gssp0", "gssp", seed=0, accuracies=(0.4, 0.6, 0.7))
+  _write_timed_run(tmp_path / "gssp1", "gssp", seed=1)
+  table = {t["label"]: t
+           for t in report_figures.time_to_target_table(report.collect(str(tmp_path)))}
+  assert table["bsp"]["times"] == [2.5, 2.5] and table["bsp"]["mean"] == 2.5
+  assert (table["gssp"]["reached"], table["gssp"]["seeds"]) == (2, 2)
+  assert table["gssp"]["mean"] == pytest.approx(2.0)   # (1.5 + 2.5) / 2
+  assert (table["gssp"]["lo"], table["gssp"]["hi"]) == (pytest.approx(1.5), 2.5)
+  # Speedup: BSP's bar over this bar, > 1 for the shorter bar, and its label says so.
+  assert table["gssp"]["speedup"] == pytest.approx(2.5 / 2.0)
+  assert report_figures.speedup_text(table["gssp"]["speedup"]) == "1.25× faster\nthan BSP"
+  assert report_figures.speedup_text(0.8) == "1.25× slower\nthan BSP"
+  assert (table["asp"]["reached"], table["asp"]["mean"], table["asp"]["speedup"]) == (0, None,
+                                                                                     None)
+  assert table["bsp"]["baseline"] == table["gssp"]["baseline"] == "bsp"
+
+
+def test_metric_curves_are_the_mean_over_seeds_with_a_min_max_band(tmp_path):
+  _write_timed_run(tmp_path / "s0", "ssp", seed=0, accuracies=(0.2, 0.4, 0.6))
+  _write_timed_run(tmp_path / "s1", "ssp", seed=1, accuracies=(0.4, 0.6, 0.6, 0.9), step=0.5)
+  (curve,) = report_figures.metric_curves(report.collect(str(tmp_path)), "test_accuracy")
+  # Seed 1 is evaluated every 0.5 s up to 2 s: the shared span is [1, 2] s, seed 0 interpolated.
+  assert curve["seeds"] == 2 and curve["time"].tolist() == [1.0, 1.5, 2.0]
+  assert curve["mean"].tolist() == pytest.approx([0.4, 0.45, 0.65])
+  assert curve["lo"].tolist() == pytest.approx([0.2, 0.3, 0.4])
+  assert curve["hi"].tolist() == pytest.approx([0.6, 0.6, 0.9])
+
+
+def test_per_worker_table_carries_each_workers_speed_tier(tmp_path):
+  _write_timed_run(tmp_path / "bsp", "bsp")
+  (row,) = report_figures.per_worker_table(report.collect(str(tmp_path)),
+                                           "blocked_time_per_worker")
+  assert row["values"].tolist() == [2.0, 2.0, 0.0, 0.0]
+  assert row["speeds"].tolist() == _SPEEDS
+
+
+def test_report_figures_for_a_sweep_with_a_never_reached_target(tmp_path, capsys):
+  for scheme in ("bsp", "gssp"):
+    _write_timed_run(tmp_path / scheme, scheme, accuracies=(0.1, 0.2, 0.3), target=0.9)
+  out = tmp_path / "out"
+  with pytest.warns(UserWarning, match="no trial reached the target 0.9"):
+    paths = report.write_report(str(tmp_path), str(out))
+  # The time-to-target figure exists and says why it is empty; report.md says so too.
+  assert os.path.exists(out / "time_to_target.png")
+  md = open(paths["md"]).read()
+  assert "Not drawn: no trial reached the target 0.9 (test accuracy)" in md
+  names = ("metric_vs_virtual_time", "time_to_target", "staleness", "blocked_time",
+           "bytes_per_link")
+  for name in names:
+    assert paths[f"figure_{name}"] == str(out / f"{name}.png")
+    assert os.path.getsize(paths[f"figure_{name}"]) > 0
+    assert f"![{name}.png]({name}.png)" in md
+
+  # The command line prints every path it wrote, figures included.
+  printed = subprocess.run([sys.executable, "-m", "experiments.report", str(tmp_path),
+                            f"--out={out}"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout
+  for kind in ("csv", "summary_csv", "md", *(f"figure_{n}" for n in names)):
+    assert f"{kind}: {paths[kind]}" in printed
