@@ -126,13 +126,15 @@ def _assert_same_state(got, want):
       np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40):
+def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
+             levels_per_call=1):
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
   reference = executor.make_round_runner(executor.make_job_fn(loss_fn, compressor, dense, stats),
                                          executor.make_round_fn(tx))
-  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8)
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8,
+                                    levels_per_call=levels_per_call)
   with jax.default_matmul_precision("highest"):
     want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
     # Two calls, split mid-run: pending jobs are computed at the end of each.
@@ -141,6 +143,8 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
     got = runner(got, arrays, steps[half:])
   _assert_same_state(got, want)
   assert int(got.loss_count) >= max_pushes - W
+  if levels_per_call > 1:   # the multi-level path really ran, not only its one-level fallback
+    assert runner.traces["levels"] >= 1
   plan = levels.plan_levels(steps)
   return plan
 
@@ -148,16 +152,20 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
 @pytest.mark.parametrize("name,inter_group", [
     ("bsp", "peer"), ("asp", "peer"), ("ssp", "peer"), ("dssp", "peer"), ("gssp", "peer"),
     ("gssp", "global"), ("inhad", "peer"), ("dssync", "peer"), ("casp", "peer")])
-def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group):
-  plan = _compare(name, batch_norm=True, inter_group=inter_group)
+@pytest.mark.parametrize("levels_per_call", [1, 4])
+def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group,
+                                                                 levels_per_call):
+  plan = _compare(name, batch_norm=True, inter_group=inter_group,
+                  levels_per_call=levels_per_call)
   if name != "bsp":   # levels really batch: some level holds several jobs
     assert max(l.jobs.workers.size for l in plan if l.jobs is not None) > 1
 
 
 @pytest.mark.parametrize("comp_name", ["topk", "dgc", "gdtopk"])
 @pytest.mark.parametrize("name", ["asp", "gssp"])
-def test_level_runner_equals_round_runner_compressed(name, comp_name):
-  _compare(name, comp_name)
+@pytest.mark.parametrize("levels_per_call", [1, 4])
+def test_level_runner_equals_round_runner_compressed(name, comp_name, levels_per_call):
+  _compare(name, comp_name, levels_per_call=levels_per_call)
 
 
 def _jobs(workers, first_iter=0):
