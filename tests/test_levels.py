@@ -219,6 +219,29 @@ def test_make_level_runner_rejects_bad_arguments():
     levels.make_level_runner(None, None, None, 1, 0, 4, max_rounds=48)
   with pytest.raises(ValueError, match="num_workers=0"):
     levels.make_level_runner(None, None, None, 1, 0, 0)
+  for bad in (0, 3, 2.0, True):
+    with pytest.raises(ValueError, match=f"levels_per_call={bad!r}"):
+      levels.make_level_runner(None, None, None, 1, 0, 4, levels_per_call=bad)
+
+
+def test_plan_calls_groups_pieces_and_pads_to_their_buckets():
+  plan = [levels.Level(_jobs([0, 1, 2]), [_args(tag=t) for t in range(5)]),   # 2 pieces (4 + 1)
+          levels.Level(_jobs([0]), [_args(tag=5)]),
+          levels.Level(None, [_args(tag=6), _args(tag=7)]),
+          levels.Level(_jobs([1, 2]), [])]
+  calls = levels.plan_calls(plan, num_workers=3, max_rounds=4, levels_per_call=2)
+  got = [([None if p.jobs is None else p.jobs.workers.tolist() for p in c.pieces],
+          [[r["tag"] for r in p.rounds] for p in c.pieces], c.jobs_size, c.rounds_size)
+         for c in calls]
+  assert got == [([[0, 1, 2], None], [[0, 1, 2, 3], [4]], 3, 4),   # jobs capped at W = 3
+                 ([[0], None], [[5], [6, 7]], 1, 2),
+                 ([[1, 2]], [[]], 2, 1)]                          # no rounds: one-level path
+  jobs, has_jobs, stacked, valid = levels.stack_call(calls[1], num_workers=3, levels_per_call=4)
+  assert jobs.workers.tolist() == [[0], [3], [3], [3]]            # padding is for worker W
+  assert jobs.idx.shape == (4, 1, 1)
+  assert has_jobs.tolist() == [True, False, False, False]
+  assert stacked["tag"].tolist() == [[5, 5], [6, 7], [5, 5], [5, 5]]
+  assert valid.tolist() == [[True, False], [True, True], [False, False], [False, False]]
 
 
 def test_compilations_bounded_by_shape_buckets():
@@ -240,6 +263,30 @@ def test_compilations_bounded_by_shape_buckets():
   runner(state, arrays, _steps(scheme, 30, False, 2))
   assert runner.traces["jobs"] <= 3 and runner.traces["rounds"] <= 3
   assert runner.traces["jobs"] >= before["jobs"]
+
+
+def test_multi_level_compilations_bounded_by_shape_buckets():
+  """levels_per_call=4: one trace per (jobs bucket, rounds bucket) pair, and fewer dispatches."""
+  scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup("gssp")
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=4,
+                                    levels_per_call=4)
+  pairs, fallback, num_levels, num_calls = set(), 0, 0, 0
+  for pushes, seed in ((24, 0), (37, 1), (30, 2)):
+    steps = _steps(scheme, pushes, False, seed)
+    plan = levels.plan_levels(steps)
+    calls = levels.plan_calls(plan, W, 4, 4)
+    for call in calls:
+      if any(p.rounds for p in call.pieces) and any(p.jobs is not None for p in call.pieces):
+        pairs.add((call.jobs_size, call.rounds_size))
+      else:
+        fallback += 1
+    num_levels += len(plan)
+    num_calls += len(calls)
+    state = runner(state, arrays, steps)
+  assert runner.traces["levels"] == len(pairs) <= 3 * 3   # (1, 2, 4 jobs) x (1, 2, 4 rounds)
+  assert runner.traces["jobs"] + runner.traces["rounds"] <= fallback
+  assert num_calls <= num_levels / 2   # many levels per dispatch
+  assert int(state.loss_count) > 0
 
 
 # -- the levels executor in the one training loop ---------------------------------------------
