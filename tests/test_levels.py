@@ -127,13 +127,15 @@ def _assert_same_state(got, want):
       np.testing.assert_array_equal(g, w, err_msg=name)
 
 
-def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40):
+def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
+             levels_per_call=1):
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
   reference = executor.make_round_runner(executor.make_job_fn(loss_fn, compressor, dense, stats),
                                          executor.make_round_fn(tx))
-  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8)
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8,
+                                    levels_per_call=levels_per_call)
   with jax.default_matmul_precision("highest"):
     want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
     # Two calls, split mid-run: pending jobs are computed at the end of each.
@@ -142,6 +144,8 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
     got = runner(got, arrays, steps[half:])
   _assert_same_state(got, want)
   assert int(got.loss_count) >= max_pushes - W
+  if levels_per_call > 1:   # the multi-level path really ran, not only its one-level fallback
+    assert runner.traces["levels"] >= 1
   plan = levels.plan_levels(steps)
   return plan
 
@@ -149,16 +153,20 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
 @pytest.mark.parametrize("name,inter_group", [
     ("bsp", "peer"), ("asp", "peer"), ("ssp", "peer"), ("dssp", "peer"), ("gssp", "peer"),
     ("gssp", "global"), ("inhad", "peer"), ("dssync", "peer"), ("casp", "peer")])
-def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group):
-  plan = _compare(name, batch_norm=True, inter_group=inter_group)
+@pytest.mark.parametrize("levels_per_call", [1, 4])
+def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group,
+                                                                 levels_per_call):
+  plan = _compare(name, batch_norm=True, inter_group=inter_group,
+                  levels_per_call=levels_per_call)
   if name != "bsp":   # levels really batch: some level holds several jobs
     assert max(l.jobs.workers.size for l in plan if l.jobs is not None) > 1
 
 
 @pytest.mark.parametrize("comp_name", ["topk", "dgc", "gdtopk"])
-@pytest.mark.parametrize("name", ["asp", "gssp"])
-def test_level_runner_equals_round_runner_compressed(name, comp_name):
-  _compare(name, comp_name)
+# The multi-level path on GSSP only: its compressor code is the one-level path's (shared body).
+@pytest.mark.parametrize("name,levels_per_call", [("asp", 1), ("gssp", 1), ("gssp", 4)])
+def test_level_runner_equals_round_runner_compressed(name, comp_name, levels_per_call):
+  _compare(name, comp_name, levels_per_call=levels_per_call)
 
 
 def _jobs(workers, first_iter=0):
@@ -212,6 +220,29 @@ def test_make_level_runner_rejects_bad_arguments():
     levels.make_level_runner(None, None, None, 1, 0, 4, max_rounds=48)
   with pytest.raises(ValueError, match="num_workers=0"):
     levels.make_level_runner(None, None, None, 1, 0, 0)
+  for bad in (0, 3, 2.0, True):
+    with pytest.raises(ValueError, match=f"levels_per_call={bad!r}"):
+      levels.make_level_runner(None, None, None, 1, 0, 4, levels_per_call=bad)
+
+
+def test_plan_calls_groups_pieces_and_pads_to_their_buckets():
+  plan = [levels.Level(_jobs([0, 1, 2]), [_args(tag=t) for t in range(5)]),   # 2 pieces (4 + 1)
+          levels.Level(_jobs([0]), [_args(tag=5)]),
+          levels.Level(None, [_args(tag=6), _args(tag=7)]),
+          levels.Level(_jobs([1, 2]), [])]
+  calls = levels.plan_calls(plan, num_workers=3, max_rounds=4, levels_per_call=2)
+  got = [([None if p.jobs is None else p.jobs.workers.tolist() for p in c.pieces],
+          [[r["tag"] for r in p.rounds] for p in c.pieces], c.jobs_size, c.rounds_size)
+         for c in calls]
+  assert got == [([[0, 1, 2], None], [[0, 1, 2, 3], [4]], 3, 4),   # jobs capped at W = 3
+                 ([[0], None], [[5], [6, 7]], 1, 2),
+                 ([[1, 2]], [[]], 2, 1)]                          # no rounds: one-level path
+  jobs, has_jobs, stacked, valid = levels.stack_call(calls[1], num_workers=3, levels_per_call=4)
+  assert jobs.workers.tolist() == [[0], [3], [3], [3]]            # padding is for worker W
+  assert jobs.idx.shape == (4, 1, 1)
+  assert has_jobs.tolist() == [True, False, False, False]
+  assert stacked["tag"].tolist() == [[5, 5], [6, 7], [5, 5], [5, 5]]
+  assert valid.tolist() == [[True, False], [True, True], [False, False], [False, False]]
 
 
 def test_compilations_bounded_by_shape_buckets():
@@ -233,6 +264,30 @@ def test_compilations_bounded_by_shape_buckets():
   runner(state, arrays, _steps(scheme, 30, False, 2))
   assert runner.traces["jobs"] <= 3 and runner.traces["rounds"] <= 3
   assert runner.traces["jobs"] >= before["jobs"]
+
+
+def test_multi_level_compilations_bounded_by_shape_buckets():
+  """levels_per_call=4: one trace per (jobs bucket, rounds bucket) pair, and fewer dispatches."""
+  scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup("gssp")
+  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=4,
+                                    levels_per_call=4)
+  pairs, fallback, num_levels, num_calls = set(), 0, 0, 0
+  for pushes, seed in ((24, 0), (37, 1), (30, 2)):
+    steps = _steps(scheme, pushes, False, seed)
+    plan = levels.plan_levels(steps)
+    calls = levels.plan_calls(plan, W, 4, 4)
+    for call in calls:
+      if any(p.rounds for p in call.pieces) and any(p.jobs is not None for p in call.pieces):
+        pairs.add((call.jobs_size, call.rounds_size))
+      else:
+        fallback += 1
+    num_levels += len(plan)
+    num_calls += len(calls)
+    state = runner(state, arrays, steps)
+  assert runner.traces["levels"] == len(pairs) <= 3 * 3   # (1, 2, 4 jobs) x (1, 2, 4 rounds)
+  assert runner.traces["jobs"] + runner.traces["rounds"] <= fallback
+  assert num_calls <= num_levels / 2   # many levels per dispatch
+  assert int(state.loss_count) > 0
 
 
 # -- the levels executor in the one training loop ---------------------------------------------
