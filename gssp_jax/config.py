@@ -55,6 +55,10 @@ def default_config() -> ml_collections.ConfigDict:
   # virtual time) | rounds (the simulated cluster, one device call per round; any scheme) |
   # levels (the simulated cluster, one batched call per dependency level; for accelerators).
   c.executor = "auto"
+  # levels executor: consecutive dependency levels per device call (a power of two, at most 64).
+  # 1: two calls per level (jobs, then rounds). More: one jitted scan over that many levels, fewer
+  # dispatches but the model compiled per (jobs, rounds) bucket pair; same results either way.
+  c.levels_per_call = 1
   c.num_workers = 4
   c.batch_size = 32      # per worker
 
@@ -397,6 +401,33 @@ def validate_executor(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.executor='fused' cannot apply: {why}, and the fused executor"
                      " trains only BSP without a cluster (no virtual time); use 'rounds' or"
                      " 'auto'")
+  validate_levels_per_call(config)
+
+
+def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  """``levels_per_call``: a power of two in [1, 64], other than 1 only where ``levels`` runs.
+
+  Args:
+    config: the run's config.
+    backend: the JAX backend ``executor='auto'`` resolves against (``jax.default_backend()``
+      if None; only read when ``levels_per_call`` is not 1 under ``auto``).
+  """
+  value = config.get("levels_per_call", 1)
+  if (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64
+      or value & (value - 1)):
+    _fail("levels_per_call", value, "a power of two from 1 to 64")
+  if value == 1:
+    return
+  name = config.get("executor", "auto")
+  if name == "auto" and uses_simulator(config):
+    if backend is None:
+      import jax  # pylint: disable=g-import-not-at-top
+      backend = jax.default_backend()
+    name = "rounds" if backend == "cpu" else "levels"
+  if name != "levels":
+    raise ValueError(f"config.levels_per_call={value} cannot apply: it sets the levels executor,"
+                     f" and this run uses {name!r} (config.executor={config.get('executor', 'auto')!r});"
+                     " set config.executor='levels' or leave levels_per_call=1")
 
 
 def validate_dist(config: ml_collections.ConfigDict) -> None:

@@ -1,5 +1,7 @@
 """The level-batched executor (``sim/levels.py``) against the per-round reference runner."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -341,9 +343,11 @@ def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, 
   assert runs["levels"]["status"] == runs["rounds"]["status"] == "done"
 
 
-def test_levels_executor_resumes_exactly(tmp_path, data_dir):
+@pytest.mark.parametrize("levels_per_call", [1, 4])
+def test_levels_executor_resumes_exactly(tmp_path, data_dir, levels_per_call):
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
-  config = _run_config("gssp", "none", executor="levels", data_dir=data_dir)
+  config = _run_config("gssp", "none", executor="levels", data_dir=data_dir,
+                       levels_per_call=levels_per_call)
   loop.train_and_evaluate(config, str(tmp_path / "whole"))
   config.train.stop_after_updates = 11   # 16 pushes in all, evaluations every 8
   first = loop.train_and_evaluate(config, str(tmp_path / "split"))
@@ -352,3 +356,37 @@ def test_levels_executor_resumes_exactly(tmp_path, data_dir):
   summary = loop.train_and_evaluate(config, str(tmp_path / "split"))
   assert summary["status"] == "done"
   assert _metric_lines(tmp_path / "split") == _metric_lines(tmp_path / "whole")
+
+
+def test_levels_per_call_equals_one_level_per_call_in_the_training_loop(tmp_path, data_dir):
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  for n in (1, 4):
+    loop.train_and_evaluate(_run_config("gssp", "none", executor="levels", data_dir=data_dir,
+                                        levels_per_call=n), str(tmp_path / str(n)))
+  # The host's quantities exactly; the losses to float tolerance (XLA fuses a scan of levels
+  # differently from one call per level).
+  values = lambda line: {k: v for k, v in line.items() if "loss" not in k and "accuracy" not in k}
+  for a, b in zip(_metric_lines(tmp_path / "4"), _metric_lines(tmp_path / "1"), strict=True):
+    assert values(a) == values(b)
+    assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("value,executor,backend,error", [
+    (3, "levels", "gpu", "a power of two from 1 to 64"),
+    (128, "levels", "gpu", "a power of two from 1 to 64"),
+    (0, "levels", "gpu", "a power of two from 1 to 64"),
+    (4, "rounds", "gpu", "this run uses 'rounds'"),
+    (4, "auto", "cpu", "this run uses 'rounds' (config.executor='auto')"),
+    (4, "dist", "gpu", "this run uses 'dist'"),
+])
+def test_levels_per_call_is_validated_and_never_ignored(value, executor, backend, error):
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.override(config_lib.default_config(),
+                               {"sync.scheme": "ssp", "executor": executor})
+  config.levels_per_call = value
+  with pytest.raises(ValueError, match=f"config.levels_per_call={value!r}.*" + re.escape(error)):
+    config_lib.validate_levels_per_call(config, backend=backend)
+  config.levels_per_call = 8
+  config.executor = "auto"
+  config_lib.validate_levels_per_call(config, backend="gpu")   # auto -> levels on a GPU: fine

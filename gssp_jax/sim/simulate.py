@@ -152,7 +152,8 @@ class Simulation:
     self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes)
     if runner == "levels":
       self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
-                                                self.stats_bytes, W)
+                                                self.stats_bytes, W,
+                                                levels_per_call=config.get("levels_per_call", 1))
     else:
       self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
     self.arrays = jax.device_put(task.train)
