@@ -5,12 +5,13 @@ through ``sync.TimelineEngine`` with a worker that hangs (its compute never
 ends) until the engine drops it (``drop_at``).
 """
 
-import pickle
+import json
 
 import numpy as np
 import pytest
 
 from gssp_jax import sync
+from gssp_jax.train import host_state
 
 HANG = 1e6   # a hung iteration: longer than any run here
 
@@ -483,11 +484,11 @@ def test_schemes_without_membership_say_why(build, why):
     protocol.rejoin(1, 0.0)
 
 
-# ---------------------------------------------------------------- old pickles
+# ---------------------------------------------------------------- old host states
 
 
 @pytest.mark.parametrize("name", sorted(set(MEMBERS) | {"dssync", "casp"}))
-def test_protocols_pickled_before_membership_load_and_run_unchanged(name):
+def test_protocols_saved_before_membership_load_and_run_unchanged(name):
   build = {**MEMBERS, "dssync": lambda: sync.DSSyncProtocol(3 + 1, 2),
            "casp": lambda: sync.CASPProtocol(4, max_communities=2, reconfigure_every=4)}[name]
   speeds = [1.0, 1.37, 1.91, 2.53]
@@ -505,7 +506,7 @@ def test_protocols_pickled_before_membership_load_and_run_unchanged(name):
   state = half.state_dict()
   for key in ("alive", "orphans"):                       # attributes membership added
     state["protocol"].__dict__.pop(key, None)
-  state = pickle.loads(pickle.dumps(state))
+  state = host_state.from_tree(json.loads(json.dumps(host_state.to_tree(state))))
   resumed = engine(build())
   resumed.load_state_dict(state)
   assert resumed.protocol.alive.tolist() == [True] * resumed.protocol.num_workers

@@ -358,9 +358,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, data_dir, scheme):
   config.train.stop_after_updates = 43
   loop.train_and_evaluate(config, str(tmp_path / "split"))
   ckpts = tmp_path / "split" / "checkpoints"
-  (ckpts / "host_43.pkl").unlink()
-  if scheme == "ssp":   # killed before the save; for gssp, between the device and host writes
-    shutil.rmtree(ckpts / "43")
+  shutil.rmtree(ckpts / "43")   # killed before that save (Orbax writes a step whole or not)
   assert (ckpts / "32").exists()
   config.train.stop_after_updates = 0
   summary = loop.train_and_evaluate(config, str(tmp_path / "split"))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from gssp_jax.sim import executor
 from gssp_jax.sim import simulate
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import health
+from gssp_jax.train import interrupt
 from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -160,8 +160,6 @@ class DistServer:
     self.done = False                         # the run reached end_pushes: meshes stop
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               self.config.train.max_checkpoints)
-    self.host_states = ckpt_lib.HostStates(os.path.join(self.workdir, "checkpoints"),
-                                           "server_")
     self._grpc = None
     self._wall_base, self._session_start = 0.0, time.perf_counter()
     self._session_pushes = 0
@@ -170,11 +168,11 @@ class DistServer:
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
-    latest = self.host_states.latest(self.checkpointer)
+    latest = self.checkpointer.latest_step()
     if latest is not None:
+      saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
       state, _ = self.checkpointer.restore(latest, self.state)
       self.state = jax.device_put(state)
-      saved = self.host_states.load(latest)
       self.protocol, self.host = saved["protocol"], saved["host"]
       self.acct.load_state_dict(saved["acct"])
       logging.info("resumed from the server checkpoint at %d pushes", latest)
@@ -194,10 +192,16 @@ class DistServer:
   def completed(self) -> bool:
     return self.host["pushes"] >= self.total_pushes
 
+  @property
+  def position(self) -> int:
+    return int(self.host["pushes"])
+
   def advance(self) -> bool:
     self._serve()
     with self.changed:
       while not (self.done or self.host["pushes"] >= self.host["next_eval"]):
+        if interrupt.requested():
+          return False   # save() snapshots under the lock; close() stops the meshes
         self.changed.wait(timeout=0.5)
       return True   # an evaluation point, or the end
 
@@ -264,13 +268,12 @@ class DistServer:
       step = int(self.host["pushes"])
       self.host["wall_time"] = self._wall_time()
       state = jax.device_get(self.state)
-      saved = pickle.dumps({"protocol": self.protocol, "host": self.host,
-                            "acct": self.acct.state_dict()})
+      saved = copy.deepcopy({"protocol": self.protocol, "host": self.host,
+                             "acct": self.acct.state_dict()})   # a snapshot; meshes go on
     if step == self.checkpointer.latest_step():
       return
-    self.checkpointer.save(step, state, {"pushes": step})
+    self.checkpointer.save(step, state, {"pushes": step}, host=saved)
     self.checkpointer.wait()
-    self.host_states.write(step, saved, self.checkpointer)
 
   def close(self) -> None:
     with self.lock:

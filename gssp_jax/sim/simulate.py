@@ -8,14 +8,13 @@ anything reads the device state, and every worker that pulls gets its next
 gradient computed on the weights it pulled (``executor.Step``). Virtual
 time is the engine's clock; nothing about it depends on wall time, so the same
 config and seed give the same metrics bit for bit (but ``wall_time``), and a
-run resumed from a checkpoint (device state + the pickled host state) continues
+run resumed from a checkpoint (device state + the host state) continues
 exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import levels
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.train import interrupt
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import health
 from gssp_jax.train import optim
@@ -190,7 +190,6 @@ class Simulation:
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
-    self.host_states = ckpt_lib.HostStates(os.path.join(self.workdir, "checkpoints"), "host_")
     self._orders: dict = {}
     self._session_start, self._session_pushes = time.perf_counter(), 0
     self._wall_base = 0.0
@@ -198,11 +197,11 @@ class Simulation:
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
-    latest = self.host_states.latest(self.checkpointer)
+    latest = self.checkpointer.latest_step()
     if latest is not None:
+      saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
       state, _ = self.checkpointer.restore(latest, self.state)
       self.state = jax.device_put(state)
-      saved = self.host_states.load(latest)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
@@ -214,6 +213,10 @@ class Simulation:
       self._steps.append(executor.Step(None, self._next_jobs(np.arange(self.W))))
     self._session_start, self._session_pushes = time.perf_counter(), self.engine.num_pushes
     self._wall_base = self.host["wall_time"]
+    return int(self.engine.num_pushes)
+
+  @property
+  def position(self) -> int:
     return int(self.engine.num_pushes)
 
   def finished(self) -> bool:
@@ -234,6 +237,8 @@ class Simulation:
           self._regroup(measured)
       if engine.num_pushes >= host["next_eval"] or engine.num_pushes == self.total_pushes:
         return True
+      if interrupt.requested():
+        return False   # between events: host and buffered device steps are consistent
     return False
 
   def evaluate(self) -> dict[str, Any]:
@@ -296,11 +301,10 @@ class Simulation:
     # resumes bit for bit too.
     step, host = self.engine.num_pushes, self.host
     host["wall_time"] = self._wall_time()
-    self.checkpointer.save(step, self.state, {"pushes": step})
-    self.checkpointer.wait()
-    self.host_states.write(step, pickle.dumps({
+    self.checkpointer.save(step, self.state, {"pushes": step}, host={
         "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
-        "steps": self._steps}), self.checkpointer)
+        "steps": self._steps})
+    self.checkpointer.wait()
 
   def close(self) -> None:
     self.checkpointer.close()

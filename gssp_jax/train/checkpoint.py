@@ -1,13 +1,21 @@
-"""Orbax checkpoints of the full training state plus the host-side loop position."""
+"""Orbax checkpoints of the full training state plus the host-side loop position.
+
+A step holds up to three items: ``state`` (the device pytree), ``meta`` (JSON:
+the loop position) and ``host`` (the simulator's or the real runtime's host
+state as versioned JSON, ``train/host_state.py``). All three are written in one
+Orbax step, so a step is complete or absent.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
-import pickle
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from gssp_jax.train import host_state as host_state_lib
 
 
 class Checkpointer:
@@ -20,18 +28,41 @@ class Checkpointer:
 
   def __init__(self, directory: str, max_to_keep: int = 2):
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, meta: dict) -> None:
-    """Saves at ``step`` unless that step is already saved (the state is then the same)."""
+  def save(self, step: int, state: Any, meta: dict, host: Any = None) -> None:
+    """Saves at ``step`` unless that step is already saved (the state is then the same).
+
+    ``host``: host state (``host_state.to_tree``'s types), saved as the ``host`` item.
+    """
     if step == self._manager.latest_step():
       return
-    args = ocp.args.Composite(state=ocp.args.StandardSave(jax.device_get(state)),
-                              meta=ocp.args.JsonSave(meta))
-    self._manager.save(step, args=args)
+    items = {"state": ocp.args.StandardSave(jax.device_get(state)),
+             "meta": ocp.args.JsonSave(meta)}
+    if host is not None:
+      items["host"] = ocp.args.JsonSave(host_state_lib.encode(host))
+    self._manager.save(step, args=ocp.args.Composite(**items))
+
+  def restore_host(self, step: int) -> Any:
+    """The host state saved at ``step``.
+
+    Raises:
+      host_state.HostStateError: the step has no host state (a checkpoint of
+        an older gssp_jax, which pickled it beside the step) or another version.
+    """
+    where = f"the checkpoint at step {step} in {self.directory}"
+    if not os.path.isdir(os.path.join(self.directory, str(step), "host")):
+      legacy = glob.glob(os.path.join(self.directory, "*.pkl"))
+      hint = (f": it was written by an older gssp_jax, whose host state is a pickle"
+              f" ({os.path.basename(legacy[0])}), which is not loaded because loading a pickle"
+              " runs code. Start the run again in a new workdir" if legacy else "")
+      raise host_state_lib.HostStateError(f"{where} has no host state{hint}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))
+    return host_state_lib.decode(restored.host, where)
 
   def restore(self, step: int, template: Any) -> tuple[Any, dict]:
     """Restores ``step`` (any kept step, not only the latest)."""
@@ -50,41 +81,3 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
-
-
-class HostStates:
-  """Host-state files beside a :class:`Checkpointer`'s steps: ``<directory>/<prefix><step>.pkl``.
-
-  An executor whose state is partly on the host (the simulator, the real
-  runtime's server) writes one file per checkpoint step, after Orbax's, and
-  resumes from the newest step that has both.
-  """
-
-  def __init__(self, directory: str, prefix: str):
-    self.directory, self.prefix = directory, prefix
-
-  def path(self, step: int) -> str:
-    return os.path.join(self.directory, f"{self.prefix}{step}.pkl")
-
-  def latest(self, checkpointer: Checkpointer) -> int | None:
-    """The newest step with its host file (a crash between the two writes leaves a device
-    checkpoint without one; the older complete step is used instead)."""
-    return next((step for step in sorted(checkpointer.all_steps(), reverse=True)
-                 if os.path.exists(self.path(step))), None)
-
-  def load(self, step: int) -> Any:
-    with open(self.path(step), "rb") as f:
-      return pickle.load(f)
-
-  def write(self, step: int, data: bytes, checkpointer: Checkpointer) -> None:
-    """Writes ``data`` atomically for ``step``; drops the files of steps Orbax no longer keeps."""
-    tmp = self.path(step) + ".tmp"
-    with open(tmp, "wb") as f:
-      f.write(data)
-    os.replace(tmp, self.path(step))
-    kept = checkpointer.all_steps()
-    for name in os.listdir(self.directory):
-      number = name[len(self.prefix):-len(".pkl")]
-      if (name.startswith(self.prefix) and name.endswith(".pkl") and number.isdigit()
-          and int(number) not in kept):
-        os.remove(os.path.join(self.directory, name))

@@ -26,6 +26,7 @@ import numpy as np
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
 from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import interrupt
 from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -48,6 +49,10 @@ class Executor(Protocol):
   def restore(self) -> int:
     """Loads the latest checkpoint if there is one; returns the position (0 when fresh)."""
 
+  @property
+  def position(self) -> int:
+    """Where the run is, in ``position_key`` units."""
+
   def finished(self) -> bool:
     """True once the run reached its end (or ``train.stop_after_updates``)."""
 
@@ -56,6 +61,9 @@ class Executor(Protocol):
 
   def advance(self) -> bool:
     """Trains up to the next evaluation point or the end; True at an evaluation point.
+
+    Returns False early, at a point it can checkpoint and resume from exactly,
+    once ``interrupt.requested()``.
 
     Raises:
       FloatingPointError: a non-finite training loss.
@@ -198,12 +206,18 @@ class FusedBSP:
   def completed(self) -> bool:
     return self.updates == self.plan.total
 
+  @property
+  def position(self) -> int:
+    return self.updates
+
   def advance(self) -> bool:
     while self.updates < self.plan.end:
       self._line = self._run_chunk()
       if self.plan.is_eval_point(self.updates):
         return True
       logging.info(self._line)
+      if interrupt.requested():
+        return False   # between chunks: the state and meta are consistent
     return False
 
   def _run_chunk(self) -> str:

@@ -20,6 +20,7 @@ import ml_collections
 from gssp_jax import config as config_lib
 from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import health
+from gssp_jax.train import interrupt
 from gssp_jax.train import observe
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import workdir as workdir_lib
@@ -58,7 +59,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     progress: False keeps the console quiet (``log.txt`` is written anyway).
   """
   config_lib.validate_config(config, allow_unread=allow_unread)   # no workdir for a bad config
-  with observe.run_output(workdir, progress):
+  with observe.run_output(workdir, progress), interrupt.deferred():
     return _train_and_evaluate(config, workdir, allow_unread)
 
 
@@ -70,9 +71,9 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
   board = observe.MetricWriter(workdir, executor.position_key, history)
   status = "failed"  # until the loop says otherwise; the summary records why a run ended
   try:
-    while not executor.finished():
+    while not executor.finished() and not interrupt.requested():
       if not executor.advance():
-        continue   # stopped between evaluations (train.stop_after_updates)
+        continue   # stopped between evaluations (train.stop_after_updates, or a signal)
       record = executor.evaluate()
       _append_metrics(metrics_path, record)
       board.write(record)
@@ -80,8 +81,10 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
       logging.info(executor.progress(record))
       if executor.evaluations % config.train.checkpoint_every == 0:
         executor.save()
-    status = "done" if executor.completed() else "stopped"
     executor.save()
+    if interrupt.requested():
+      _interrupted(executor, workdir, interrupt.requested())
+    status = "done" if executor.completed() else "stopped"
   except KeyboardInterrupt:
     status = "interrupted"  # rerun the same command to resume from the last checkpoint
     raise
@@ -94,6 +97,14 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
     summary = summarize(config, history, status, executor)
     workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
+
+
+def _interrupted(executor, workdir: str, signal_name: str) -> None:
+  """Logs where the run stopped and how to resume (into ``log.txt`` too), then raises."""
+  logging.warning("interrupted by %s at %s %d; a checkpoint was saved there. To resume, run the"
+                  " same command again with --workdir=%s (train_and_evaluate: the same workdir)",
+                  signal_name, executor.position_key, executor.position, workdir)
+  raise KeyboardInterrupt(signal_name)
 
 
 def _append_metrics(path: str, record: dict[str, Any]) -> None:

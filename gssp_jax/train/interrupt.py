@@ -1,0 +1,60 @@
+"""Ctrl-C and SIGTERM as a request to checkpoint and stop, as Orbax users expect.
+
+Inside :func:`deferred`, the first SIGINT or SIGTERM only records the request:
+the executor stops at its next consistent point (between chunks of updates, or
+after a simulated push), the loop saves a checkpoint there, writes
+``interrupted`` and how to resume, and raises ``KeyboardInterrupt``. A second
+signal raises ``KeyboardInterrupt`` at once (nothing is saved beyond the last
+checkpoint). In a notebook the kernel's interrupt button sends SIGINT, so it
+checkpoints the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+from absl import logging
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_requested: list[str] = []   # the signal's name once one arrived inside `deferred`
+
+
+def requested() -> str | None:
+  """The name of the signal that asked the run to stop (``SIGINT``, ``SIGTERM``), or None."""
+  return _requested[0] if _requested else None
+
+
+def request(name: str = "SIGINT") -> None:
+  """Asks the run to stop at its next consistent point, as a first signal does."""
+  if not _requested:
+    _requested.append(name)
+
+
+def _handler(signum, frame):
+  del frame
+  name = signal.Signals(signum).name
+  if _requested:
+    raise KeyboardInterrupt(f"{name} again: stopping at once")
+  request(name)
+  logging.warning("%s: saving a checkpoint at the next consistent point, then stopping (send it"
+                  " again to stop at once)", name)
+
+
+@contextlib.contextmanager
+def deferred():
+  """While inside, SIGINT and SIGTERM ask for a checkpoint and a stop (see the module docstring).
+
+  Outside the main thread (where handlers cannot be set) it only clears the
+  request on exit; :func:`request` still works there.
+  """
+  _requested.clear()
+  main = threading.current_thread() is threading.main_thread()
+  previous = {s: signal.signal(s, _handler) for s in _SIGNALS} if main else {}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)   # None: set outside Python
+    _requested.clear()
