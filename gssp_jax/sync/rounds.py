@@ -192,14 +192,9 @@ def mean_of_first(tree, count: jax.Array):
 
 
 def adopt_replicas(tree, adopt: jax.Array):
-  """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values.
-
-  Skipped (``lax.cond``) in rounds without adoption: most rounds, and every
-  round of a scheme with many replicas (DS-Sync's ``R = W``).
-  """
+  """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values."""
   src = jnp.where(adopt >= 0, adopt, jnp.arange(adopt.shape[0]))
-  return jax.lax.cond(jnp.any(adopt >= 0), lambda t: jax.tree.map(lambda x: x[src], t),
-                      lambda t: t, tree)
+  return jax.tree.map(lambda x: x[src], tree)
 
 
 def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
