@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -505,8 +506,8 @@ def replicated(inner: optax.GradientTransformation,
 
   With the extra arg ``replica_ids`` (``[Kr]`` ascending, padded with ``R``;
   every applying replica listed, as ``rounds.round_indices`` builds it) the
-  inner optimizer runs on those ``Kr`` replicas only (gathered, ``vmap``-ed,
-  scattered back), so its cost follows the replicas that apply.
+  inner optimizer runs on those ``Kr`` replicas only, one at a time and in
+  place (``_listed_update``), so its cost follows the replicas that apply.
   """
   num_replicas = check_int("replicated", "num_replicas", num_replicas, 1)
 
@@ -518,32 +519,63 @@ def replicated(inner: optax.GradientTransformation,
   def update(updates, state, params=None, *, applies=None, replica_ids=None, **extra):
     del extra  # The inner optimizer sees one replica; round masks are not its business.
     applies = _mask(applies, [num_replicas], bool, True)
-    if replica_ids is None:
-      ids = jnp.arange(num_replicas, dtype=jnp.int32)
-      pick = lambda tree: tree
-    else:  # Only the listed replicas' optimizers run: Kr x params, not R x params.
-      ids = jnp.asarray(replica_ids, jnp.int32)
-      safe = jnp.minimum(ids, num_replicas - 1)
-      pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
-    step = (ids < num_replicas) & applies[jnp.minimum(ids, num_replicas - 1)]   # [Kr]
-    old_inner = pick(state.inner)
-    if params is None:
-      new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
-    else:
-      new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
-    new_inner = jax.tree.map(lambda new, old: jnp.where(rows(step, new), new, old), new_inner,
-                             old_inner)
-    new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
-                               new_updates)
     if replica_ids is not None:
-      new_inner = jax.tree.map(lambda full, part: full.at[ids].set(part, mode="drop"),
-                               state.inner, new_inner)
-      new_updates = jax.tree.map(
-          lambda part: jnp.zeros((num_replicas, *part.shape[1:]), part.dtype).at[ids].set(
-              part, mode="drop"), new_updates)
+      return _listed_update(inner, num_replicas, updates, state, params, applies, replica_ids)
+    if params is None:
+      new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
+    else:
+      new_updates, new_inner = jax.vmap(inner.update)(updates, state.inner, params)
+    keep = lambda new, old: jnp.where(rows(applies, new), new, old)
+    new_inner = jax.tree.map(keep, new_inner, state.inner)
+    new_updates = jax.tree.map(lambda u: jnp.where(rows(applies, u), u, jnp.zeros_like(u)),
+                               new_updates)
     return new_updates, ReplicatedState(inner=new_inner)
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, params,
+                   applies: jax.Array, replica_ids):
+  """``replicated``'s update for the listed replicas only (``replica_ids``, padded with ``R``).
+
+  The listed replicas' rows are gathered (``[Kr, ...]``), their optimizers
+  stepped (``vmap``), and the new rows written back one id at a time by a
+  ``fori_loop`` that stops before the padding. A scatter back instead
+  (``x.at[ids].set``) let XLA fuse the optimizer's arithmetic into the writes,
+  which then read the old moments after their own write, so XLA copied every
+  ``[R, ...]`` optimizer leaf each round (Seq2Seq with Adam: slower than
+  stepping all replicas). A loop body cannot be fused with what precedes it,
+  so its ``dynamic_update_slice`` writes happen in place: the round costs
+  ``Kr x params`` in the optimizer plus one zero-filled ``[R, ...]`` update tree.
+  """
+  ids = jnp.asarray(replica_ids, jnp.int32)
+  safe = jnp.minimum(ids, num_replicas - 1)
+  pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
+  old_inner = pick(state.inner)
+  if params is None:
+    new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
+  else:
+    new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
+  # A listed replica that is only averaged keeps its state and gets a zero update.
+  step = (ids < num_replicas) & applies[safe]                              # [Kr]
+  new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
+  new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
+                             new_updates)
+  row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                     tree)
+  put = lambda tree, r, new: jax.tree.map(
+      lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), tree, new)
+
+  def write(i, carry):
+    full_inner, full_updates = carry
+    return (put(full_inner, ids[i], row(new_inner, i)),
+            put(full_updates, ids[i], row(new_updates, i)))
+
+  zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
+  # Listed ids come first, ascending; the loop stops before the padding.
+  count = jnp.sum(ids < num_replicas, dtype=jnp.int32)
+  full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
+  return full_updates, ReplicatedState(inner=full_inner)
 
 
 # ---------------------------------------------------------------- accessors
