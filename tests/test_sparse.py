@@ -16,6 +16,7 @@ import pytest
 
 from gssp_jax import sync
 from gssp_jax.sim import executor
+from gssp_jax.sim import levels
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.train import optim
 
@@ -33,6 +34,12 @@ class _Net(nn.Module):
     return nn.Dense(2)(nn.relu(x))
 
 
+def _loss_fn(p, ms, batch, rng):
+  del rng
+  out, new = _Net().apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
+  return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
+
+
 def _setup(name, num_workers, inter_group="peer", optimizer=None):
   """A tiny BatchNorm model, the scheme's chain and a fresh device state."""
   speeds = list(1.0 + 0.37 * np.arange(num_workers))
@@ -40,15 +47,10 @@ def _setup(name, num_workers, inter_group="peer", optimizer=None):
                              casp_reconfigure_every=4, casp_max_communities=2,
                              inter_group=inter_group)
 
-  def loss_fn(p, ms, batch, rng):
-    del rng
-    out, new = _Net().apply({"params": p, **ms}, batch["x"], mutable=["batch_stats"])
-    return jnp.mean((out - batch["y"]) ** 2), {"batch_stats": new["batch_stats"]}
-
   tx, state = _chain_and_state(scheme, optimizer or optax.sgd(1.0, momentum=0.9))
   arrays = {"x": jax.random.normal(jax.random.key(1), (N, 3)),
             "y": jax.random.normal(jax.random.key(2), (N, 2))}
-  job_fn = executor.make_job_fn(loss_fn, None, 4, 4)
+  job_fn = executor.make_job_fn(_loss_fn, None, 4, 4)
   return scheme, tx, state, arrays, job_fn, speeds
 
 
@@ -236,3 +238,42 @@ def test_the_sparse_replica_optimizer_copies_no_more_than_the_dense_one():
   sparse = _replica_copies(executor.round_body(tx), state, args, 4)
   dense = _replica_copies(executor.round_body(tx), state, dense_args, 4)
   assert sparse <= dense, (sparse, dense)
+
+
+def _id_sizes(args):
+  return tuple(v.size for v in rounds_lib.round_indices(args).values())
+
+
+@pytest.mark.parametrize("inter_group", ["peer", "global"])
+def test_a_gssp_run_compiles_once_per_id_bucket(inter_group):
+  """The id buckets bound the compilations of a GSSP run, in both simulated executors.
+
+  Rounds runner: one trace per (worker ids, replica ids) bucket pair met, at
+  most ``(log2 W + 1) x (log2 R + 1)``. Levels runner: one per (rounds,
+  worker ids, replica ids) bucket triple of its chunks. A second, longer run
+  traces only for pairs it had not met.
+  """
+  num_workers, max_rounds = 8, 4
+  scheme, tx, state, arrays, job_fn, speeds = _setup("gssp", num_workers, inter_group)
+  num_replicas = scheme.num_replicas
+  bound = (len({rounds_lib.bucket(n, num_workers) for n in range(1, num_workers + 1)})
+           * len({rounds_lib.bucket(n, num_replicas) for n in range(1, num_replicas + 1)}))
+  traces = []
+  run = executor.make_round_runner(job_fn, executor.make_round_fn(
+      tx, on_trace=lambda: traces.append(1)))
+  runner = levels.make_level_runner(_loss_fn, None, tx, 4, 4, num_workers, max_rounds=max_rounds)
+  pairs, triples = set(), set()
+  for pushes in (40, 90):
+    steps = _steps(scheme, speeds, pushes)
+    pairs |= {_id_sizes(s.args) for s in steps if s.args}
+    for level in levels.plan_levels(steps):
+      for start in range(0, len(level.rounds), max_rounds):
+        chunk = rounds_lib.with_common_indices(level.rounds[start:start + max_rounds])
+        triples.add((levels._bucket(len(chunk), max_rounds), chunk[0]["worker_ids"].size,
+                     chunk[0]["replica_ids"].size))
+    run(jax.tree.map(jnp.copy, state), arrays, steps)
+    runner(jax.tree.map(jnp.copy, state), arrays, steps)
+    assert len(traces) == len(pairs) <= bound
+    assert runner.traces["rounds"] == len(triples) <= 3 * bound
+  # Asynchronous pushes rarely need the large buckets: far fewer than the bound here.
+  assert len(pairs) < bound
