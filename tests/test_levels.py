@@ -13,6 +13,7 @@ import helpers
 from gssp_jax import compress
 from gssp_jax import sync
 from gssp_jax.sim import executor
+from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.sim import levels
 from gssp_jax.train import optim
 
@@ -180,11 +181,11 @@ def _jobs(workers, first_iter=0):
 
 
 def _args(arrived=(), pulls=(), tag=0):
-  a = np.zeros([3], bool)
-  a[list(arrived)] = True
-  p = np.zeros([3], bool)
-  p[list(pulls)] = True
-  return {"arrived": a, "pulls": p, "tag": tag}
+  """A whole round's args on 3 workers and 1 replica (plus a ``tag`` to follow it)."""
+  args = rounds_lib.round_args(rounds_lib.empty_round(0.0, 3, 1, 1, np.zeros([3], np.int32)))
+  args["arrived"][list(arrived)] = True
+  args["pulls"][list(pulls)] = True
+  return {**args, "tag": tag}
 
 
 def test_plan_levels_on_hand_made_steps():

@@ -183,9 +183,22 @@ def round_body(tx: optax.GradientTransformationExtraArgs):
   return one_round
 
 
-def make_round_fn(tx: optax.GradientTransformationExtraArgs):
-  """``(state, args) -> state``: one round (``round_body``), jitted once."""
-  return jax.jit(round_body(tx), donate_argnums=(0,))
+def make_round_fn(tx: optax.GradientTransformationExtraArgs,
+                  on_trace: Callable[[], None] = lambda: None):
+  """``(state, args) -> state``: one round (``round_body``), jitted.
+
+  The host adds the round's ids (``rounds.with_indices``), so the round
+  touches only the workers and replicas it involves; it compiles once per pair
+  of id buckets (powers of two up to ``W`` and ``R``), not per round.
+  ``on_trace`` is called each time it is traced (tests count compilations).
+  """
+  body = round_body(tx)
+
+  def traced(state, args):
+    on_trace()
+    return body(state, args)
+  jitted = jax.jit(traced, donate_argnums=(0,))
+  return lambda state, args: jitted(state, rounds_lib.with_indices(args))
 
 
 class Jobs(NamedTuple):

@@ -19,7 +19,8 @@ executor.
 Shapes are padded to a fixed set so nothing recompiles per level: jobs to a
 power of two (at most ``num_workers``; padded jobs scatter to an out-of-range
 worker and are dropped), rounds to a power of two up to ``max_rounds`` (padded
-rounds are skipped with ``lax.cond``). Jobs and rounds are separate jitted
+rounds are skipped with ``lax.cond``), and the rounds' worker and replica ids
+(``rounds.round_indices``) to the largest power-of-two bucket in the chunk. Jobs and rounds are separate jitted
 functions rather than one function per (jobs, rounds) pair: the model is then
 compiled once per job bucket, not once per pair of buckets (about 5 x 7 pairs
 at 16 workers), which matters for a ResNet.
@@ -49,6 +50,7 @@ import numpy as np
 import optax
 
 from gssp_jax.sim import executor
+from gssp_jax.sync import rounds as rounds_lib
 
 
 class Level(NamedTuple):
@@ -307,6 +309,10 @@ def stack_call(call: Call, num_workers: int, levels_per_call: int):
     ``jobs`` an ``executor.Jobs`` of ``[L, J, ...]`` arrays.
   """
   size, n = call.jobs_size, len(call.pieces)
+  # One id size for the whole call (its largest bucket): every scanned round shares a shape.
+  common = iter(rounds_lib.with_common_indices([r for p in call.pieces for r in p.rounds]))
+  call = call._replace(pieces=[Level(p.jobs, [next(common) for _ in p.rounds])
+                               for p in call.pieces])
   template = next(p.jobs for p in call.pieces if p.jobs is not None)
   idle = executor.Jobs(workers=np.full([size], num_workers, np.int32),
                        idx=np.zeros([size, *np.shape(template.idx)[1:]], np.int32),
@@ -410,7 +416,8 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
     if level.jobs is not None:
       state = jobs_fn(state, arrays, *pad_jobs(level.jobs, num_workers))
     for start in range(0, len(level.rounds), max_rounds):
-      chunk = level.rounds[start:start + max_rounds]
+      # One id size per chunk (its largest bucket): the scan's rounds share a shape.
+      chunk = rounds_lib.with_common_indices(level.rounds[start:start + max_rounds])
       state = rounds_fn(state, *stack_round_args(chunk, _bucket(len(chunk), max_rounds)))
     return state
 

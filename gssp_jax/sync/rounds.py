@@ -61,6 +61,79 @@ def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: in
                stats_mean=np.full([num_replicas], -1, np.int32))
 
 
+# The index args of a sparse round (``round_indices``): each lists, ascending and padded with
+# an out-of-range id, the only rows of a worker or replica axis that the round may change.
+INDEX_ARGS = ("worker_ids", "replica_ids")
+
+
+def bucket(n: int, cap: int) -> int:
+  """The padded size of ``n`` ids: the next power of two (at least 1), at most ``cap``."""
+  return min(1 << max(0, int(n) - 1).bit_length(), max(int(cap), 1))
+
+
+def _padded_ids(ids: np.ndarray, size: int, fill: int) -> np.ndarray:
+  out = np.full([size], fill, np.int32)
+  out[:ids.size] = ids
+  return out
+
+
+def round_indices(args: dict, *, num_worker_ids: int | None = None,
+                  num_replica_ids: int | None = None) -> dict[str, np.ndarray]:
+  """The rows a round touches, as fixed-size host index arrays (``INDEX_ARGS``).
+
+  ``worker_ids``: the workers that arrive or pull, padded with ``W``;
+  ``replica_ids``: the replicas that apply or are averaged, padded with ``R``.
+  With them :func:`apply_round` reads and writes only those rows, so a round's
+  cost follows the workers and replicas it involves, not ``W x params``.
+  Sizes are powers of two (``bucket``), so a jitted round compiles once per
+  pair of sizes; ``num_worker_ids``/``num_replica_ids`` force larger sizes
+  (rounds stacked for a ``lax.scan`` must share them).
+
+  Args:
+    args: the round's fields (``round_args``), host arrays.
+    num_worker_ids: the size of ``worker_ids``; default its bucket.
+    num_replica_ids: the size of ``replica_ids``; default its bucket.
+
+  Raises:
+    ValueError: a size smaller than the ids it must hold, or above ``W``/``R``.
+  """
+  arrived = np.asarray(args["arrived"], bool)
+  applies = np.asarray(args["applies"], bool)
+  num_workers, num_replicas = arrived.shape[0], applies.shape[0]
+  workers = np.flatnonzero(arrived | np.asarray(args["pulls"], bool))
+  replicas = np.flatnonzero(applies | (np.asarray(args.get("average", -1)) >= 0))
+  sizes = []
+  for name, ids, size, cap in (("num_worker_ids", workers, num_worker_ids, num_workers),
+                               ("num_replica_ids", replicas, num_replica_ids, num_replicas)):
+    size = bucket(ids.size, cap) if size is None else size
+    if not ids.size <= size <= max(cap, 1):
+      raise ValueError(f"{name}={size} is invalid for a round with {ids.size} such ids; "
+                       f"allowed: {ids.size} to {cap}")
+    sizes.append(size)
+  return {"worker_ids": _padded_ids(workers, sizes[0], num_workers),
+          "replica_ids": _padded_ids(replicas, sizes[1], num_replicas)}
+
+
+def with_indices(args: dict) -> dict:
+  """``args`` plus ``round_indices(args)`` (the sparse round's ids), if it has none yet."""
+  if all(k in args for k in INDEX_ARGS):
+    return args
+  return {**args, **round_indices(args)}
+
+
+def with_common_indices(rounds: Sequence[dict]) -> list[dict]:
+  """Every round's args plus its ids, padded to the largest sizes among ``rounds``.
+
+  Rounds stacked for one ``lax.scan`` need one shape; the largest bucket among
+  them keeps the padding (and the number of compilations) small.
+  """
+  own = [round_indices(r) for r in rounds]
+  num_w = max(i["worker_ids"].size for i in own)
+  num_r = max(i["replica_ids"].size for i in own)
+  return [{**r, **round_indices(r, num_worker_ids=num_w, num_replica_ids=num_r)}
+          for r in rounds]
+
+
 def round_args(rnd: Round) -> dict[str, Any]:
   """The extra args a transform chain receives for ``rnd`` (every field but ``time``)."""
   return {k: v for k, v in rnd._asdict().items() if k != "time"}
@@ -71,18 +144,36 @@ def stack_rounds(rounds: Sequence[Round]) -> dict[str, np.ndarray]:
   return {k: np.stack([np.asarray(getattr(r, k)) for r in rounds]) for k in Round._fields}
 
 
-def average_replicas(tree, average: jax.Array):
-  """Replaces each replica with ``average[r] >= 0`` by the mean of its averaging group."""
+def ids_or_all(ids, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(ids, safe, valid)`` of a padded id list over an axis of ``num`` rows.
+
+  ``ids`` None means every row. ``safe`` clamps padding (``id >= num``) into
+  range for gathers, whose results ``valid`` masks; scatters use ``ids`` with
+  ``mode="drop"`` so padding writes nowhere.
+  """
+  ids = jnp.arange(num, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+  return ids, jnp.minimum(ids, num - 1), ids < num
+
+
+def average_replicas(tree, average: jax.Array, replica_ids=None):
+  """Replaces each replica with ``average[r] >= 0`` by the mean of its averaging group.
+
+  Only the rows in ``replica_ids`` (default all) are read and written; it must
+  list every averaged replica (``round_indices`` does).
+  """
   num = average.shape[0]
-  member = average >= 0
-  ids = jnp.where(member, average, 0)
-  onehot = ((ids[:, None] == jnp.arange(num)[None, :]) & member[:, None]).astype(jnp.float32)
-  counts = jnp.maximum(onehot.sum(0), 1.0)   # [groups]
+  ids, safe, valid = ids_or_all(replica_ids, num)
+  group = average[safe]
+  member = (group >= 0) & valid                                        # [K]
+  same = ((group[:, None] == group[None, :]) & member[:, None] & member[None, :])
+  onehot = same.astype(jnp.float32)                                    # [K, K]
+  counts = jnp.maximum(onehot.sum(1), 1.0)
 
   def one(x):
-    flat = x.reshape(num, -1).astype(jnp.float32)
-    means = (onehot.T @ flat) / counts[:, None]
-    return jnp.where(transforms.rows(member, x), means[ids].reshape(x.shape).astype(x.dtype), x)
+    rows_in = x[safe]
+    flat = rows_in.reshape(ids.shape[0], -1).astype(jnp.float32)
+    means = ((onehot @ flat) / counts[:, None]).reshape(rows_in.shape).astype(x.dtype)
+    return x.at[ids].set(jnp.where(transforms.rows(member, rows_in), means, rows_in), mode="drop")
   return jax.tree.map(one, tree)
 
 
@@ -106,10 +197,27 @@ def adopt_replicas(tree, adopt: jax.Array):
   return jax.tree.map(lambda x: x[src], tree)
 
 
+def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
+  """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows."""
+  ids, safe, valid = ids_or_all(worker_ids, groups.shape[0])
+  take = pulls[safe] & valid
+  src = groups[safe]
+
+  def one(w, r):
+    old = w[safe]
+    return w.at[ids].set(jnp.where(transforms.rows(take, old), r[src], old), mode="drop")
+  return jax.tree.map(one, workers, replicas)
+
+
 def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_state,
                 worker_params, worker_grads, args: dict, replica_model_state=None,
                 worker_model_state=None):
   """Applies one round: the chain's updates, averaging, adoption, then the workers' pulls.
+
+  Cost: with ``worker_ids``/``replica_ids`` a round gathers the ``K`` listed
+  workers' gradients, steps the optimizer of the ``Kr`` listed replicas and
+  writes the pulling workers' rows: ``(K + Kr) x params``, plus elementwise
+  work over the ``R`` replicas' weights; never ``W x params``.
 
   Model state, in order: arrived workers' statistics, ``stats_mean``,
   averaging, adoption, pulls.
@@ -120,7 +228,10 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
     tx_state: the chain's state.
     worker_params: ``[W, ...]`` weights each worker last pulled.
     worker_grads: ``[W, ...]`` gradients; only arrived workers' are used.
-    args: the round's fields (``round_args``), host arrays or traced.
+    args: the round's fields (``round_args``), host arrays or traced; with
+      the ``INDEX_ARGS`` (``round_indices``) only the listed workers' and
+      replicas' rows are read and written (the sync transforms and
+      ``transforms.replicated`` receive them too), else every row.
     replica_model_state: ``[R, ...]`` non-trainable state (BatchNorm
       statistics) of the replicas, or None.
     worker_model_state: ``[W, ...]`` the workers' updated model state from
@@ -135,27 +246,29 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   replica_params = optax.apply_updates(replica_params, updates)
   average = jnp.asarray(args["average"], jnp.int32)
   adopt = jnp.asarray(args["adopt"], jnp.int32)
-  replica_params = adopt_replicas(average_replicas(replica_params, average), adopt)
+  worker_ids, replica_ids = args.get("worker_ids"), args.get("replica_ids")
+  replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt)
   arrived = jnp.asarray(args["arrived"], bool)
   groups = jnp.asarray(args["groups"], jnp.int32)
   pulls = jnp.asarray(args["pulls"], bool)
-  worker_params = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
-                               worker_params, replica_params)
+  worker_params = pull_rows(worker_params, replica_params, groups, pulls, worker_ids)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
     num_replicas = jnp.asarray(args["applies"]).shape[0]
-    onehot = ((groups[:, None] == jnp.arange(num_replicas)[None, :])
-              & arrived[:, None]).astype(jnp.float32)          # [W, R]
+    ids, safe, valid = ids_or_all(worker_ids, groups.shape[0])
+    onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
+              & (arrived[safe] & valid)[:, None]).astype(jnp.float32)          # [K, R]
     got = onehot.sum(0) > 0
 
     def take_mean(rep, wk):
-      flat = wk.reshape(wk.shape[0], -1).astype(jnp.float32)
+      flat = wk[safe].reshape(ids.shape[0], -1).astype(jnp.float32)
       mean = (onehot.T @ flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
       return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
     replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
     if "stats_mean" in args:   # absent from args built before the field existed
       replica_model_state = mean_of_first(replica_model_state,
                                           jnp.asarray(args["stats_mean"], jnp.int32))
-    replica_model_state = adopt_replicas(average_replicas(replica_model_state, average), adopt)
-    worker_model_state = jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
-                                      worker_model_state, replica_model_state)
+    replica_model_state = adopt_replicas(
+        average_replicas(replica_model_state, average, replica_ids), adopt)
+    worker_model_state = pull_rows(worker_model_state, replica_model_state, groups, pulls,
+                                   worker_ids)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state

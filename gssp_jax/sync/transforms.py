@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -164,12 +165,25 @@ def _mask(value, shape, dtype, default):
   return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
 
 
-def route_sum(grads, arrived: jax.Array, route: jax.Array, num_out: int, scale: float):
-  """``out[r] = scale * sum of grads[w] with arrived[w] and route[w] == r``; leaves ``[num_out, ...]``."""
-  onehot = (route[:, None] == jnp.arange(num_out)[None, :]) & arrived[:, None]
-  weights = onehot.astype(jnp.float32) * jnp.float32(scale)   # [W, R]
+def route_sum(grads, arrived: jax.Array, route: jax.Array, num_out: int, scale: float,
+              worker_ids=None):
+  """``out[r] = scale * sum of grads[w] with arrived[w] and route[w] == r``; leaves ``[num_out, ...]``.
+
+  With ``worker_ids`` (``[K]`` ascending, padded with ``W``; every arrived
+  worker listed) only those K rows of ``grads`` are read: ``K x params``
+  instead of ``W x params``. The sum runs over them in worker order either way.
+  """
+  if worker_ids is None:
+    take, route_k, pick = arrived, route, lambda g: g
+  else:
+    ids = jnp.asarray(worker_ids, jnp.int32)
+    safe = jnp.minimum(ids, arrived.shape[0] - 1)
+    take, route_k, pick = arrived[safe] & (ids < arrived.shape[0]), route[safe], lambda g: g[safe]
+  onehot = (route_k[:, None] == jnp.arange(num_out)[None, :]) & take[:, None]
+  weights = onehot.astype(jnp.float32) * jnp.float32(scale)   # [K, R]
 
   def one(g):
+    g = pick(g)
     flat = g.reshape(g.shape[0], -1).astype(jnp.float32)
     return (weights.T @ flat).reshape((num_out,) + g.shape[1:])
   return jax.tree.map(one, grads)
@@ -227,7 +241,7 @@ def server_sync(num_workers: int, *, num_replicas: int = 1, assignment=None, sca
     return ServerState(**_init_clocks(num_workers, num_replicas))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
-             **extra):
+             worker_ids=None, **extra):
     del params, extra
     arrived = _mask(arrived, [num_workers], bool, True)
     route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
@@ -235,7 +249,7 @@ def server_sync(num_workers: int, *, num_replicas: int = 1, assignment=None, sca
     if applies is None:
       applies = jnp.zeros([num_replicas], bool).at[route].max(arrived)
     applies = _mask(applies, [num_replicas], bool, True)
-    out = route_sum(updates, arrived, route, num_replicas, scale)
+    out = route_sum(updates, arrived, route, num_replicas, scale, worker_ids)
     out = jax.tree.map(lambda u: jnp.where(applies.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0.0),
                        out)
     return out, ServerState(**_account(state, arrived=arrived, route=route, pulls=pulls,
@@ -345,7 +359,7 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
                      since_forward=jnp.zeros([num_groups], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
-             forward=None, deliver=None, adopt=None, **extra):
+             forward=None, deliver=None, adopt=None, worker_ids=None, **extra):
     del params, extra
     arrived = _mask(arrived, [num_workers], bool, True)
     route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
@@ -353,7 +367,7 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
     forward = _mask(forward, [num_groups], bool, False)
     deliver = _mask(deliver, [num_groups], bool, False)
     adopt = _mask(adopt, [num_replicas], jnp.int32, -1)
-    contrib = route_sum(updates, arrived, route, num_groups, scale)         # [G, ...]
+    contrib = route_sum(updates, arrived, route, num_groups, scale, worker_ids)   # [G, ...]
     pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
     arrived_at = jnp.zeros([num_groups], bool).at[route].max(arrived)
 
@@ -439,7 +453,7 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
                       staleness_total=zeros(), count=jnp.zeros([], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
-             aggregate=None, **extra):
+             aggregate=None, worker_ids=None, **extra):
     del params, extra
     arrived = _mask(arrived, [num_workers], bool, True)
     route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
@@ -448,7 +462,7 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
     applies = aggregate[None] if applies is None else _mask(applies, [1], bool, True)
     apply = applies[0]
     acc = jax.tree.map(lambda a, c: a + c, state.node_acc,
-                       route_sum(updates, arrived, route, num_nodes, scale))
+                       route_sum(updates, arrived, route, num_nodes, scale, worker_ids))
     out = jax.tree.map(lambda a: jnp.where(apply, a.sum(0, keepdims=True), 0.0), acc)
     acc = jax.tree.map(lambda a: jnp.where(apply, 0.0, a), acc)
     # Every push is its own gradient in the node's aggregate; the version is
@@ -489,6 +503,11 @@ def replicated(inner: optax.GradientTransformation,
   ``applies`` keeps its optimizer state and gets a zero update, so momentum
   and Adam's counters move only when that server really applies something, as
   a real parameter server's would. Without ``applies`` every replica steps.
+
+  With the extra arg ``replica_ids`` (``[Kr]`` ascending, padded with ``R``;
+  every applying replica listed, as ``rounds.round_indices`` builds it) the
+  inner optimizer runs on those ``Kr`` replicas only, one at a time and in
+  place (``_listed_update``), so its cost follows the replicas that apply.
   """
   num_replicas = check_int("replicated", "num_replicas", num_replicas, 1)
 
@@ -497,9 +516,11 @@ def replicated(inner: optax.GradientTransformation,
     # (no replica axis): all replicas start from the same weights.
     return ReplicatedState(inner=jax.vmap(inner.init)(stack(params, num_replicas)))
 
-  def update(updates, state, params=None, *, applies=None, **extra):
+  def update(updates, state, params=None, *, applies=None, replica_ids=None, **extra):
     del extra  # The inner optimizer sees one replica; round masks are not its business.
     applies = _mask(applies, [num_replicas], bool, True)
+    if replica_ids is not None:
+      return _listed_update(inner, num_replicas, updates, state, params, applies, replica_ids)
     if params is None:
       new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
     else:
@@ -511,6 +532,50 @@ def replicated(inner: optax.GradientTransformation,
     return new_updates, ReplicatedState(inner=new_inner)
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, params,
+                   applies: jax.Array, replica_ids):
+  """``replicated``'s update for the listed replicas only (``replica_ids``, padded with ``R``).
+
+  The listed replicas' rows are gathered (``[Kr, ...]``), their optimizers
+  stepped (``vmap``), and the new rows written back one id at a time by a
+  ``fori_loop`` that stops before the padding. A scatter back instead
+  (``x.at[ids].set``) let XLA fuse the optimizer's arithmetic into the writes,
+  which then read the old moments after their own write, so XLA copied every
+  ``[R, ...]`` optimizer leaf each round (Seq2Seq with Adam: slower than
+  stepping all replicas). A loop body cannot be fused with what precedes it,
+  so its ``dynamic_update_slice`` writes happen in place: the round costs
+  ``Kr x params`` in the optimizer plus one zero-filled ``[R, ...]`` update tree.
+  """
+  ids = jnp.asarray(replica_ids, jnp.int32)
+  safe = jnp.minimum(ids, num_replicas - 1)
+  pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
+  old_inner = pick(state.inner)
+  if params is None:
+    new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
+  else:
+    new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
+  # A listed replica that is only averaged keeps its state and gets a zero update.
+  step = (ids < num_replicas) & applies[safe]                              # [Kr]
+  new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
+  new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
+                             new_updates)
+  row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                     tree)
+  put = lambda tree, r, new: jax.tree.map(
+      lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), tree, new)
+
+  def write(i, carry):
+    full_inner, full_updates = carry
+    return (put(full_inner, ids[i], row(new_inner, i)),
+            put(full_updates, ids[i], row(new_updates, i)))
+
+  zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
+  # Listed ids come first, ascending; the loop stops before the padding.
+  count = jnp.sum(ids < num_replicas, dtype=jnp.int32)
+  full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
+  return full_updates, ReplicatedState(inner=full_inner)
 
 
 # ---------------------------------------------------------------- accessors
