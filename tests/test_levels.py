@@ -281,13 +281,17 @@ def test_multi_level_compilations_bounded_by_shape_buckets():
     calls = levels.plan_calls(plan, W, 4, 4)
     for call in calls:
       if any(p.rounds for p in call.pieces) and any(p.jobs is not None for p in call.pieces):
-        pairs.add((call.jobs_size, call.rounds_size))
+        stacked = levels.stack_call(call, W, 4)[2]   # sparse rounds: the call's id sizes too
+        pairs.add((call.jobs_size, call.rounds_size, stacked["worker_ids"].shape[-1],
+                   stacked["replica_ids"].shape[-1]))
       else:
         fallback += 1
     num_levels += len(plan)
     num_calls += len(calls)
     state = runner(state, arrays, steps)
-  assert runner.traces["levels"] == len(pairs) <= 3 * 3   # (1, 2, 4 jobs) x (1, 2, 4 rounds)
+  # One trace per shape: (1, 2, 4 jobs) x (1, 2, 4 rounds) x the id buckets met.
+  ids = {(w, r) for _, _, w, r in pairs}
+  assert runner.traces["levels"] == len(pairs) <= 3 * 3 * len(ids)
   assert runner.traces["jobs"] + runner.traces["rounds"] <= fallback
   assert num_calls <= num_levels / 2   # many levels per dispatch
   assert int(state.loss_count) > 0
