@@ -80,6 +80,19 @@ def test_an_interrupt_checkpoints_where_it_stopped_and_the_resume_redoes_nothing
   assert helpers.metric_lines(split) == helpers.metric_lines(tmp_path / "whole")
 
 
+def test_a_signal_during_the_last_evaluation_lets_the_finished_run_end_as_done(
+    tmp_path, data_dir, monkeypatch):
+  """The run was over when the loop noticed the signal: it is ``done`` (exit 0, a sweep does not
+  retry it), not ``interrupted``."""
+  config = helpers.cluster_config("ssp", data_dir)   # 16 pushes, evaluations every 8
+  _interrupt_at(monkeypatch, simulate.Simulation, "evaluate", 16)
+  summary = loop.train_and_evaluate(config, str(tmp_path), progress=False)
+  assert summary["status"] == "done" and summary["totals"]["pushes"] == 16
+  assert json.loads((tmp_path / "summary.json").read_text())["status"] == "done"
+  assert max(_checkpoint_steps(tmp_path)) == 16
+  assert interrupt.requested() is None
+
+
 def test_a_second_signal_stops_at_once_and_handlers_are_restored():
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   with interrupt.deferred():
