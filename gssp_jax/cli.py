@@ -73,6 +73,28 @@ def sigterm_as_interrupt():
     signal.signal(signal.SIGTERM, previous)
 
 
+def _stop_with_parent() -> None:
+  """In a child: SIGTERM when the parent dies, however it dies (Linux; elsewhere nothing)."""
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
+
+
+def stoppable_child() -> dict[str, Any]:
+  """``subprocess.Popen`` arguments for a child run that its parent stops with one SIGTERM.
+
+  The child runs in its own session: a terminal's Ctrl-C (SIGINT to the whole
+  foreground process group) reaches only the parent, which then sends each child
+  a single SIGTERM. Were the child in the group, it would take that SIGTERM as a
+  second signal and stop at once, without the checkpoint its first one asked
+  for (``train/interrupt.py``). Out of the group it no longer gets the
+  terminal's hang-up, so it gets SIGTERM when the parent dies instead.
+  """
+  return {"start_new_session": True, "preexec_fn": _stop_with_parent}
+
+
 # --- Errors a person reads -------------------------------------------------------------------
 #
 # A user error (a bad flag or config value, a config key that does not exist, a path that is

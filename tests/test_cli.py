@@ -2,8 +2,10 @@
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 from absl import flags
 import pytest
@@ -113,3 +115,46 @@ def test_missing_data_is_a_user_error_printed_whole():
     with cli.user_errors(["prog"]):
       raise error
   assert str(exit_info.value) == f"error: {error}"   # every line: where it looked, what to do
+
+
+_CHILD = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (out.with_name("sigterm").touch(), sys.exit(0)))
+out.with_name("ready").touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stoppable_child_is_out_of_the_terminals_group_and_stops_with_its_parent(tmp_path):
+  """A sweep's trial: a terminal's Ctrl-C must reach only the sweep (which then sends one
+  SIGTERM), and the trial still gets SIGTERM, its first signal, when the sweep dies."""
+  parent = subprocess.Popen(
+      [sys.executable, "-c", "import subprocess, sys, time; from gssp_jax import cli;"
+       f" c = subprocess.Popen([sys.executable, '-c', {_CHILD!r}, {str(tmp_path / 'x')!r}],"
+       " **cli.stoppable_child()); print(c.pid, flush=True); time.sleep(60)"],
+      cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+  child = None
+  try:
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+      assert time.monotonic() < deadline, "the child never started"
+      time.sleep(0.1)
+    assert os.getsid(child) not in (os.getsid(parent.pid), os.getsid(0))
+    parent.kill()   # however the parent dies
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "sigterm").exists() and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert (tmp_path / "sigterm").exists(), "the child got no SIGTERM when its parent died"
+  finally:
+    if parent.poll() is None:
+      parent.kill()
+      parent.wait()
+    if child is not None:
+      try:
+        os.kill(child, signal.SIGKILL)
+      except ProcessLookupError:
+        pass

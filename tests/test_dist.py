@@ -142,6 +142,40 @@ def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog)
     srv.close()
 
 
+def test_the_servers_host_state_round_trips_through_its_checkpoint(tmp_path, data_dir):
+  """What the server saves (protocol, counters, staleness accounting) comes back the same from
+  the versioned JSON item of its Orbax step, after a few pushes and forwards."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import host_state  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = _config(executor="dist", data_dir=data_dir)
+  srv = server.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path))
+  grad = [np.ones_like(x) for x in jax.tree.leaves(srv.state.replica_params)]
+  try:
+    for w in range(srv.W):
+      srv._pull_reply(w, srv._next_job(w))
+    for w in (0, 3, 1):   # pushes: rounds applied, meshes released, forwards between groups
+      srv.on_push({"mesh": w, "session": srv.session, "iteration": 0, "loss": 1.0,
+                   "grad": wire.pack_leaves([g[0] for g in grad]), "model_state": [],
+                   "bytes": 4})
+    deadline = time.monotonic() + 30
+    while srv.host["in_flight"] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    srv.save()
+    with srv.lock:
+      expected = host_state.to_tree({"protocol": srv.protocol, "host": srv.host,
+                                     "acct": srv.acct.state_dict()})
+    step = srv.checkpointer.latest_step()
+    assert step == srv.host["pushes"] > 0
+    restored = srv.checkpointer.restore_host(step)
+    assert json.dumps(host_state.to_tree(restored)) == json.dumps(expected)
+    assert type(restored["protocol"]) is type(srv.protocol)
+    assert not list(tmp_path.rglob("*.pkl"))
+  finally:
+    srv.close()
+
+
 # -- real runs ----------------------------------------------------------------------------------
 
 
@@ -349,6 +383,21 @@ def test_two_process_meshes_train_sigterm_leaves_no_process_and_a_rerun_resumes(
   assert summary["status"] == "stopped" and summary["totals"]["pushes"] == saved + 8
   lines = _metrics(workdir)
   assert lines[0] == first and lines[-1]["pushes"] == saved + 8
+
+
+def test_a_terminal_ctrl_c_reaches_the_launcher_only(tmp_path):
+  """The launcher's children are outside its process group and session, so a terminal's Ctrl-C
+  (SIGINT to the foreground group) reaches the launcher alone, and its shutdown's SIGTERM is the
+  server's first signal: the server saves a checkpoint before it stops (a second one would stop
+  it at once)."""
+  launcher = launch.LocalLauncher([], str(tmp_path), launch.Topology(num_meshes=1),
+                                  _config(num_workers=1))
+  proc = launcher._spawn("server", ["--role=server"])   # no --config: it exits at once
+  try:
+    assert os.getpgid(proc.pid) != os.getpgid(0)
+    assert os.getsid(proc.pid) != os.getsid(0)
+  finally:
+    launcher.shutdown(grace=30)
 
 
 def test_each_process_gets_its_own_gpu_round_robin_and_none_preallocates(tmp_path, monkeypatch):

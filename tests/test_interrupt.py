@@ -80,6 +80,19 @@ def test_an_interrupt_checkpoints_where_it_stopped_and_the_resume_redoes_nothing
   assert helpers.metric_lines(split) == helpers.metric_lines(tmp_path / "whole")
 
 
+def test_a_signal_during_the_last_evaluation_lets_the_finished_run_end_as_done(
+    tmp_path, data_dir, monkeypatch):
+  """The run was over when the loop noticed the signal: it is ``done`` (exit 0, a sweep does not
+  retry it), not ``interrupted``."""
+  config = helpers.cluster_config("ssp", data_dir)   # 16 pushes, evaluations every 8
+  _interrupt_at(monkeypatch, simulate.Simulation, "evaluate", 16)
+  summary = loop.train_and_evaluate(config, str(tmp_path), progress=False)
+  assert summary["status"] == "done" and summary["totals"]["pushes"] == 16
+  assert json.loads((tmp_path / "summary.json").read_text())["status"] == "done"
+  assert max(_checkpoint_steps(tmp_path)) == 16
+  assert interrupt.requested() is None
+
+
 def test_a_second_signal_stops_at_once_and_handlers_are_restored():
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   with interrupt.deferred():
@@ -191,3 +204,38 @@ def test_a_simulator_checkpoint_holds_no_pickle_and_an_old_one_is_refused(tmp_pa
   with pytest.raises(host_state.HostStateError,
                      match=r"has no host state: it was written by an older gssp_jax.*host_5.pkl"):
     loop.train_and_evaluate(config, str(tmp_path / "run"), progress=False)
+
+
+# Every built-in scheme's protocol (GSSP in both inter-group variants), on a 6-worker cluster.
+_SCHEMES = [(name, {}) for name in sync.registry.SCHEMES] + [("gssp", {"inter_group": "global"})]
+
+
+@pytest.mark.parametrize("name, kwargs", _SCHEMES,
+                         ids=[n + "".join(f"-{v}" for v in k.values()) for n, k in _SCHEMES])
+def test_every_schemes_timeline_resumes_exactly_from_its_host_state(name, kwargs):
+  speeds = [1.0, 1.13, 1.37, 1.91, 2.53, 3.1]
+  scheme = sync.registry.build_scheme(name, len(speeds), num_groups=2, num_nodes=2,
+                                      worker_times=speeds, casp_reconfigure_every=4, seed=3,
+                                      **kwargs)
+
+  def engine():
+    return sync.TimelineEngine(scheme.make_protocol(), lambda w, k: speeds[w],
+                               message_delay=lambda m: 0.3)
+
+  whole, half = engine(), engine()
+  while whole.num_pushes < 80:
+    whole.step()
+  while half.num_pushes < 37:
+    half.step()
+  saved = half.state_dict()
+  document = json.loads(json.dumps(host_state.encode(saved)))
+  back = host_state.decode(document)
+  assert json.dumps(host_state.to_tree(back)) == json.dumps(host_state.to_tree(saved))
+  assert type(back["protocol"]) is type(saved["protocol"])
+  resumed = engine()
+  resumed.load_state_dict(back)
+  while resumed.num_pushes < 80:
+    resumed.step()
+  assert resumed.events == whole.events[len(half.events):]
+  assert (json.dumps(host_state.to_tree(resumed.state_dict()))
+          == json.dumps(host_state.to_tree(whole.state_dict())))

@@ -288,7 +288,11 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the child trials through /proc")
-def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir, how):
+  """``kill`` (SIGTERM to the sweep) or a terminal's Ctrl-C (SIGINT to its whole process group):
+  each trial saves a checkpoint where it is and stops (a trial that took the group's SIGINT and
+  then the sweep's SIGTERM as a second signal would stop at once, without it)."""
   path = tmp_path / "long.py"
   path.write_text(textwrap.dedent("""
       from configs.sweeps import tiny
@@ -305,7 +309,8 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
   cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}", f"--workdir={workdir}",
          "--parallel=2"]
   parent = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "GSSP_DATA_DIR": data_dir},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)   # its own process group, as in a terminal
   try:
     deadline = time.monotonic() + 240
     # Both trials are training once each has logged its first evaluation.
@@ -314,7 +319,10 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
       assert time.monotonic() < deadline, "the trials did not start within 240 s"
       time.sleep(0.5)
     assert len(_processes_mentioning(workdir)) == 3   # the parent and its two trials
-    parent.send_signal(signal.SIGTERM)
+    if how == "kill":
+      parent.send_signal(signal.SIGTERM)
+    else:   # what a terminal does on Ctrl-C: SIGINT to every process of the foreground group
+      os.killpg(parent.pid, signal.SIGINT)
     parent.wait(timeout=120)
     deadline = time.monotonic() + 10
     while _processes_mentioning(workdir) and time.monotonic() < deadline:
@@ -331,6 +339,8 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir):
     summary = json.load(open(os.path.join(workdir, name, "summary.json")))
     assert trial["status"] == summary["status"] == "interrupted"
     assert sweep.trial_status(os.path.join(workdir, name)) not in sweep.FINISHED  # rerun retries
+    log = open(os.path.join(workdir, name, "log.txt")).read()
+    assert "a checkpoint was saved there" in log and "stopping at once" not in log, log[-2000:]
 
 
 def _edited_sweep_file(path, epochs: float, learning_rate: float = 0.05):

@@ -216,8 +216,11 @@ class LocalLauncher:
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
+    # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
+    # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
+    # stop without its checkpoint (train/interrupt.py).
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_die_with_parent, start_new_session=True)
     log.close()
     self.procs[name] = proc
     self._write_pids()

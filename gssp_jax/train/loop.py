@@ -82,7 +82,7 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
       if executor.evaluations % config.train.checkpoint_every == 0:
         executor.save()
     executor.save()
-    if interrupt.requested():
+    if interrupt.requested() and not executor.finished():   # else the signal came as it ended
       _interrupted(executor, workdir, interrupt.requested())
     status = "done" if executor.completed() else "stopped"
   except KeyboardInterrupt:
