@@ -73,26 +73,38 @@ def sigterm_as_interrupt():
     signal.signal(signal.SIGTERM, previous)
 
 
-def _stop_with_parent() -> None:
-  """In a child: SIGTERM when the parent dies, however it dies (Linux; elsewhere nothing)."""
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    pass
+PARENT_ENV = "GSSP_STOP_WITH_PARENT"   # "<parent pid>:<signal>", set by child_process()
 
 
-def stoppable_child() -> dict[str, Any]:
-  """``subprocess.Popen`` arguments for a child run that its parent stops with one SIGTERM.
+def child_process(env: dict[str, str], signum: int = signal.SIGTERM) -> dict[str, Any]:
+  """``subprocess.Popen`` arguments for a child run that its parent stops with one signal.
 
   The child runs in its own session: a terminal's Ctrl-C (SIGINT to the whole
   foreground process group) reaches only the parent, which then sends each child
   a single SIGTERM. Were the child in the group, it would take that SIGTERM as a
   second signal and stop at once, without the checkpoint its first one asked
   for (``train/interrupt.py``). Out of the group it no longer gets the
-  terminal's hang-up, so it gets SIGTERM when the parent dies instead.
+  terminal's hang-up, so it asks for ``signum`` when the parent dies instead
+  (:func:`stop_with_parent`, called by :func:`run_main`, so the child must be a
+  gssp_jax command). That is done in the child, not in a ``preexec_fn``: code run
+  between fork and exec in a multithreaded parent (JAX's) can deadlock.
   """
-  return {"start_new_session": True, "preexec_fn": _stop_with_parent}
+  return {"env": {**env, PARENT_ENV: f"{os.getpid()}:{int(signum)}"},
+          "start_new_session": True}
+
+
+def stop_with_parent() -> None:
+  """In a child started with :func:`child_process`: its signal when the parent dies, however
+  it dies (``PR_SET_PDEATHSIG`` on Linux), or at once if the parent is already gone."""
+  value = os.environ.pop(PARENT_ENV, "")   # not inherited by this process's own children
+  if not value:
+    return
+  parent, signum = (int(part) for part in value.split(":"))
+  if sys.platform.startswith("linux"):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.CDLL(None, use_errno=True).prctl(1, signum)   # PR_SET_PDEATHSIG
+  if os.getppid() != parent:   # it died before the request: nobody would signal this process
+    os.kill(os.getpid(), signum)
 
 
 # --- Errors a person reads -------------------------------------------------------------------
@@ -247,10 +259,12 @@ def run_main(main: Callable[[list[str]], Any],
              prepare_argv: Callable[[list[str]], list[str]] | None = None) -> None:
   """``app.run(main)`` where user errors print one line (:func:`user_errors`) and exit with 1.
 
-  Defines ``--verbose`` (keep the traceback). ``prepare_argv`` may rewrite the
+  Defines ``--verbose`` (keep the traceback). A child started with
+  :func:`child_process` first asks to stop with its parent. ``prepare_argv`` may rewrite the
   command line before the flags are parsed (``sys.argv`` too, as
   ml_collections' config flags read it).
   """
+  stop_with_parent()
   if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, "Show the traceback of a user error (also: "
                       f"{VERBOSE_ENV}=1); by default it is one line.")

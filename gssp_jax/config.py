@@ -138,6 +138,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.dist.join_timeout = 300.0     # seconds a mesh may take to join at the start (imports, data)
   c.dist.retry_seconds = 60.0     # seconds a mesh keeps retrying an unreachable server
   c.dist.hang_timeout = 300.0     # seconds one iteration may compute before the mesh stops beating
+  c.dist.save_timeout = 120.0     # seconds the launcher waits, after Ctrl-C/SIGTERM, for the server
+                                  # to save its checkpoint and stop, before SIGKILL
   c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
   return c
 
@@ -435,7 +437,7 @@ def validate_dist(config: ml_collections.ConfigDict) -> None:
   if "dist" not in config:
     return
   for key in ("dist.heartbeat_timeout", "dist.join_timeout", "dist.retry_seconds",
-              "dist.hang_timeout"):
+              "dist.hang_timeout", "dist.save_timeout"):
     _positive(config, key)
   if not isinstance(config.dist.emulate_cluster, bool):
     _fail("dist.emulate_cluster", config.dist.emulate_cluster, "True or False")

@@ -522,7 +522,7 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
                f"--workdir={workdir}", f"--only={trial.name}", *override_args(overrides)]
         logging.info("trial %s: starting in a child process", trial.name)
         running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                env=env, **cli.stoppable_child()), log))
+                                                **cli.child_process(env)), log))
       time.sleep(0.5)
       for item in list(running):
         trial, proc, log = item

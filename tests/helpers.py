@@ -7,8 +7,12 @@ the session's compilation cache (conftest.py) then compiles only once.
 
 import json
 
+import numpy as np
+
 from configs import mnist_lenet5
 from gssp_jax import config as config_lib
+from gssp_jax import sync
+from gssp_jax.sim import executor
 
 
 def mnist_smoke(data_dir=None, *, train_size=512, test_size=200, num_epochs=1.0,
@@ -52,3 +56,40 @@ def metric_lines(workdir):
   for line in lines:
     line.pop("wall_time")
   return lines
+
+
+def timeline_steps(scheme, speeds, max_pushes, num_examples, batch_size, *, seed=0,
+                   ratios=lambda workers: np.ones([workers.size], np.float32),
+                   flushes=lambda iters: np.zeros(iters.shape, bool),
+                   learning_rate=lambda pushes: 0.05):
+  """The executor's steps as ``sim/simulate.py`` builds them, for the runners' unit tests.
+
+  A timeline of ``scheme`` on workers of iteration times ``speeds`` (messages 0.45
+  s), run to ``max_pushes``: the first step is every worker's first job, then one
+  step per round with the jobs of the workers it pulled. Jobs draw random batches
+  of ``batch_size`` from ``num_examples`` (``seed``). ``ratios(workers)``,
+  ``flushes(iterations)`` and ``learning_rate(pushes so far)`` set the jobs'
+  compression ratios and error-feedback flushes and each round's learning rate.
+  """
+  rng = np.random.default_rng(seed)
+  dispatched = np.zeros([scheme.num_workers], np.int64)
+
+  def jobs(workers):
+    ks = dispatched[workers].copy()
+    dispatched[workers] += 1
+    return executor.Jobs(workers=workers.astype(np.int32),
+                         idx=rng.integers(0, num_examples,
+                                          size=(workers.size, batch_size)).astype(np.int32),
+                         iters=ks.astype(np.int32), ratios=ratios(workers),
+                         flushes=flushes(ks))
+
+  engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: speeds[w],
+                               message_delay=lambda m: 0.45, record=False)
+  steps = [executor.Step(None, jobs(np.arange(scheme.num_workers)))]
+  while engine.num_pushes < max_pushes:
+    for rnd in engine.step():
+      args = sync.round_args(rnd)
+      args["learning_rate"] = np.float32(learning_rate(engine.num_pushes))
+      pulled = np.flatnonzero(rnd.pulls)
+      steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
+  return steps

@@ -119,6 +119,8 @@ def test_missing_data_is_a_user_error_printed_whole():
 
 _CHILD = """
 import pathlib, signal, sys, time
+from gssp_jax import cli
+cli.stop_with_parent()   # as cli.run_main does first
 out = pathlib.Path(sys.argv[1])
 signal.signal(signal.SIGTERM, lambda *_: (out.with_name("sigterm").touch(), sys.exit(0)))
 out.with_name("ready").touch()
@@ -126,14 +128,31 @@ time.sleep(60)
 """
 
 
+def test_a_child_whose_parent_died_before_it_asked_stops_at_once():
+  """The parent's death between the child's start and its request: the child is reparented,
+  no death signal would come, so it signals itself."""
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  env = {**os.environ, cli.PARENT_ENV: f"{dead.pid}:{int(signal.SIGTERM)}"}
+  out = subprocess.run([sys.executable, "-c", "from gssp_jax import cli; cli.stop_with_parent();"
+                        " print('still running')"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == -signal.SIGTERM and "still running" not in out.stdout
+  env.pop(cli.PARENT_ENV)   # not started by child_process: nothing to do
+  out = subprocess.run([sys.executable, "-c", "from gssp_jax import cli; cli.stop_with_parent();"
+                        " print('still running')"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0 and "still running" in out.stdout
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_stoppable_child_is_out_of_the_terminals_group_and_stops_with_its_parent(tmp_path):
   """A sweep's trial: a terminal's Ctrl-C must reach only the sweep (which then sends one
   SIGTERM), and the trial still gets SIGTERM, its first signal, when the sweep dies."""
   parent = subprocess.Popen(
-      [sys.executable, "-c", "import subprocess, sys, time; from gssp_jax import cli;"
+      [sys.executable, "-c", "import os, subprocess, sys, time; from gssp_jax import cli;"
        f" c = subprocess.Popen([sys.executable, '-c', {_CHILD!r}, {str(tmp_path / 'x')!r}],"
-       " **cli.stoppable_child()); print(c.pid, flush=True); time.sleep(60)"],
+       " **cli.child_process(dict(os.environ))); print(c.pid, flush=True); time.sleep(60)"],
       cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
   child = None
   try:

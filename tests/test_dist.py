@@ -66,6 +66,7 @@ def test_bad_topology_names_the_value(topo, match):
     ({"sync.regroup_every_epoch": True}, r"regroup_every_epoch=True cannot run on the real"),
     ({"cluster.calibrate": True}, r"calibrate=True cannot apply to the real runtime"),
     ({"dist.heartbeat_timeout": 0.0}, r"dist.heartbeat_timeout=0.0 is invalid"),
+    ({"dist.save_timeout": -1.0}, r"dist.save_timeout=-1.0 is invalid"),
     ({"dist.server_address": "nohost"}, r"dist.server_address='nohost' is invalid"),
 ])
 def test_what_the_real_runtime_cannot_run_is_refused_with_the_reason(changes, match):
@@ -398,6 +399,52 @@ def test_a_terminal_ctrl_c_reaches_the_launcher_only(tmp_path):
     assert os.getsid(proc.pid) != os.getsid(0)
   finally:
     launcher.shutdown(grace=30)
+
+
+_SLOW_TO_STOP = """
+import pathlib, signal, sys, time
+def stop(*_):
+  time.sleep(float(sys.argv[2]))   # a server writing its checkpoint on a loaded machine
+  pathlib.Path(sys.argv[1]).touch()
+  sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+pathlib.Path(sys.argv[1] + ".ready").touch()
+time.sleep(120)
+"""
+
+
+def test_shutdown_gives_the_server_time_to_save_and_a_mesh_five_seconds(tmp_path):
+  """After SIGTERM a mesh still running at ``grace`` is killed, but the server, which may be
+  writing its checkpoint, gets ``dist.save_timeout``; a server past it is killed too."""
+  launcher = launch.LocalLauncher([], str(tmp_path), launch.Topology(num_meshes=1),
+                                  _config(num_workers=1))
+  def child(name, seconds):
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TO_STOP, str(tmp_path / name),
+                             str(seconds)])
+    launcher.procs[name] = proc
+    return proc
+  try:
+    mesh, server = child("mesh0_rank0", 60), child("server", 3)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"{n}.ready").exists() for n in ("mesh0_rank0", "server")):
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+    assert launcher.config.dist.save_timeout == 120
+    launcher.shutdown(grace=0.5)
+    assert mesh.returncode == -signal.SIGKILL and not (tmp_path / "mesh0_rank0").exists()
+    assert server.returncode == 0 and (tmp_path / "server").exists()   # it finished saving
+    launcher.procs.clear()
+    (tmp_path / "server.ready").unlink()
+    server = child("server", 60)
+    while not (tmp_path / "server.ready").exists():
+      time.sleep(0.05)
+    launcher.shutdown(server_grace=1)
+    assert server.returncode == -signal.SIGKILL
+  finally:
+    for proc in launcher.procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def test_each_process_gets_its_own_gpu_round_robin_and_none_preallocates(tmp_path, monkeypatch):

@@ -62,30 +62,13 @@ def _compressor(name):
 
 
 def _steps(scheme, max_pushes, compressed, seed=0):
-  """Steps as simulate.py builds them: a timeline's rounds, each with its pulled workers' jobs."""
-  rng = np.random.default_rng(seed)
-  dispatched = np.zeros([W], np.int64)
-
-  def jobs(workers):
-    ks = dispatched[workers].copy()
-    dispatched[workers] += 1
-    # Per-worker ratios and an epoch-end flush every 5th iteration (GDTopK's).
-    return executor.Jobs(workers=workers.astype(np.int32),
-                         idx=rng.integers(0, N, size=(workers.size, B)).astype(np.int32),
-                         iters=ks.astype(np.int32),
-                         ratios=(0.2 + 0.1 * workers).astype(np.float32),
-                         flushes=(ks % 5 == 4) & compressed)
-
-  engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: SPEEDS[w],
-                               message_delay=lambda m: 0.45, record=False)
-  steps = [executor.Step(None, jobs(np.arange(W)))]
-  while engine.num_pushes < max_pushes:
-    for rnd in engine.step():
-      args = sync.round_args(rnd)
-      args["learning_rate"] = np.float32(0.05 / (1 + engine.num_pushes / 16))
-      pulled = np.flatnonzero(rnd.pulls)
-      steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
-  return steps
+  """Steps as simulate.py builds them, with per-worker ratios, an epoch-end flush every 5th
+  iteration (GDTopK's) when ``compressed``, and a decaying learning rate."""
+  return helpers.timeline_steps(
+      scheme, SPEEDS, max_pushes, N, B, seed=seed,
+      ratios=lambda workers: (0.2 + 0.1 * workers).astype(np.float32),
+      flushes=lambda iters: (iters % 5 == 4) & compressed,
+      learning_rate=lambda pushes: 0.05 / (1 + pushes / 16))
 
 
 def _setup(name, comp_name="none", batch_norm=False, inter_group="peer"):

@@ -14,6 +14,8 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
+
 from gssp_jax import sync
 from gssp_jax.sim import executor
 from gssp_jax.sim import levels
@@ -56,28 +58,7 @@ def _setup(name, num_workers, inter_group="peer", optimizer=None):
 
 def _steps(scheme, speeds, max_pushes):
   """The timeline's rounds as the simulator builds them, each with its pulled workers' jobs."""
-  rng = np.random.default_rng(0)
-  num_workers = scheme.num_workers
-  dispatched = np.zeros([num_workers], np.int64)
-
-  def jobs(workers):
-    ks = dispatched[workers].copy()
-    dispatched[workers] += 1
-    return executor.Jobs(workers=workers.astype(np.int32),
-                         idx=rng.integers(0, N, size=(workers.size, B)).astype(np.int32),
-                         iters=ks.astype(np.int32), ratios=np.ones([workers.size], np.float32),
-                         flushes=np.zeros([workers.size], bool))
-
-  engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: speeds[w],
-                               message_delay=lambda m: 0.45, record=False)
-  steps = [executor.Step(None, jobs(np.arange(num_workers)))]
-  while engine.num_pushes < max_pushes:
-    for rnd in engine.step():
-      args = sync.round_args(rnd)
-      args["learning_rate"] = np.float32(0.05)
-      pulled = np.flatnonzero(rnd.pulls)
-      steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
-  return steps
+  return helpers.timeline_steps(scheme, speeds, max_pushes, N, B)
 
 
 def _dense_round_fn(tx):

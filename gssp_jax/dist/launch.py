@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import signal
@@ -26,6 +25,7 @@ from typing import Sequence
 from absl import logging
 import ml_collections
 
+from gssp_jax import cli
 from gssp_jax.data import paths
 from gssp_jax.dist import wire
 
@@ -170,14 +170,6 @@ def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
 # -- the one-host launcher ------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-  """In a child: SIGKILL when the launcher dies, however it dies (Linux)."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-  except OSError:
-    pass
-
-
 class LocalLauncher:
   """Starts the server and the meshes' processes on this host; owns and ends them all.
 
@@ -218,9 +210,9 @@ class LocalLauncher:
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
     # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
     # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
-    # stop without its checkpoint (train/interrupt.py).
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_die_with_parent, start_new_session=True)
+    # stop without its checkpoint (train/interrupt.py). SIGKILL if the launcher dies outright.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            **cli.child_process(env, signal.SIGKILL))
     log.close()
     self.procs[name] = proc
     self._write_pids()
@@ -305,17 +297,25 @@ class LocalLauncher:
         return code
       time.sleep(poll)
 
-  def shutdown(self, grace: float = 5.0) -> None:
-    """SIGTERM to every child still running, SIGKILL after ``grace`` seconds; waits for all."""
-    live = [p for p in self.procs.values() if p.poll() is None]
-    workers_first = sorted(live, key=lambda p: p is self.procs.get("server"))
-    for proc in workers_first:
+  def shutdown(self, grace: float = 5.0, server_grace: float | None = None) -> None:
+    """SIGTERM to every child still running, then SIGKILL to a mesh process still running after
+    ``grace`` seconds and to the server after ``server_grace`` (default
+    ``dist.save_timeout``: it is saving its checkpoint); waits for all."""
+    if server_grace is None:
+      server_grace = self.config.dist.save_timeout
+    live = sorted(((name, p) for name, p in self.procs.items() if p.poll() is None),
+                  key=lambda item: item[0] == "server")   # the meshes first
+    for _, proc in live:
       try:
         proc.send_signal(signal.SIGTERM)
       except ProcessLookupError:
         pass
-    deadline = time.monotonic() + grace
-    for proc in workers_first:
+    if any(name == "server" for name, _ in live):
+      logging.info("waiting up to %g s (dist.save_timeout) for the server to save its "
+                   "checkpoint and stop", server_grace)
+    start = time.monotonic()
+    for name, proc in live:
+      deadline = start + (server_grace if name == "server" else grace)
       try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:

@@ -34,7 +34,6 @@ import numpy as np
 
 from gssp_jax import config as config_lib
 from gssp_jax import sync
-from gssp_jax.data import sharding
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
@@ -84,14 +83,11 @@ class DistServer:
   # -- building the run -----------------------------------------------------------------------
 
   def _plan_pushes(self) -> None:
-    config = self.config
-    self.W, self.B = W, B = config.num_workers, config.batch_size
-    shards = sharding.worker_shards(self.task.num_train, W, config.seed)
-    self.spe = spe = shards.shape[1] // B
-    self.total_pushes = max(W, round(config.train.num_epochs * spe) * W)
-    self.eval_pushes = max(1, round(config.train.eval_every * spe)) * W
-    stop = config.train.stop_after_updates
-    self.end_pushes = min(self.total_pushes, stop) if stop else self.total_pushes
+    """Iterations per epoch, and the run's end and evaluation points in pushes (as simulated)."""
+    self.W, self.B = self.config.num_workers, self.config.batch_size
+    plan = simulate.plan_pushes(self.config, self.task.num_train)
+    self.spe, self.total_pushes, self.eval_pushes, self.end_pushes = (
+        plan.spe, plan.total_pushes, plan.eval_pushes, plan.end_pushes)
 
   def _build_replicas(self) -> None:
     """The scheme, its chain, the replicas' device state and the jitted round and push."""

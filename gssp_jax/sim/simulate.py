@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import logging
 import jax
@@ -91,6 +91,27 @@ def _calibrate(job_fn, state, arrays, batch_size) -> float:
 MAX_BUFFERED_ROUNDS = 256
 
 
+class PushPlan(NamedTuple):
+  """A run's length in pushes (one push: one worker's gradient), shared by every executor."""
+  shards: np.ndarray   # [W, shard size]: each worker's example ids
+  spe: int             # iterations per worker per epoch
+  total_pushes: int    # train.num_epochs of every worker's iterations (at least one round)
+  eval_pushes: int     # pushes between evaluations (train.eval_every epochs, whole rounds)
+  end_pushes: int      # where this run stops: total_pushes or train.stop_after_updates
+
+
+def plan_pushes(config: ml_collections.ConfigDict, num_train: int) -> PushPlan:
+  """The :class:`PushPlan` of ``config`` on a training set of ``num_train`` examples."""
+  W, B = config.num_workers, config.batch_size
+  shards = sharding.worker_shards(num_train, W, config.seed)
+  spe = shards.shape[1] // B
+  total_pushes = max(W, round(config.train.num_epochs * spe) * W)
+  eval_pushes = max(1, round(config.train.eval_every * spe)) * W
+  stop = config.train.stop_after_updates
+  return PushPlan(shards, spe, total_pushes, eval_pushes,
+                  min(total_pushes, stop) if stop else total_pushes)
+
+
 class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
@@ -120,14 +141,11 @@ class Simulation:
 
   def _plan_pushes(self) -> None:
     """Shards, iterations per epoch, and the run's end and evaluation points in pushes."""
-    config = self.config
-    self.W, self.B = W, B = config.num_workers, config.batch_size
-    self.shards = sharding.worker_shards(self.task.num_train, W, config.seed)
-    self.spe = spe = self.shards.shape[1] // B          # iterations per worker per epoch
-    self.total_pushes = max(W, round(config.train.num_epochs * spe) * W)
-    self.eval_pushes = max(1, round(config.train.eval_every * spe)) * W
-    stop = config.train.stop_after_updates
-    self.end_pushes = min(self.total_pushes, stop) if stop else self.total_pushes
+    self.W, self.B = self.config.num_workers, self.config.batch_size
+    plan = plan_pushes(self.config, self.task.num_train)
+    self.shards, self.spe = plan.shards, plan.spe
+    self.total_pushes, self.eval_pushes, self.end_pushes = (plan.total_pushes, plan.eval_pushes,
+                                                            plan.end_pushes)
 
   def _build_device(self, runner: str) -> None:
     """The scheme, the sync chain, the device state and the runner of its steps."""
