@@ -277,11 +277,10 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
           [t["final_hi"] for t in table], [t["finals"] for t in table], colors)
     lo = min(t["final_lo"] for t in table if t["final"] is not None)
     hi = max(t["final_hi"] for t in table if t["final"] is not None)
-    pad = 0.1 * (hi - lo) or 0.01
     # Accuracies sit close together: the axis starts just below the lowest seed (and says so in
-    # its label), so no bar or error bar is cut.
-    bottom = max(0.0, lo - pad) if metric == "test_accuracy" else 0.0
-    ax2.set_ylim(bottom, hi + pad)
+    # its label), so no bar or error bar is cut; a tenth of the axis is left above the highest.
+    bottom = max(0.0, lo - (0.1 * (hi - lo) or 0.01)) if metric == "test_accuracy" else 0.0
+    ax2.set_ylim(bottom, hi + (0.1 * (hi - bottom) or 0.01))
     ax2.set_ylabel(f"final {_metric_name(metric)}"
                    + (f" (axis starts at {bottom:.3g})" if bottom else ""))
     ax2.set_title("Final metric (bar: mean over seeds, error bar: min–max)", fontsize=9)

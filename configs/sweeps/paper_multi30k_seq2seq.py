@@ -1,6 +1,6 @@
 """GRU Seq2Seq with attention on Multi30k (de->en) across schemes on a heterogeneous cluster.
 
-  # reduced (default): 97 min on a 2-core CPU (BSP 33, SSP 35, GSSP 63 min a trial)
+  # reduced (default): 97 min on a 2-core CPU, two trials at a time (2026-11-21)
   python -m experiments.sweep --sweep=configs/sweeps/paper_multi30k_seq2seq.py \\
       --workdir=/tmp/paper_seq2seq --parallel=2
   # full size, for GPUs
