@@ -144,17 +144,6 @@ def stack_rounds(rounds: Sequence[Round]) -> dict[str, np.ndarray]:
   return {k: np.stack([np.asarray(getattr(r, k)) for r in rounds]) for k in Round._fields}
 
 
-def ids_or_all(ids, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(ids, safe, valid)`` of a padded id list over an axis of ``num`` rows.
-
-  ``ids`` None means every row. ``safe`` clamps padding (``id >= num``) into
-  range for gathers, whose results ``valid`` masks; scatters use ``ids`` with
-  ``mode="drop"`` so padding writes nowhere.
-  """
-  ids = jnp.arange(num, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
-  return ids, jnp.minimum(ids, num - 1), ids < num
-
-
 def average_replicas(tree, average: jax.Array, replica_ids=None):
   """Replaces each replica with ``average[r] >= 0`` by the mean of its averaging group.
 
@@ -162,7 +151,7 @@ def average_replicas(tree, average: jax.Array, replica_ids=None):
   list every averaged replica (``round_indices`` does).
   """
   num = average.shape[0]
-  ids, safe, valid = ids_or_all(replica_ids, num)
+  ids, safe, valid = transforms.ids_or_all(replica_ids, num)
   group = average[safe]
   member = (group >= 0) & valid                                        # [K]
   same = ((group[:, None] == group[None, :]) & member[:, None] & member[None, :])
@@ -199,7 +188,7 @@ def adopt_replicas(tree, adopt: jax.Array):
 
 def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
   """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows."""
-  ids, safe, valid = ids_or_all(worker_ids, groups.shape[0])
+  ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
   take = pulls[safe] & valid
   src = groups[safe]
 
@@ -254,7 +243,7 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   worker_params = pull_rows(worker_params, replica_params, groups, pulls, worker_ids)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
     num_replicas = jnp.asarray(args["applies"]).shape[0]
-    ids, safe, valid = ids_or_all(worker_ids, groups.shape[0])
+    ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
     onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
               & (arrived[safe] & valid)[:, None]).astype(jnp.float32)          # [K, R]
     got = onehot.sum(0) > 0

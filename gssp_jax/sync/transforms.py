@@ -176,9 +176,8 @@ def route_sum(grads, arrived: jax.Array, route: jax.Array, num_out: int, scale: 
   if worker_ids is None:
     take, route_k, pick = arrived, route, lambda g: g
   else:
-    ids = jnp.asarray(worker_ids, jnp.int32)
-    safe = jnp.minimum(ids, arrived.shape[0] - 1)
-    take, route_k, pick = arrived[safe] & (ids < arrived.shape[0]), route[safe], lambda g: g[safe]
+    _, safe, valid = ids_or_all(worker_ids, arrived.shape[0])
+    take, route_k, pick = arrived[safe] & valid, route[safe], lambda g: g[safe]
   onehot = (route_k[:, None] == jnp.arange(num_out)[None, :]) & take[:, None]
   weights = onehot.astype(jnp.float32) * jnp.float32(scale)   # [K, R]
 
@@ -412,6 +411,17 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
   return optax.GradientTransformationExtraArgs(init, update)
 
 
+def ids_or_all(ids, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(ids, safe, valid)`` of a padded id list over an axis of ``num`` rows.
+
+  ``ids`` None means every row. ``safe`` clamps padding (``id >= num``) into
+  range for gathers, whose results ``valid`` masks; scatters use ``ids`` with
+  ``mode="drop"`` so padding writes nowhere.
+  """
+  ids = jnp.arange(num, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+  return ids, jnp.minimum(ids, num - 1), ids < num
+
+
 def rows(mask: jax.Array, like: jax.Array) -> jax.Array:
   """Broadcasts a ``[N]`` mask against a ``[N, ...]`` leaf."""
   return mask.reshape((-1,) + (1,) * (like.ndim - 1))
@@ -548,8 +558,7 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
   so its ``dynamic_update_slice`` writes happen in place: the round costs
   ``Kr x params`` in the optimizer plus one zero-filled ``[R, ...]`` update tree.
   """
-  ids = jnp.asarray(replica_ids, jnp.int32)
-  safe = jnp.minimum(ids, num_replicas - 1)
+  ids, safe, valid = ids_or_all(replica_ids, num_replicas)
   pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
   old_inner = pick(state.inner)
   if params is None:
@@ -557,7 +566,7 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
   else:
     new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
   # A listed replica that is only averaged keeps its state and gets a zero update.
-  step = (ids < num_replicas) & applies[safe]                              # [Kr]
+  step = valid & applies[safe]                                             # [Kr]
   new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
   new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
                              new_updates)
@@ -573,7 +582,7 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
 
   zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
   # Listed ids come first, ascending; the loop stops before the padding.
-  count = jnp.sum(ids < num_replicas, dtype=jnp.int32)
+  count = jnp.sum(valid, dtype=jnp.int32)
   full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
   return full_updates, ReplicatedState(inner=full_inner)
 
