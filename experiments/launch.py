@@ -41,6 +41,11 @@ _SERVER = flags.DEFINE_string("server_address", None,
                               "host:port of the parameter server (local: 127.0.0.1:0).")
 _COORD = flags.DEFINE_string("coordinator_address", None,
                              "worker, P > 1: the mesh's jax.distributed coordinator host:port.")
+_NUM_SERVERS = flags.DEFINE_integer("num_servers", None,
+                                    "Parameter shards S (the server holds shard 0; default 1).")
+_SHARD = flags.DEFINE_integer("shard", None, "shard: this process's shard, 1..S-1.")
+_SHARD_ADDRESS = flags.DEFINE_string("shard_address", None,
+                                     "shard: the host:port it binds (default 127.0.0.1:0).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -71,13 +76,23 @@ def main(argv):
                                   server_address=_SERVER.value,
                                   coordinator_address=_COORD.value,
                                   num_meshes=_NUM_MESHES.value,
-                                  processes_per_mesh=_PPM.value)
+                                  processes_per_mesh=_PPM.value, num_servers=_NUM_SERVERS.value,
+                                  shard=_SHARD.value, shard_address=_SHARD_ADDRESS.value)
   launch.check_topology(topo, config)
   workdir = _WORKDIR.value
   if topo.role == "server":
+    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
     with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
-      summary = launch.run_server(config, workdir, topo)
+      try:
+        summary = launch.run_server(config, workdir, topo)
+      except server.RunFailed as e:   # logged where it happened; its summary says why
+        print(f"failed: {e}", file=sys.stderr)
+        _exit_now(1)
     print(f"status {summary['status']}; workdir {workdir}")
+    _exit_now(1 if summary["status"] in ("failed", "diverged") else 0)
+  if topo.role == "shard":
+    with cli.sigterm_as_interrupt():
+      launch.run_shard(config, workdir, topo)
     _exit_now(0)
   if topo.role == "worker":
     with cli.sigterm_as_interrupt():

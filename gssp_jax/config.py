@@ -141,6 +141,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.dist.save_timeout = 120.0     # seconds the launcher waits, after Ctrl-C/SIGTERM, for the server
                                   # to save its checkpoint and stop, before SIGKILL
   c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
+  c.dist.num_servers = 1          # parameter shards (experiments.launch --num_servers sets it)
+  c.dist.all_lost_timeout = 60.0  # seconds with every mesh lost before the run ends as failed
+  # TLS (optional; the run secret, GSSP_SECRET_FILE or GSSP_SECRET, is always required): PEM
+  # files of this process's certificate and key and of the CA that signed the run's certificates.
+  c.dist.tls_cert = ""
+  c.dist.tls_key = ""
+  c.dist.tls_ca = ""
+  c.dist.tls_client_auth = False  # mutual TLS: servers also require a client certificate (tls_ca)
+  c.dist.tls_server_name = ""     # the name the servers' certificates carry, if not their host
   return c
 
 
@@ -437,10 +446,19 @@ def validate_dist(config: ml_collections.ConfigDict) -> None:
   if "dist" not in config:
     return
   for key in ("dist.heartbeat_timeout", "dist.join_timeout", "dist.retry_seconds",
-              "dist.hang_timeout", "dist.save_timeout"):
+              "dist.hang_timeout", "dist.save_timeout", "dist.all_lost_timeout"):
     _positive(config, key)
-  if not isinstance(config.dist.emulate_cluster, bool):
-    _fail("dist.emulate_cluster", config.dist.emulate_cluster, "True or False")
+  _positive(config, "dist.num_servers", int)
+  for key in ("emulate_cluster", "tls_client_auth"):
+    if not isinstance(config.dist[key], bool):
+      _fail(f"dist.{key}", config.dist[key], "True or False")
+  tls = {k: config.dist[k] for k in ("tls_cert", "tls_key", "tls_ca")}
+  if any(tls.values()) and not all(tls.values()):
+    missing = [k for k, v in tls.items() if not v]
+    _fail(f"dist.{missing[0]}", "", "a PEM file: TLS needs dist.tls_cert, dist.tls_key and "
+          "dist.tls_ca together")
+  if config.dist.tls_client_auth and not config.dist.tls_cert:
+    _fail("dist.tls_client_auth", True, "False, or True with dist.tls_cert/tls_key/tls_ca set")
   if config.dist.server_address:
     from gssp_jax.dist import wire  # pylint: disable=g-import-not-at-top
     wire.check_address("config.dist.server_address", config.dist.server_address)

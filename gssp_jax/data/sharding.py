@@ -41,3 +41,26 @@ def worker_order(shards: np.ndarray, seed: int, worker: int, epoch: int) -> np.n
 def epoch_order(shards: np.ndarray, seed: int, epoch: int) -> np.ndarray:
   """Every worker's order for the same epoch (the synchronous case): ``[W, S]``."""
   return np.stack([worker_order(shards, seed, w, epoch) for w in range(shards.shape[0])])
+
+
+class WorkerBatches:
+  """Worker ``w``'s batch of its iteration ``k``: ``B`` example ids of its epoch's order.
+
+  The one batching rule of every executor: the simulator's jobs and the real
+  runtime's meshes both take a worker's iteration ``k`` from
+  ``worker_order(shards, seed, w, k // spe)``, position ``k % spe``. Each
+  worker's order of its current epoch is kept (a worker's iterations only go
+  forward, so older epochs are dropped).
+  """
+
+  def __init__(self, shards: np.ndarray, seed: int, batch_size: int):
+    self.shards, self.seed, self.B = shards, seed, batch_size
+    self.spe = shards.shape[1] // batch_size
+    self._orders: dict[int, tuple[int, np.ndarray]] = {}
+
+  def indices(self, w: int, k: int) -> np.ndarray:
+    epoch, pos = divmod(int(k), self.spe)
+    held = self._orders.get(w)
+    if held is None or held[0] != epoch:
+      held = self._orders[w] = (epoch, worker_order(self.shards, self.seed, w, epoch))
+    return held[1][pos * self.B:(pos + 1) * self.B]

@@ -3,10 +3,13 @@
 * ``server``: the parameter server; runs the training loop with the ``dist``
   executor (``server.DistServer``) and writes the workdir's metrics, summary
   and checkpoints.
+* ``shard``: parameter shard ``s`` (``1..S-1`` of ``--num_servers=S``; shard 0
+  lives in the server): its tensors of every replica, fed the server's op
+  stream (``dist/shard.py``).
 * ``worker``: one process (rank ``r``) of mesh ``m``; a mesh of several
   processes is one ``jax.distributed`` cluster of its own.
-* ``local``: this host starts the server and ``M x P`` worker processes on
-  loopback with free ports, prints one merged progress line at a time, and
+* ``local``: this host starts the server, ``S - 1`` shards and ``M x P``
+  worker processes on loopback with free ports and a fresh run secret, prints one merged progress line at a time, and
   tears everything down on exit, Ctrl-C or SIGTERM (children also die with it
   if it is killed outright: ``PR_SET_PDEATHSIG``).
 """
@@ -29,10 +32,13 @@ from gssp_jax import cli
 from gssp_jax.data import paths
 from gssp_jax.dist import wire
 
-ROLES = ("local", "server", "worker")
+ROLES = ("local", "server", "shard", "worker")
 PIDS_FILE = "pids.json"
+SECRET_FILE = ".secret"   # the local launcher's run secret (mode 0600), removed when it exits
 ENV = {"role": "GSSP_ROLE", "mesh": "GSSP_MESH", "rank": "GSSP_RANK",
-       "server_address": "GSSP_SERVER_ADDRESS", "coordinator_address": "GSSP_COORDINATOR_ADDRESS"}
+       "server_address": "GSSP_SERVER_ADDRESS", "coordinator_address": "GSSP_COORDINATOR_ADDRESS",
+       "shard": "GSSP_SHARD", "shard_address": "GSSP_SHARD_ADDRESS",
+       "num_servers": "GSSP_NUM_SERVERS"}
 
 
 @dataclasses.dataclass
@@ -48,6 +54,9 @@ class Topology:
     server_address: the parameter server's ``host:port``.
     coordinator_address: the mesh's ``jax.distributed`` coordinator (P > 1;
       '' lets ``jax.distributed.initialize`` detect SLURM, Open MPI, Kubernetes).
+    num_servers: S, the parameter shards (the server holds shard 0).
+    shard: a shard process's index, ``1..S-1``.
+    shard_address: the ``host:port`` a shard process binds (and tells the server).
   """
   role: str = "local"
   num_meshes: int = 0
@@ -56,6 +65,9 @@ class Topology:
   rank: int = -1
   server_address: str = ""
   coordinator_address: str = ""
+  num_servers: int = 0
+  shard: int = -1
+  shard_address: str = ""
 
   @classmethod
   def from_env(cls, **flags) -> "Topology":
@@ -64,7 +76,7 @@ class Topology:
     for key, value in flags.items():
       if value is None and key in ENV and os.environ.get(ENV[key]):
         value = os.environ[ENV[key]]
-        value = int(value) if key in ("mesh", "rank") else value
+        value = int(value) if key in ("mesh", "rank", "shard", "num_servers") else value
       if value is not None:
         values[key] = value
     return cls(**values)
@@ -88,8 +100,21 @@ def check_topology(topo: Topology, config: ml_collections.ConfigDict) -> Topolog
     raise ValueError(f"--processes_per_mesh={topo.processes_per_mesh} does not divide "
                      f"config.batch_size={config.batch_size} (a mesh splits its worker's batch"
                      " over its processes); allowed: a divisor of the batch size")
+  if topo.num_servers == 0:
+    topo.num_servers = int(config.dist.get("num_servers", 1))
+  if topo.num_servers < 1:
+    raise ValueError(f"--num_servers={topo.num_servers} is invalid; allowed: an integer >= 1 "
+                     "(parameter shards; the server holds shard 0)")
   if topo.server_address:
     wire.check_address("--server_address", topo.server_address)
+  if topo.role == "shard":
+    if not 1 <= topo.shard < topo.num_servers:
+      raise ValueError(f"--shard={topo.shard} is invalid; allowed: 1..{topo.num_servers - 1} "
+                       f"(--num_servers={topo.num_servers}; shard 0 is the server's)")
+    if not topo.server_address:
+      raise ValueError("--server_address is required for --role=shard (host:port of the "
+                       f"parameter server, or {ENV['server_address']})")
+    wire.check_address("--shard_address", topo.shard_address or "127.0.0.1:0")
   if topo.role == "worker":
     if not 0 <= topo.mesh < num_workers:
       raise ValueError(f"--mesh={topo.mesh} is invalid; allowed: 0..{num_workers - 1} "
@@ -136,12 +161,55 @@ def check_port_free(address: str) -> None:
 # -- the roles ------------------------------------------------------------------------------------
 
 
+def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
+  """Raises ValueError, within ``timeout`` seconds, unless ``address`` can be bound here.
+
+  Checked before anything is built: a port in use or an address of another
+  machine is reported at once (a name that does not resolve, within
+  ``timeout``), not after the model and data are loaded.
+  """
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  host, port = wire.check_address(name, address)
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  try:
+    infos = pool.submit(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM).result(timeout)
+  except concurrent.futures.TimeoutError:
+    raise ValueError(f"{name}={address!r}: {host!r} did not resolve within {timeout:g} s") from None
+  except OSError as e:
+    raise ValueError(f"{name}={address!r}: {host!r} does not resolve ({e.strerror})") from None
+  finally:
+    pool.shutdown(wait=False)
+  family, _, _, _, sockaddr = infos[0]
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    try:
+      s.bind(sockaddr)
+    except OSError as e:
+      raise ValueError(f"{name}={address!r} cannot be bound here ({e.strerror}); allowed: a "
+                       "free port of an address of this machine (port 0 for any)") from None
+
+
 def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
-  """The server role: the training loop with the ``dist`` executor."""
+  """The server role: the training loop with the ``dist`` executor (and shard 0)."""
+  from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+  address = topo.server_address or "127.0.0.1:0"
+  check_bindable("--server_address", address)
+  auth.load_secret()   # no secret: one line, before anything is built
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   config.executor = "dist"
-  config.dist.server_address = topo.server_address or "127.0.0.1:0"
+  config.dist.server_address = address
+  config.dist.num_servers = topo.num_servers
   return loop.train_and_evaluate(config, workdir)
+
+
+def run_shard(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> None:
+  """The shard role: serves shard ``topo.shard`` until the server stops it (or goes silent)."""
+  from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+  address = topo.shard_address or "127.0.0.1:0"
+  check_bindable("--shard_address", address)
+  credentials = auth.Credentials(auth.load_secret())
+  from gssp_jax.dist import shard_process  # pylint: disable=g-import-not-at-top
+  shard_process.serve(config, workdir, topo.shard, topo.num_servers, topo.server_address,
+                      address, credentials)
 
 
 def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
@@ -187,6 +255,28 @@ class LocalLauncher:
     self.procs: dict[str, subprocess.Popen] = {}
     self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
+    self.secret_env = self._secret()
+
+  def _secret(self) -> dict[str, str]:
+    """The run secret every child gets: the caller's (``GSSP_SECRET[_FILE]``), else a fresh one
+    in ``workdir/.secret`` (mode 0600, removed when the launcher exits)."""
+    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    for key in (auth.SECRET_ENV, auth.SECRET_FILE_ENV):
+      if os.environ.get(key):
+        auth.load_secret()   # checked now: a bad one is one line, before anything starts
+        return {key: os.environ[key]}
+    os.makedirs(self.workdir, exist_ok=True)
+    path = os.path.join(os.path.abspath(self.workdir), SECRET_FILE)
+    if os.path.exists(path):
+      os.remove(path)   # a previous launcher's, killed before it could remove it
+    auth.write_secret_file(path, auth.new_secret())
+    self._secret_file = path
+    return {auth.SECRET_FILE_ENV: path}
+
+  def _remove_secret(self) -> None:
+    path = getattr(self, "_secret_file", None)
+    if path and os.path.exists(path):
+      os.remove(path)
 
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None
              ) -> subprocess.Popen:
@@ -196,6 +286,7 @@ class LocalLauncher:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for key in ENV.values():
       env.pop(key, None)
+    env.update(self.secret_env)
     # Processes share a GPU: none preallocates (JAX's default takes 75 % of it at start-up).
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if gpu is not None:
@@ -235,8 +326,16 @@ class LocalLauncher:
                                     "127.0.0.1:0")
     address = f"{host}:{port or free_port(host)}"
     check_port_free(address)
-    self._spawn("server", ["--role=server", f"--server_address={address}"], self._gpu(0))
+    self._spawn("server", ["--role=server", f"--server_address={address}",
+                           f"--num_servers={self.topo.num_servers}"], self._gpu(0))
     return address
+
+  def start_shard(self, shard: int, server_address: str) -> subprocess.Popen:
+    """Starts shard ``shard``'s process (a free loopback port; no GPU: it applies rounds)."""
+    return self._spawn(f"shard{shard}", [
+        "--role=shard", f"--shard={shard}", f"--num_servers={self.topo.num_servers}",
+        f"--server_address={server_address}", f"--shard_address=127.0.0.1:{free_port()}"],
+        self._gpu(0))
 
   def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
     """Starts mesh ``mesh``'s processes (a fresh coordinator port when P > 1)."""
@@ -256,15 +355,18 @@ class LocalLauncher:
     """Runs until the server exits; returns its exit code. Always ends every child."""
     try:
       address = self.start_server()
-      logging.info("server at %s; starting %d meshes x %d processes", address,
-                   self.topo.num_meshes, self.topo.processes_per_mesh)
+      logging.info("server at %s; starting %d shard(s) and %d meshes x %d processes", address,
+                   self.topo.num_servers - 1, self.topo.num_meshes, self.topo.processes_per_mesh)
+      for s in range(1, self.topo.num_servers):
+        self.start_shard(s, address)
       for m in range(self.topo.num_meshes):
         self.start_mesh(m, address)
       code = self._follow(poll)
-      self._wait_meshes(self.config.dist.heartbeat_timeout)   # they read their stop and exit
+      self._wait_meshes(3.0)   # they read their stop from the server and exit
       return code
     finally:
       self.shutdown()
+      self._remove_secret()
 
   def _wait_meshes(self, timeout: float) -> None:
     deadline = time.monotonic() + timeout
@@ -303,8 +405,9 @@ class LocalLauncher:
     ``dist.save_timeout``: it is saving its checkpoint); waits for all."""
     if server_grace is None:
       server_grace = self.config.dist.save_timeout
+    saves = lambda name: name == "server" or name.startswith("shard")   # they write checkpoints
     live = sorted(((name, p) for name, p in self.procs.items() if p.poll() is None),
-                  key=lambda item: item[0] == "server")   # the meshes first
+                  key=lambda item: saves(item[0]))   # the meshes first
     for _, proc in live:
       try:
         proc.send_signal(signal.SIGTERM)
@@ -315,7 +418,7 @@ class LocalLauncher:
                    "checkpoint and stop", server_grace)
     start = time.monotonic()
     for name, proc in live:
-      deadline = start + (server_grace if name == "server" else grace)
+      deadline = start + (server_grace if saves(name) else grace)
       try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:

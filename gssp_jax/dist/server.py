@@ -1,45 +1,81 @@
-"""``DistServer``: the real runtime's executor, a parameter server process driving real meshes.
+"""``DistServer``: the real runtime's executor, the control plane of a sharded parameter server.
 
 ``train/loop.py`` drives it like the simulator (``config.executor='dist'``; the
-launcher's ``server`` role sets it). It hosts the scheme's replicas (group
-servers, global server or the single parameter server) as the simulator's
-device state (``sim/executor.SimState``), runs the scheme's protocol object on
-the meshes' real pushes with wall-clock times, and applies every round the
-protocol emits with the same jitted ``round_body`` as the simulator. What
-differs from the simulator is only where gradients come from (a mesh's push,
-not a job on this device) and where time comes from (the wall clock).
+launcher's ``server`` role sets it). It runs the scheme's **protocol** on the
+meshes' pushes with wall-clock times and turns every event into ops for the
+S parameter shards (``dist/shard.py``): ``put`` a push into its worker slot,
+apply a ``round``, take a ``snap``-shot, ``save``. The protocol sees only small
+control messages (who pushed, its loss and bytes); the gradient and weight
+bytes go straight between each mesh and each shard, in parallel. Shard 0 lives
+in this process (its slice rides on the ``Push`` call itself); shards 1..S-1
+are processes of their own (``--role=shard``), fed the same op stream.
 
-Threads: gRPC serves each call on its own thread (a ``Push`` waits there until
-its mesh is released); one lock orders every protocol event and device update;
-a monitor drops meshes whose heartbeat stopped; the loop's thread waits for
-the next evaluation point, then evaluates a copy of the served weights while
-the meshes go on.
+What it counts (staleness, updates, bytes per link, the records) is counted by
+the simulator's own functions (``sim/records.py``, ``sim/traffic.py``), and the
+shards apply the simulator's jitted ``put``/``round`` functions to whole
+tensors, so fed the same event sequence a real run reproduces the simulator
+bit for bit, for any S.
+
+Closed to strangers: every call carries the run's token (``dist/auth.py``);
+every push is checked before anything changes (the sender is this mesh's
+joined process, its session and push number, its body's size and
+finiteness against the model, its receipts from the other shards); a retried
+push (same number) is answered, never applied twice.
+
+Concurrency (what each thread owns; one lock orders the control plane):
+
+* gRPC handler threads run ``Register``/``Ready`` (shards), ``Join``,
+  ``Push``, ``Heartbeat``, ``Pull``. A ``Push`` checks its body without the
+  lock, then takes ``self.lock`` to check the header against the mesh table,
+  stage shard 0's slice, run the protocol and emit ops; it waits for its
+  release on ``self.changed`` (the lock's condition), then, without the lock,
+  reads its weights from shard 0 at its watermark.
+* The loop's thread (``advance``/``evaluate``/``save``) takes the lock only to
+  copy counters and emit ``snap``/``save`` ops; it fetches snapshots and waits
+  for saves without it.
+* The monitor thread drops meshes whose heartbeats stopped, ends a run whose
+  meshes are all lost (``dist.all_lost_timeout``), and keeps the shards' op
+  streams alive (a ``noop`` op when idle).
+* The scheduler thread delivers server-to-server messages after their
+  emulated delay.
+* Shard 0's applier thread (``ShardCore``) and one sender thread per remote
+  shard drain their op queues.
+
+Lock order: ``self.lock`` may be held while taking a shard's lock (to stage a
+slice or enqueue an op: both brief); a shard never takes ``self.lock``, and no
+thread holds ``self.lock`` while it calls another process.
 """
 
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
 import json
+import math
 import os
 import threading
 import time
-import uuid
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
+import grpc
 import jax
-import jax.numpy as jnp
 import ml_collections
+import msgpack
 import numpy as np
 
 from gssp_jax import config as config_lib
 from gssp_jax import sync
+from gssp_jax.dist import auth
+from gssp_jax.dist import layout as layout_lib
+from gssp_jax.dist import shard as shard_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
-from gssp_jax.sim import executor
+from gssp_jax.sim import records
 from gssp_jax.sim import simulate
+from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import health
 from gssp_jax.train import interrupt
 from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
@@ -47,119 +83,272 @@ from gssp_jax.train import step as step_lib
 from gssp_jax.train import workdir as workdir_lib
 
 ADDRESS_FILE = "server_address.json"   # in the workdir: where the launcher finds a port-0 server
+HOST_FORMAT = "sharded-1"              # the control plane's checkpointed host state
 
 
-def make_put_fn():
-  """``(state, worker, grad, model_state, loss, nbytes) -> state``: a push into its slot."""
+class RunFailed(RuntimeError):
+  """The run cannot go on (every mesh lost, a shard lost); its checkpoint lets it resume."""
 
-  def put(state: executor.SimState, w, grad, model_state, loss, nbytes):
-    set_row = lambda buf, value: jax.tree.map(lambda b, v: b.at[w].set(v.astype(b.dtype)),
-                                              buf, value)
-    return state.replace(grad_buf=set_row(state.grad_buf, grad),
-                         worker_model_state=set_row(state.worker_model_state, model_state),
-                         job_loss=state.job_loss.at[w].set(loss),
-                         job_bytes=state.job_bytes.at[w].set(nbytes))
-  return jax.jit(put, donate_argnums=(0,))
+
+def config_id(config: ml_collections.ConfigDict) -> str:
+  """A JSON of the config but ``executor`` and ``dist`` (which differ between roles)."""
+  d = json.loads(config.to_json())
+  d.pop("dist", None)
+  d.pop("executor", None)
+  return json.dumps(d, sort_keys=True)
+
+
+# -- links to the shards ----------------------------------------------------------------------
+
+
+class _LocalShard:
+  """Shard 0, in this process."""
+
+  def __init__(self, core: shard_lib.ShardCore):
+    self.core, self.index, self.address = core, 0, "(in the server)"
+
+  def send(self, index: int, op: dict) -> None:
+    self.core.enqueue(index, [op])
+
+  def snapshot(self, snap_id: int, timeout: float):
+    return self.core.snapshot(snap_id, timeout)
+
+  def saved(self, step: int, timeout: float) -> None:
+    self.core.saved(step, timeout)
+
+  def failure(self) -> str | None:
+    return None if self.core.error is None else str(self.core.error)
+
+  def close(self) -> None:
+    self.core.stop()
+
+
+class _RemoteShard:
+  """Shard s in another process: a sender thread streams its ops; calls fetch what it made."""
+
+  def __init__(self, index: int, address: str, client: wire.Client, session: str,
+               layout: layout_lib.ShardLayout):
+    self.index, self.address, self.client, self.session = index, address, client, session
+    self.layout = layout
+    self.cond = threading.Condition()
+    self.outbox: list[tuple[int, dict]] = []
+    self.error: str | None = None
+    self.closed = False
+    self.ready = False
+    self._thread = threading.Thread(target=self._run, name=f"shard{index}-sender", daemon=True)
+    self._thread.start()
+
+  def send(self, index: int, op: dict) -> None:
+    if op["k"] == "round":
+      op = {**op, "args": shard_lib.encode_round(op["args"]), "lr": float(op["lr"])}
+    with self.cond:
+      self.outbox.append((index, op))
+      self.cond.notify()
+
+  def _run(self) -> None:
+    while True:
+      with self.cond:
+        while not self.outbox and not self.closed:
+          self.cond.wait()
+        if self.closed and not self.outbox:
+          return
+        batch = self.outbox[:shard_lib.MAX_OPS_PER_CALL]
+      body = np.frombuffer(msgpack.packb([op for _, op in batch], use_bin_type=True), np.uint8)
+      try:
+        self.client.call("Ops", {"session": self.session, "first": batch[0][0]}, body)
+      except (wire.ServerGone, wire.CallError) as e:
+        with self.cond:
+          self.error = f"shard {self.index} at {self.address} failed: {e}"
+          self.closed = True
+        return
+      with self.cond:
+        del self.outbox[:len(batch)]
+
+  def snapshot(self, snap_id: int, timeout: float):
+    header, body = self.client.call("Snapshot", {"session": self.session, "id": snap_id},
+                                    reply_limit=4 * self.layout.grad_size(self.index),
+                                    timeout=timeout + 10)
+    return (body.view(np.float32) if body is not None else np.zeros([0], np.float32)), header
+
+  def saved(self, step: int, timeout: float) -> None:
+    self.client.call("Saved", {"session": self.session, "step": step}, timeout=timeout + 10)
+
+  def failure(self) -> str | None:
+    return self.error
+
+  def close(self) -> None:
+    """Lets the queued ops go out, tells the shard to stop, closes the link."""
+    with self.cond:
+      self.closed = True
+      self.cond.notify()
+    self._thread.join(timeout=5)
+    if self.error is None:
+      try:
+        self.client.call("Stop", {"session": self.session}, timeout=5, retry=False)
+      except (wire.ServerGone, wire.CallError):
+        pass   # it is gone already
+    self.client.close()
+
+
+# -- server-to-server messages ------------------------------------------------------------------
+
+
+class _Scheduler:
+  """Delivers messages after their delay on one thread; ``manual`` holds them for a caller."""
+
+  def __init__(self, deliver: Callable[[Any], None], manual: bool = False):
+    self.deliver, self.manual = deliver, manual
+    self.cond = threading.Condition()
+    self.heap: list = []
+    self.count = itertools.count()
+    self.closed = False
+    if not manual:
+      threading.Thread(target=self._run, name="messages", daemon=True).start()
+
+  def add(self, due: float, message) -> None:
+    with self.cond:
+      heapq.heappush(self.heap, (due, next(self.count), message))
+      self.cond.notify()
+
+  def pending(self) -> list[tuple[float, Any]]:
+    with self.cond:
+      return [(due, m) for due, _, m in sorted(self.heap)]
+
+  def take(self, message):
+    """Manual mode: removes and returns the first held message equal to ``message``."""
+    with self.cond:
+      for i, (_, _, held) in enumerate(self.heap):
+        if held == message:
+          self.heap.pop(i)
+          heapq.heapify(self.heap)
+          return held
+    raise KeyError(f"no held message {message}")
+
+  def _run(self) -> None:
+    while True:
+      with self.cond:
+        while not self.closed and (not self.heap or self.heap[0][0] > time.monotonic()):
+          self.cond.wait(None if not self.heap else self.heap[0][0] - time.monotonic())
+        if self.closed:
+          return
+        _, _, message = heapq.heappop(self.heap)
+      self.deliver(message)
+
+  def close(self) -> None:
+    with self.cond:
+      self.closed = True
+      self.cond.notify()
+
+
+# -- the control plane --------------------------------------------------------------------------
 
 
 class DistServer:
-  """The parameter server of a real run: an executor of ``train/loop.py``.
+  """The control plane of a real run: an executor of ``train/loop.py``.
 
   Args:
     config: the run's config (``config.dist.*`` holds the server's settings).
     task: the task (the server evaluates; it never trains).
     workdir: the run's workdir (checkpoints, ``server_address.json``).
+    num_servers: S, the parameter shards (1: shard 0 only, in this process).
+    credentials: the run's credentials (default: from the environment's secret).
+    clock: seconds since the run's start (default: the wall clock); tests
+      replay a simulated timeline with their own.
+    manual_messages: hold server-to-server messages until :meth:`deliver`
+      (tests); default: delivered after their emulated delay.
   """
 
   position_key = "pushes"
 
-  def __init__(self, config: ml_collections.ConfigDict, task, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, task, workdir: str, *,
+               num_servers: int = 1, credentials: auth.Credentials | None = None,
+               clock: Callable[[], float] | None = None, manual_messages: bool = False):
     self.config, self.task, self.workdir = config, task, workdir
+    self.credentials = credentials if credentials is not None else auth.Credentials(
+        auth.load_secret())
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
-    self._build_replicas()
-    self._build_host()
+    self._build_model(num_servers)
+    self._build_host(clock, manual_messages)
 
   # -- building the run -----------------------------------------------------------------------
 
   def _plan_pushes(self) -> None:
-    """Iterations per epoch, and the run's end and evaluation points in pushes (as simulated)."""
     self.W, self.B = self.config.num_workers, self.config.batch_size
     plan = simulate.plan_pushes(self.config, self.task.num_train)
     self.spe, self.total_pushes, self.eval_pushes, self.end_pushes = (
         plan.spe, plan.total_pushes, plan.eval_pushes, plan.end_pushes)
 
-  def _build_replicas(self) -> None:
-    """The scheme, its chain, the replicas' device state and the jitted round and push."""
+  def _build_model(self, num_servers: int) -> None:
+    """The scheme, the layout over the shards and shard 0 (its jitted functions compiled)."""
     config, task = self.config, self.task
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulated = config_lib.cluster_is_set(config)
-    self.scheme = scheme = sync.scheme_from_config(config, worker_times=self.cluster.speeds)
+    self.scheme, _ = shard_lib.build_chain(config)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
                                                  round(self.total_pushes / self.W))
-    tx = optim.make_sync_chain(config.optimizer, scheme.transform, scheme.num_replicas)
-    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    # One compiled init (eager init compiles each initializer: ~7 s for LeNet-5 here).
-    params, model_state = jax.jit(task.init)(init_rng)
+    init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
+    params, model_state = jax.device_get(jax.jit(task.init)(init_rng))
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
+    self.layout = layout_lib.ShardLayout.balanced(params, model_state, num_servers)
+    self.S = self.layout.num_shards
+    self.init_leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
+    stats = [np.asarray(x) for x in jax.tree.leaves(model_state)]
     self.dense_bytes = step_lib.tree_bytes(params)
     self.stats_bytes = step_lib.tree_bytes(model_state)
     self.pull_bytes = self.dense_bytes + self.stats_bytes
-    self.state = executor.init_state(params, model_state, tx, None, self.W,
-                                     scheme.num_replicas, train_rng)
-    self.round_fn = executor.make_round_fn(tx)
-    self.put_fn = make_put_fn()
-    self.take_fn = jax.jit(lambda tree, w: jax.tree.map(lambda x: x[w], tree))   # a pull
-    self._compile(params, model_state)
-    self.ratio_of = simulate.Ratios(config, scheme, self.cluster.speeds, self.spe)
+    self.core0 = shard_lib.ShardCore(
+        0, self.layout, config, [self.init_leaves[i] for i in self.layout.leaves(0)], stats,
+        shard_lib.checkpoint_dir(self.workdir, 0))
+    self.core0.warm_up()   # nothing compiles under the lock once meshes push
+    self.ratio_of = simulate.Ratios(config, self.scheme, self.cluster.speeds, self.spe)
+    self.links = traffic_lib.Traffic(self.scheme.name, self.cluster, self._push_payload,
+                                     self.pull_bytes, self.pull_bytes)
 
-  def _compile(self, params, model_state) -> None:
-    """Runs the round and the push once on a copy, so no compilation happens under the lock."""
-    copy_state = lambda: jax.tree.map(jnp.copy, self.state)
-    self.put_fn(copy_state(), np.int32(0), params, model_state, np.float32(0), np.int32(0))
-    args = sync.round_args(self.scheme.make_protocol().new_round(0.0))
-    args["learning_rate"] = np.float32(0.0)
-    jax.block_until_ready(self.round_fn(copy_state(), args))
-    # What runs under the lock after the clock started compiles here too: the pull, the
-    # schedule, the evaluated weights (their first calls compiled ~30 programs, seconds on a
-    # loaded CPU, while every mesh waited). The schedule stays eager, as the simulator's: a
-    # jitted one rounds differently.
-    jax.block_until_ready((self.take_fn((self.state.worker_params, self.state.worker_model_state),
-                                        np.int32(0)), self.schedule(0)))
-    executor.served_weights(self.state, getattr(self.scheme.make_protocol(), "global_replica",
-                                                None))
-
-  def _build_host(self) -> None:
+  def _build_host(self, clock, manual_messages: bool) -> None:
     W = self.W
     self.protocol = self.scheme.make_protocol()
     self.acct = sync.accounting.Accounting(W, self.scheme.num_replicas,
                                            aggregating=self.scheme.name == "inhad")
     self.eval_replica = getattr(self.protocol, "global_replica", None)
-    self.host = {"jobs": np.zeros([W], np.int64), "pushes": 0, "updates": 0, "rounds": 0,
-                 "wall_time": 0.0, "next_eval": self.eval_pushes, "num_evals": 0,
-                 "pushed_per_worker": np.zeros([W], np.int64),
+    self.host = {**records.new_counters(W), "format": HOST_FORMAT,
+                 "jobs": np.zeros([W], np.int64), "seq": np.zeros([W], np.int64),
+                 "pushes": 0, "wall_time": 0.0, "next_eval": self.eval_pushes,
+                 "num_evals": 0, "evaluated": 0, "started": np.zeros([W], bool),
+                 "pushes_per_worker": np.zeros([W], np.int64),
                  "wire_pushed_per_worker": np.zeros([W], np.int64),
                  "wire_pulled_per_worker": np.zeros([W], np.int64),
-                 "pulls_per_worker": np.zeros([W], np.int64),
-                 "pushes_per_worker": np.zeros([W], np.int64),
-                 "blocked_time_per_worker": np.zeros([W]), "server_bytes": 0,
-                 "lost": [], "rejoined": [], "started": np.zeros([W], bool), "evaluated": 0,
-                 "in_flight": []}   # server-to-server messages: (due time, message)
+                 "blocked_time_per_worker": np.zeros([W]), "lost": [], "rejoined": [],
+                 "refused": {"nonfinite": 0, "malformed": 0, "duplicate": 0},
+                 "in_flight": []}   # server-to-server messages: (seconds left, message)
     self.lock = threading.RLock()
     self.changed = threading.Condition(self.lock)
-    self.session = uuid.uuid4().hex
-    self.replies: dict[int, dict] = {}
+    self.session = os.urandom(16).hex()
+    self.instance = [""] * W                  # the joined process of each mesh
+    self.releases: dict[int, tuple[int, dict]] = {}   # mesh -> (push number, its job)
     self.waiting = np.zeros([W], bool)        # a Push of this mesh waits for its release
-    self.told_stop = np.zeros([W], bool)      # the mesh got a reply saying the run is over
+    self.told_stop = np.zeros([W], bool)
     self.blocked_since = np.zeros([W])
-    self.last_seen = np.full([W], np.inf)     # monotonic seconds of the last call (inf: never)
-    self.done = False                         # the run reached end_pushes: meshes stop
+    self.last_seen = np.full([W], np.inf)     # monotonic seconds of the last sign of life
+    self.last_push_bytes = np.zeros([W], np.int64)
+    self.ops = 0                               # ops emitted (the next op's number)
+    self._op_log: list | None = [] if self.S > 1 else None   # ops before every shard was ready
+    self.snaps = 0
+    self.done = False                          # the run reached end_pushes: meshes stop
+    self.failure: str | None = None            # why the run cannot go on (RunFailed)
+    self.diverged: str | None = None           # a refused non-finite push (FloatingPointError)
+    self.all_lost_since: float | None = None
+    self.shards: list = [_LocalShard(self.core0)] + [None] * (self.S - 1)
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               self.config.train.max_checkpoints)
+    self.restored_step = -1
     self._grpc = None
     self._wall_base, self._session_start = 0.0, time.perf_counter()
     self._session_pushes = 0
     self._clock_started = False
+    self._clock = clock
+    self._messages = _Scheduler(self._deliver_due, manual=manual_messages)
+    self._threads: list[threading.Thread] = []
 
   # -- the executor interface -----------------------------------------------------------------
 
@@ -167,22 +356,27 @@ class DistServer:
     latest = self.checkpointer.latest_step()
     if latest is not None:
       saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
-      state, _ = self.checkpointer.restore(latest, self.state)
-      self.state = jax.device_put(state)
+      if saved.get("host", {}).get("format") != HOST_FORMAT:
+        raise ckpt_lib.host_state_lib.HostStateError(
+            f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
+            "an older real runtime (one server process, no shards); start the run again in a "
+            "new workdir")
       self.protocol, self.host = saved["protocol"], saved["host"]
       self.acct.load_state_dict(saved["acct"])
+      self.core0.restore(latest)
+      self.restored_step = latest
       logging.info("resumed from the server checkpoint at %d pushes", latest)
       # The meshes' iterations in flight belonged to the previous server: every mesh
       # rejoins from its replica's current weights.
       now = self._now()
       for w in np.flatnonzero(self.protocol.alive & self.host["started"]):
         self._react(self.protocol.drop(int(w), now), now)
+    self.core0.start()
     self._wall_base = self.host["wall_time"]
     self._session_start, self._session_pushes = time.perf_counter(), self.host["pushes"]
     return int(self.host["pushes"])
 
   def finished(self) -> bool:
-    # Pushes go on while an evaluation runs, so the end is reached once it is evaluated.
     return self.host["evaluated"] >= self.end_pushes
 
   def completed(self) -> bool:
@@ -196,20 +390,29 @@ class DistServer:
     self._serve()
     with self.changed:
       while not (self.done or self.host["pushes"] >= self.host["next_eval"]):
+        self._raise_if_stopped()
         if interrupt.requested():
           return False   # save() snapshots under the lock; close() stops the meshes
         self.changed.wait(timeout=0.5)
+      self._raise_if_stopped()
       return True   # an evaluation point, or the end
 
+  def _raise_if_stopped(self) -> None:
+    if self.diverged:
+      raise FloatingPointError(self.diverged)
+    for link in self.shards:
+      if link is not None and link.failure() and not self.failure:
+        self.failure = link.failure()
+    if self.failure:
+      raise RunFailed(self.failure)
+
   def evaluate(self) -> dict[str, Any]:
-    with self.lock:   # a consistent snapshot; the meshes go on while it is evaluated
+    with self.lock:   # a consistent cut: the meshes go on while it is evaluated
+      snap_id = self.snaps
+      self.snaps += 1
+      self._emit({"k": "snap", "id": snap_id})
       host = copy.deepcopy(self.host)
-      loss_sum, loss_count = jax.device_get((self.state.loss_sum, self.state.loss_count))
-      self.state = self.state.replace(loss_sum=jnp.zeros([], jnp.float32),
-                                      loss_count=jnp.zeros([], jnp.int32))
-      params, model_state = executor.served_weights(self.state, self.eval_replica)
-      params, model_state = jax.device_get((params, model_state))
-      staleness, versions = self.acct.summary(), self.acct.version.tolist()
+      acct = copy.deepcopy(self.acct)
       blocked = self._blocked_so_far()
       alive = self.protocol.alive.copy()
       wall = self._wall_time()
@@ -217,33 +420,49 @@ class DistServer:
       while self.host["next_eval"] <= host["pushes"]:
         self.host["next_eval"] += self.eval_pushes
       self.host["num_evals"] += 1
-    if not np.isfinite(loss_sum):
+    params, model_state, sums = self._fetch_snapshot(snap_id)
+    if not np.isfinite(sums["loss_sum"]):
       raise FloatingPointError(
           f"non-finite training loss before {host['pushes']} pushes; the run stopped. Lower "
           f"optimizer.learning_rate ({self.config.optimizer.learning_rate}) or set "
           "optimizer.grad_clip")
+    if self.links.counts_device_pushes:   # as the simulator: pushes counted once applied
+      pushed = np.asarray(sums["push_bytes"], np.int64)
+      host["pushed_per_worker"] += pushed
+      with self.lock:
+        self.host["pushed_per_worker"] += pushed
     results = self.task.evaluate(params, model_state)
     return {
-        "epoch": host["pushes"] / (self.W * self.spe),
-        "pushes": int(host["pushes"]),
-        "updates": int(host["updates"]),
-        "virtual_time": wall,   # a real run: wall seconds stand where virtual time stands
-        "wall_time": wall,
-        "train_loss": float(loss_sum) / max(int(loss_count), 1),
-        **results,
-        **self._traffic(host),
-        "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
-        "bytes_pulled_per_worker": (host["pulls_per_worker"] * self.pull_bytes).tolist(),
+        **records.evaluation_record(
+            pushes=host["pushes"], num_workers=self.W, spe=self.spe, updates=host["updates"],
+            virtual_time=wall, wall_time=wall, loss_sum=sums["loss_sum"],
+            loss_count=sums["loss_count"], results=results, host=host,
+            pull_bytes=self.pull_bytes, blocked=blocked, acct=acct),
+        "wire_bytes_pushed": int(host["wire_pushed_per_worker"].sum()),
+        "wire_bytes_pulled": int(host["wire_pulled_per_worker"].sum()),
         "wire_bytes_pushed_per_worker": host["wire_pushed_per_worker"].tolist(),
         "wire_bytes_pulled_per_worker": host["wire_pulled_per_worker"].tolist(),
         "pushes_per_worker": host["pushes_per_worker"].tolist(),
-        "blocked_time": float(blocked.mean()),
-        "blocked_time_per_worker": blocked.tolist(),
-        "staleness": staleness,
-        "updates_per_replica": versions,
         "meshes_alive": int(alive.sum()),
         "meshes_lost": len(host["lost"]),
+        "refused_pushes": dict(host["refused"]),
     }
+
+  def _fetch_snapshot(self, snap_id: int):
+    """The served weights of snapshot ``snap_id`` from every shard, as trees; shard 0's sums."""
+    timeout = float(self.config.dist.save_timeout)
+    results = _parallel([lambda link=link: link.snapshot(snap_id, timeout)
+                         for link in self.shards])
+    leaves = [None] * len(self.layout.shapes)
+    stats = []
+    for s, (flat, _) in enumerate(results):
+      grads, shard_stats = self.layout.unpack_pull(s, flat.view(np.uint8))
+      for i, leaf in zip(self.layout.leaves(s), grads):
+        leaves[i] = leaf
+      stats = stats if s else shard_stats
+    params = jax.tree.unflatten(self.treedefs[0], leaves)
+    model_state = jax.tree.unflatten(self.treedefs[1], stats)
+    return params, model_state, results[0][1]
 
   @property
   def evaluations(self) -> int:
@@ -253,7 +472,8 @@ class DistServer:
     elapsed = time.perf_counter() - self._session_start
     rate = (record["pushes"] - self._session_pushes) / max(elapsed, 1e-9)
     eta = (self.end_pushes - record["pushes"]) / max(rate, 1e-9)
-    return (f"{self.scheme.name} (real, {self.W} meshes) epoch {record['epoch']:.2f} | wall"
+    return (f"{self.scheme.name} (real, {self.W} meshes, {self.S} shard"
+            f"{'s' if self.S > 1 else ''}) epoch {record['epoch']:.2f} | wall"
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | {rate:.1f} pushes/s |"
             f" meshes alive {record['meshes_alive']}/{self.W} | staleness mean"
@@ -262,181 +482,457 @@ class DistServer:
   def save(self) -> None:
     with self.lock:
       step = int(self.host["pushes"])
+      if step == self.checkpointer.latest_step():
+        return
       self.host["wall_time"] = self._wall_time()
-      state = jax.device_get(self.state)
+      self.host["in_flight"] = [(max(0.0, due - time.monotonic()), m)
+                                for due, m in self._messages.pending()]
       saved = copy.deepcopy({"protocol": self.protocol, "host": self.host,
                              "acct": self.acct.state_dict()})   # a snapshot; meshes go on
-    if step == self.checkpointer.latest_step():
-      return
-    self.checkpointer.save(step, state, {"pushes": step}, host=saved)
-    self.checkpointer.wait()
+      self._emit({"k": "save", "step": step})
+    timeout = float(self.config.dist.save_timeout)
+    # Every shard's step is on disk before the control plane's: its latest step is complete.
+    _parallel([lambda link=link: link.saved(step, timeout) for link in self.shards
+               if link is not None])
+    self.checkpointer.save_and_wait(step, {"pushes": np.int64(step)}, {"pushes": step},
+                                    host=saved)
 
   def close(self) -> None:
     with self.lock:
       self._finish()
-    if self._clock_started:
-      self.save()   # also after Ctrl-C, SIGTERM or a failure: what was applied stays
-    # Serve until every live mesh has read its stop (a push reply or a heartbeat), so none is
-    # left retrying a server that is gone; a mesh that does not call within the heartbeat
-    # timeout is not waited for.
-    deadline = time.monotonic() + float(self.config.dist.heartbeat_timeout)
+    saved = False
+    if self._clock_started and not self.failure_of_a_shard():
+      try:
+        self.save()   # also after Ctrl-C, SIGTERM or a failure: what was applied stays
+        saved = True
+      except (wire.Refused, wire.ServerGone, wire.CallError) as e:
+        logging.error("the final checkpoint could not be written: %s", e)
+    # Meshes still running read their stop from their next push or heartbeat; wait a little
+    # for them (never for ones the launcher already ended: it ends meshes first).
+    deadline = time.monotonic() + (1.0 if interrupt.requested() else 3.0)
     while (time.monotonic() < deadline and self._grpc is not None
-           and not (self.told_stop | ~self.protocol.alive).all()):
+           and not (self.told_stop | ~self.protocol.alive | ~self.host["started"]).all()):
       time.sleep(0.05)
+    self._messages.close()
+    for link in self.shards[1:]:
+      if link is not None:
+        link.close()
     if self._grpc is not None:
-      self._grpc.stop(grace=1.0).wait()
+      self._grpc.stop(grace=0.5).wait()
       self._grpc = None
+    self.core0.stop()
     self.checkpointer.close()
+    if saved:
+      logging.info("the server stopped; its checkpoint is at %d pushes", self.host["pushes"])
+
+  def failure_of_a_shard(self) -> str | None:
+    return next((link.failure() for link in self.shards if link is not None and link.failure()),
+                None)
 
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
     with self.lock:
       host = copy.deepcopy(self.host)
       blocked = self._blocked_so_far()
-      staleness = self.acct.summary()
-      versions = self.acct.version.tolist()
-    return {
-        **health.time_to_target_fields(history, self.metric_name, self.target),
-        "pushes_to_target": reached["pushes"] if reached else None,
-        "runtime": "dist",
-        "scheme": {**sync.registry.describe(self.scheme), "groups": self.scheme.groups.tolist()},
-        "cluster": {**self.cluster.describe(), "emulated": self.emulated},
-        "meshes": {"num": self.W, "lost": host["lost"], "rejoined": host["rejoined"],
-                   "alive": self.protocol.alive.tolist()},
-        "totals": {
-            "pushes": int(host["pushes"]), "updates": int(host["updates"]),
-            "rounds": int(host["rounds"]), "samples": int(host["pushes"]) * self.B,
-            "virtual_time": self._wall_time(), "wall_time": self._wall_time(),
-            **self._traffic(host),
-            "pushes_per_worker": host["pushes_per_worker"].tolist(),
-            "blocked_time_per_worker": blocked.tolist(),
-            "staleness": staleness, "updates_per_replica": versions,
-        },
-    }
+      wall = self._wall_time()
+      fields = records.summary_fields(
+          history=history, reached=reached, metric=self.metric_name, target=self.target,
+          scheme=self.scheme, groups=self.scheme.groups.tolist(),
+          cluster={**self.cluster.describe(), "emulated": self.emulated},
+          pushes=host["pushes"], batch_size=self.B, virtual_time=wall, wall_time=wall,
+          host=host, pull_bytes=self.pull_bytes, blocked=blocked, acct=self.acct)
+    fields["runtime"] = "dist"
+    fields["meshes"] = {"num": self.W, "lost": host["lost"], "rejoined": host["rejoined"],
+                        "alive": self.protocol.alive.tolist()}
+    fields["servers"] = {"num": self.S, "shard_bytes": self.layout.shard_bytes(),
+                         "addresses": [link.address if link else None for link in self.shards]}
+    fields["refused_pushes"] = dict(host["refused"])
+    fields["totals"].update(
+        wire_bytes_pushed=int(host["wire_pushed_per_worker"].sum()),
+        wire_bytes_pulled=int(host["wire_pulled_per_worker"].sum()),
+        pushes_per_worker=host["pushes_per_worker"].tolist())
+    if self.failure:
+      fields["failure"] = self.failure
+    return fields
 
   # -- serving ----------------------------------------------------------------------------------
 
-  def _serve(self) -> None:
-    """Starts the gRPC server and the heartbeat monitor (once per session)."""
+  def bind(self, address: str) -> str:
+    """Starts serving at ``address`` (before the loop runs, so a bad address fails at once)."""
     if self._grpc is not None:
-      return
-    dist = self.config.dist
-    address = dist.server_address or "127.0.0.1:0"
-    handlers = {"Join": self.on_join, "Push": self.on_push, "Heartbeat": self.on_heartbeat}
-    self._grpc, port = wire.make_server(handlers, address, max_workers=2 * self.W + 8)
-    host, _ = wire.check_address("dist.server_address", address)
+      return self.address
+    methods = [wire.Method("Register", self.on_register), wire.Method("Ready", self.on_ready),
+               wire.Method("Tensors", self.on_tensors),
+               wire.Method("Join", self.on_join),
+               wire.Method("Push", self.on_push, self._push_limit),
+               wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
+    self._grpc, port = wire.make_server(methods, address, self.credentials,
+                                        max_workers=2 * self.W + 2 * self.S + 8,
+                                        tls=auth.server_credentials(self.config.dist))
+    host, _ = wire.check_address("--server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),
-                           {"address": self.address, "session": self.session, "pid": os.getpid()})
-    logging.info("parameter server of %s (%d replicas) serving %d meshes at %s", self.scheme.name,
-                 self.scheme.num_replicas, self.W, self.address)
+                           {"address": self.address, "pid": os.getpid()})
+    return self.address
+
+  def _serve(self) -> None:
+    """Serves (once per session) and starts the monitor."""
+    if self._threads:
+      return
+    dist = self.config.dist
+    self.bind(dist.server_address or "127.0.0.1:0")
+    logging.info("parameter server of %s (%d replicas, %d shard%s) serving %d meshes at %s",
+                 self.scheme.name, self.scheme.num_replicas, self.S, "s" if self.S > 1 else "",
+                 self.W, self.address)
     self._join_by = join_by = time.monotonic() + float(dist.join_timeout)
     with self.lock:
       self.last_seen[:] = join_by - float(dist.heartbeat_timeout)   # the first join's grace
-      for due, message in self.host["in_flight"]:   # messages in flight at the checkpoint
-        self._deliver_later(message, max(0.0, due - self._now()))
+      for left, message in self.host["in_flight"]:   # messages in flight at the checkpoint
+        self._messages.add(time.monotonic() + left, message)
       self.host["in_flight"] = []
-    monitor = threading.Thread(target=self._monitor, name="heartbeat-monitor", daemon=True)
+    monitor = threading.Thread(target=self._monitor, name="monitor", daemon=True)
     monitor.start()
+    self._threads.append(monitor)
 
   def _heartbeat_interval(self) -> float:
     return max(0.05, float(self.config.dist.heartbeat_timeout) / 4)
 
-  def _check_call(self, request: dict) -> int:
-    w = int(request["mesh"])
-    if not 0 <= w < self.W:
-      raise ValueError(f"mesh={w} is invalid; allowed: 0..{self.W - 1}")
-    self.last_seen[w] = time.monotonic()
-    return w
+  def _push_limit(self, header: dict) -> int:
+    nnz = wire.field(header, "nnz", list)
+    if len(nnz) != self.S:
+      raise wire.BadMessage(f"nnz has {len(nnz)} entries; allowed: one per shard ({self.S})")
+    return self.layout.push_limit(0, _int(nnz[0], "nnz[0]", -1, self.layout.grad_size(0)))
 
-  def on_join(self, request: dict) -> dict:
-    """A mesh starts (fresh run) or rejoins (after a crash, a drop, or a server restart)."""
+  # -- shards ---------------------------------------------------------------------------------
+
+  def on_register(self, header, body, peer):
+    """A shard process starts: its session, its initial tensors, the step to restore."""
+    del body, peer
+    s = wire.field(header, "shard", int, 1, self.S - 1)
+    if wire.field(header, "num_servers", int) != self.S:
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"shard {s} was started with --num_servers={header['num_servers']}, the "
+                         f"server with {self.S}; start every process with the same --num_servers")
+    if wire.field(header, "config", str) != config_id(self.config):
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"shard {s}'s config differs from the server's; start every process "
+                         "with the same --config and --config.* flags")
+    address = wire.field(header, "address", str)
+    wire.check_address("shard address", address)
     with self.lock:
-      w = self._check_call(request)
-      if request.get("config") != self._config_id():
-        return {"error": f"mesh {w}'s config differs from the server's; start every process"
-                         " with the same --config and --config.* flags"}
+      old = self.shards[s]
+      if self._op_log is None:
+        raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"shard {s} registers after the run started: a shard's tensors live "
+                           "only in its process, so a lost shard ends the run; resume the run "
+                           "from its checkpoint (rerun the same command)")
+      if old is not None and old.ready and not old.failure():
+        raise wire.Refused(grpc.StatusCode.ALREADY_EXISTS,
+                           f"shard {s} is already registered (at {old.address}); each --shard "
+                           "runs once")
+      if old is not None:
+        old.close()
+      client = wire.Client(address, self.credentials,
+                           retry_seconds=float(self.config.dist.retry_seconds),
+                           tls=auth.channel_credentials(self.config.dist),
+                           server_name=self.config.dist.get("tls_server_name", ""))
+      self.shards[s] = _RemoteShard(s, address, client, self.session, self.layout)
+      logging.info("shard %d registered at %s", s, address)
+    return {"session": self.session, "restore": int(self.restored_step),
+            "layout": json.dumps(self.layout.describe())}, None
+
+  def on_tensors(self, header, body, peer):
+    """A registered shard's initial tensors (the server's initialisation, one for every shard)."""
+    del body, peer
+    s = wire.field(header, "shard", int, 1, self.S - 1)
+    if wire.field(header, "session", str) != self.session:
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION, "the session changed; register")
+    return {}, np.concatenate([self.init_leaves[i].reshape(-1) for i in self.layout.leaves(s)])
+
+  def on_ready(self, header, body, peer):
+    """A registered shard compiled, restored and serves: it may take ops."""
+    del body, peer
+    s = wire.field(header, "shard", int, 1, self.S - 1)
+    with self.lock:
+      link = self.shards[s]
+      if link is None or wire.field(header, "session", str) != self.session:
+        raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION, f"shard {s} must register first")
+      link.ready = True
+      for index, op in self._op_log or []:   # ops emitted before it registered
+        link.send(index, op)
+      if self._shards_ready():
+        self._op_log = None
+      self.changed.notify_all()
+    return {}, None
+
+  def _shards_ready(self) -> bool:
+    return all(link is not None and getattr(link, "ready", True) for link in self.shards)
+
+  def _emit(self, op: dict) -> None:
+    """Appends ``op`` to every shard's stream (under ``self.lock``: one order for all)."""
+    index = self.ops
+    self.ops += 1
+    if self._op_log is not None:   # kept for shards that are not ready yet
+      self._op_log.append((index, op))
+    for link in self.shards:
+      if link is not None and getattr(link, "ready", True):
+        link.send(index, op)
+
+  # -- meshes -----------------------------------------------------------------------------------
+
+  def _mesh_header(self, header: dict) -> tuple[int, str]:
+    w = wire.field(header, "mesh", int, 0, self.W - 1)
+    return w, wire.field(header, "instance", str)
+
+  def on_join(self, header, body, peer):
+    """A mesh's process starts (fresh run) or rejoins (after a crash, a drop, a server restart)."""
+    del body
+    w, instance = self._mesh_header(header)
+    if wire.field(header, "config", str) != config_id(self.config):
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"mesh {w}'s config differs from the server's; start every process with"
+                         " the same --config and --config.* flags")
+    with self.lock:
       if self.done:
-        return self._stop(w)
-      if not self.host["started"][w] and self.protocol.alive[w]:
-        self.host["started"][w] = True   # the first start: the initial weights, iteration 0
-        self._await_start(w)
-        reply = self._pull_reply(w, self._next_job(w))
-        self.host["pulls_per_worker"][w] += 1
-        return self._sent(w, reply)
-      self._start_clock()               # a resumed session starts at its first rejoin
-      now = self._now()
-      if self.protocol.alive[w]:         # restarted before its heartbeat ran out
-        self._lose(w, now, "restarted")
-      self.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"])})
-      logging.info("mesh %d rejoins at %d pushes", w, self.host["pushes"])
-      self._react(self.protocol.rejoin(w, now), now)
-      return self._sent(w, self.replies.pop(w))
+        return self._stop(w), None
+      if self.instance[w] and self.instance[w] != instance and self.protocol.alive[w]:
+        age = time.monotonic() - self.last_seen[w]
+        raise wire.Refused(grpc.StatusCode.ALREADY_EXISTS,
+                           f"mesh {w} is held by another process (last heard {age:.1f} s ago); "
+                           "each --mesh runs once. If that process is gone, the server drops it "
+                           f"after dist.heartbeat_timeout={self.config.dist.heartbeat_timeout} s"
+                           " and this one may join then")
+      if self.instance[w] == instance and w in self.releases and self.protocol.alive[w]:
+        pass   # a retried Join of the joined process: the same answer
+      elif not self.host["started"][w] and self.protocol.alive[w]:
+        self._first_join(w, instance)
+      else:
+        self._rejoin(w, instance)
+      self.last_seen[w] = time.monotonic()
+      seq, job = self.releases[w]
+    logging.info("mesh %d joined from %s", w, peer)
+    return self._reply_with_weights(w, seq, job)
 
-  def _await_start(self, w: int) -> None:
-    """The start barrier: a fresh run begins when every mesh has joined (or at join_timeout).
-
-    As on a real cluster, where jobs start together; the run's clock starts
-    then, so wall time counts training, not the meshes' staggered start-up.
-    """
+  def _first_join(self, w: int, instance: str) -> None:
+    """The start barrier: a fresh run begins when every shard and mesh has joined (or at
+    ``dist.join_timeout``); its clock starts then, so wall time counts training."""
+    self.instance[w] = instance
+    self.host["started"][w] = True
     self.changed.notify_all()
-    while (not self.host["started"].all() and time.monotonic() < self._join_by
-           and not self.done and self.host["pushes"] == 0):   # only a fresh run waits
-      self.last_seen[w] = time.monotonic()   # waiting here is alive
+    while ((not self.host["started"].all() or not self._shards_ready())
+           and time.monotonic() < self._join_by and not self.done
+           and self.host["pushes"] == 0):   # only a fresh run waits
+      self.last_seen[w] = time.monotonic()  # waiting here is alive
       self.changed.wait(timeout=0.2)
+    if not self._shards_ready():
+      raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "the parameter shards did not all start "
+                         f"within dist.join_timeout={self.config.dist.join_timeout} s")
     self._start_clock()
+    self.releases[w] = (int(self.host["seq"][w]), self._next_job(w))
     self.changed.notify_all()
 
-  def _start_clock(self) -> None:
-    if not self._clock_started:
-      self._clock_started = True
-      self._session_start = time.perf_counter()
+  def _rejoin(self, w: int, instance: str) -> None:
+    if not self._shards_ready():
+      raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "the parameter shards are not all up yet")
+    self._start_clock()               # a resumed session starts at its first rejoin
+    now = self._now()
+    if self.protocol.alive[w]:         # restarted before its heartbeat ran out
+      self._lose(w, now, "restarted")
+    self.instance[w] = instance
+    self.host["started"][w] = True
+    self.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"])})
+    logging.info("mesh %d rejoins at %d pushes", w, self.host["pushes"])
+    self._react(self.protocol.rejoin(w, now), now)
+    self.all_lost_since = None
 
-  def on_push(self, request: dict) -> dict:
-    """A mesh's gradient: applied as the protocol says; the reply waits for the mesh's release."""
+  def _reply_with_weights(self, w: int, seq: int, job: dict):
+    """A job reply, with shard 0's slice of the worker's weights at its watermark."""
+    body = self.core0.pull(w, job["watermark"], float(self.config.dist.save_timeout))
     with self.lock:
-      w = self._check_call(request)
-      if self.done:
-        return self._stop(w)
-      if (request.get("session") != self.session or not self.protocol.alive[w]
-          or int(request["iteration"]) != self.host["jobs"][w] - 1):
-        return {"rejoin": True}   # from before a drop or a server restart
-      self._put(w, request)
-      now = self._now()
-      self.blocked_since[w] = now
-      self.waiting[w] = True
-      self._react(self.protocol.on_push(w, now), now)
-      self._after_push()
-      while w not in self.replies and not self.done:
-        self.changed.wait(timeout=0.5)
-        if not self.protocol.alive[w]:
-          self.waiting[w] = False
-          return {"rejoin": True}
-      self.waiting[w] = False
-      if self.done:   # the run ended while this mesh waited: no further iteration
-        return self._stop(w)
-      return self._sent(w, self.replies.pop(w))
+      self.host["wire_pulled_per_worker"][w] += body.nbytes
+    shards = [link.address if link is not None else "" for link in self.shards[1:]]
+    return {"session": self.session, "seq": seq, "shards": shards,
+            "digest": self.layout.digest(), **job}, body
 
-  def on_heartbeat(self, request: dict) -> dict:
-    # No lock: a heartbeat counts even while the lock is held (a long round, a checkpoint),
-    # so a busy server never drops a live mesh.
-    w = self._check_call(request)
+  def on_push(self, header, body, peer):
+    """A mesh's push: checked whole, applied as the protocol says; the reply waits for its release."""
+    del peer
+    w, seq, immediate = self.accept_push(header, body)
+    if immediate is not None:
+      return immediate, None
+    return self.await_release(w, seq)
+
+  def accept_push(self, header: dict, body) -> tuple[int, int, dict | None]:
+    """Checks a push and, if new, applies it (ops, protocol); never waits for its release.
+
+    Returns:
+      ``(mesh, push number, None)`` when the caller should wait for the release
+      (:meth:`await_release`), or ``(mesh, push number, reply)`` to answer at
+      once (stop, rejoin, refused).
+
+    Raises:
+      BadMessage: a malformed push (nothing changed).
+    """
+    w, instance = self._mesh_header(header)
+    session = wire.field(header, "session", str)
+    seq = wire.field(header, "seq", int, 1)
+    if header.get("nonfinite"):
+      return w, seq, self._refuse_nonfinite(w, seq, wire.field(header, "nonfinite", str))
+    iteration = wire.field(header, "iteration", int, 0)
+    loss = wire.field(header, "loss", float)
+    nbytes = wire.field(header, "bytes", int, 0, 2 * self.pull_bytes)
+    wire_bytes = wire.field(header, "wire_bytes", int, 0, 2 * self.pull_bytes + 4 * self.S)
+    nnz = [_int(x, f"nnz[{s}]", -1, self.layout.grad_size(s))
+           for s, x in enumerate(wire.field(header, "nnz", list))]
+    if len(nnz) != self.S:
+      raise wire.BadMessage(f"nnz has {len(nnz)} entries; allowed: one per shard ({self.S})")
+    receipts = wire.field(header, "receipts", list)
+    try:
+      grads, stats = self.core0.check_push(w, seq, body, nnz[0])
+      if not math.isfinite(loss):
+        raise layout_lib.NonFinite(f"a non-finite loss ({loss})")
+    except layout_lib.NonFinite as e:
+      return w, seq, self._refuse_nonfinite(w, seq, str(e))
+    except wire.BadMessage as e:
+      self._count_refused("malformed", w, str(e))
+      raise
+    with self.lock:
+      if session != self.session or not self.protocol.alive[w]:
+        return w, seq, {"rejoin": True}   # from before a drop or a server restart
+      if instance != self.instance[w]:
+        raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"mesh {w} is held by another process; this one must rejoin")
+      if self.done:
+        return w, seq, self._stop(w)
+      if seq == self.host["seq"][w]:
+        self.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
+      else:
+        self._check_push(w, seq, iteration, nnz, receipts)
+        self._accept_push(w, seq, grads, stats, loss, nbytes, wire_bytes)
+    return w, seq, None
+
+  def await_release(self, w: int, seq: int, timeout: float | None = None):
+    """Waits for mesh ``w``'s release from push ``seq``; the reply with its next job and weights."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self.lock:
+      while not (self.releases.get(w, (0,))[0] == seq or self.done or self.failure
+                 or not self.protocol.alive[w]):
+        if deadline is not None and time.monotonic() > deadline:
+          raise TimeoutError(f"mesh {w} was not released from push {seq}")
+        self.changed.wait(timeout=0.5)
+      if self.done or self.failure:
+        return self._stop(w), None
+      if not self.protocol.alive[w]:
+        return {"rejoin": True}, None
+      seq, job = self.releases[w]
+    return self._reply_with_weights(w, seq, job)
+
+  def _check_push(self, w: int, seq: int, iteration: int, nnz: list, receipts: list) -> None:
+    """Everything about a new push that needs the mesh table (raises BadMessage)."""
+    expected = int(self.host["seq"][w]) + 1
+    try:
+      if seq != expected:
+        raise wire.BadMessage(f"push {seq} of mesh {w} is out of order; expected {expected}")
+      if iteration != self.host["jobs"][w] - 1:
+        raise wire.BadMessage(f"push {seq} of mesh {w} is of iteration {iteration}; its job is "
+                              f"{self.host['jobs'][w] - 1}")
+      if self.waiting[w]:
+        raise wire.BadMessage(f"mesh {w} pushed again before its release")
+      if len(receipts) != self.S - 1:
+        raise wire.BadMessage(f"{len(receipts)} receipts; allowed: one per other shard "
+                              f"({self.S - 1})")
+      for s, receipt in enumerate(receipts, start=1):
+        size = self.layout.push_limit(s, nnz[s])
+        if not self.credentials.check_receipt(receipt, s, w, seq, self.session, size):
+          raise wire.BadMessage(f"the receipt of shard {s} for push {seq} of mesh {w} is "
+                                "invalid (its slice was not staged there)")
+    except wire.BadMessage as e:
+      self._count_refused("malformed", w, str(e))
+      raise
+
+  def _accept_push(self, w, seq, grads, stats, loss, nbytes, wire_bytes) -> None:
+    host = self.host
+    self.core0.stage(w, seq, grads, stats)
+    host["seq"][w] = seq
+    self.last_push_bytes[w] = nbytes
+    self._emit({"k": "put", "w": w, "seq": seq, "loss": float(loss), "bytes": int(nbytes)})
+    host["pushes"] += 1
+    host["pushes_per_worker"][w] += 1
+    host["wire_pushed_per_worker"][w] += wire_bytes
+    now = self._now()
+    self.blocked_since[w] = now
+    self.waiting[w] = True
+    self.last_seen[w] = time.monotonic()
+    self._react(self.protocol.on_push(w, now), now)
+    if host["pushes"] >= self.end_pushes:
+      self._finish()
+    if host["pushes"] >= host["next_eval"] or self.done:
+      self.changed.notify_all()
+
+  def _refuse_nonfinite(self, w: int, seq: int, why: str) -> dict:
+    """A non-finite gradient or loss: refused, logged; the loop stops the run as diverged."""
+    with self.lock:
+      self._count_refused("nonfinite", w, why)
+      if not self.diverged:
+        self.diverged = (f"mesh {w} pushed a non-finite gradient or loss (push {seq}, after "
+                         f"{self.host['pushes']} pushes): {why}. Lower optimizer.learning_rate "
+                         f"({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
+      self.changed.notify_all()
+      return {"stop": True, "refused": why}
+
+  def _count_refused(self, kind: str, w: int, why: str) -> None:
+    with self.lock:
+      self.host["refused"][kind] += 1
+      if self.host["refused"][kind] <= 10:
+        logging.warning("refused a push of mesh %d (%s): %s", w, kind, why)
+
+  def on_heartbeat(self, header, body, peer):
+    del body, peer
+    w, instance = self._mesh_header(header)
+    # No lock: a heartbeat counts even while the lock is held (a long round, a checkpoint), so
+    # a busy server never drops a live mesh. Only the joined process's heartbeats count.
     if self.done:
-      return self._stop(w)
-    return {"stop": False, "rejoin": (request.get("session") != self.session
-                                      or not self.protocol.alive[w])}
+      return self._stop(w), None
+    mine = instance == self.instance[w]
+    if mine:
+      self.last_seen[w] = time.monotonic()
+    session = wire.field(header, "session", str)
+    return {"stop": False, "rejoin": bool(session != self.session or not mine
+                                          or not self.protocol.alive[w])}, None
+
+  def on_pull(self, header, body, peer):
+    """Shard 0's slice of a worker's weights (the other ranks of a multi-process mesh)."""
+    del body, peer
+    w = wire.field(header, "mesh", int, 0, self.W - 1)
+    if wire.field(header, "session", str) != self.session:
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION, "the session changed; rejoin")
+    return {}, self.core0.pull(w, wire.field(header, "watermark", int, 0),
+                               float(self.config.dist.save_timeout))
 
   def _monitor(self) -> None:
-    """Drops every mesh whose heartbeat stopped for ``dist.heartbeat_timeout`` seconds."""
-    timeout = float(self.config.dist.heartbeat_timeout)
+    """Drops silent meshes; ends a run whose meshes are all lost; keeps op streams alive."""
+    dist = self.config.dist
+    timeout, all_lost = float(dist.heartbeat_timeout), float(dist.all_lost_timeout)
+    last_ops = self.ops
     while self._grpc is not None and not self.done:
       time.sleep(self._heartbeat_interval() / 2)
       with self.lock:
-        late = (self.protocol.alive & (time.monotonic() - self.last_seen > timeout))
+        now = time.monotonic()
+        late = self.protocol.alive & (now - self.last_seen > timeout)
         for w in np.flatnonzero(late):
           self._lose(int(w), self._now(), f"no heartbeat for {timeout:g} s")
-        if not self.protocol.alive.any() and not self.done:
-          logging.warning("no mesh is alive; waiting for meshes to rejoin")
-          self.last_seen[:] = np.inf   # one warning; a rejoin restarts the clocks
+        if self._clock_started and not self.protocol.alive.any() and not self.done:
+          if self.all_lost_since is None:
+            self.all_lost_since = now
+            logging.warning("no mesh is alive; the run ends unless one rejoins within %g s "
+                            "(dist.all_lost_timeout)", all_lost)
+          elif now - self.all_lost_since > all_lost and not self.failure:
+            self.failure = (f"every mesh was lost and none rejoined within "
+                            f"dist.all_lost_timeout={all_lost:g} s; the run stopped (its "
+                            "checkpoint lets it resume)")
+            logging.error(self.failure)
+        if self.ops == last_ops and self.S > 1:
+          self._emit({"k": "noop"})   # the shards hear from the control plane
+        last_ops = self.ops
         self.changed.notify_all()
 
   # -- protocol events ----------------------------------------------------------------------------
@@ -448,71 +944,51 @@ class DistServer:
     logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why,
                     self.host["pushes"], int(self.protocol.alive.sum()) - 1)
     self.waiting[w] = False
-    self.replies.pop(w, None)
+    self.releases.pop(w, None)
     self._react(self.protocol.drop(w, now), now)
     self.changed.notify_all()
 
   def _react(self, reaction, now: float) -> None:
-    """Applies a reaction's rounds, answers the released meshes, schedules its messages."""
+    """Emits a reaction's rounds, releases its meshes, schedules its messages."""
     for rnd in reaction.rounds:
-      self._apply_round(rnd)
+      args = records.account_round(
+          rnd, host=self.host, acct=self.acct, protocol=self.protocol, links=self.links,
+          iteration=self.host["pushes_per_worker"],
+          learning_rate=self.schedule(self.host["pushes"] // self.W), pull_bytes=self.pull_bytes)
+      lr = args.pop("learning_rate")
+      self._emit({"k": "round", "args": args, "lr": float(lr)})
     for w in reaction.release:
       self.host["blocked_time_per_worker"][w] += max(0.0, now - self.blocked_since[w])
-      self.replies[w] = self._pull_reply(w, self._next_job(w))
-      self.host["pulls_per_worker"][w] += 1
+      self.waiting[w] = False
+      self.releases[w] = (int(self.host["seq"][w]), self._next_job(w))
     for message in reaction.messages:
       delay = self._message_delay(message)
-      if delay <= 0:
+      if delay <= 0 and not self._messages.manual:
         self._react(self.protocol.on_message(message, now), now)
       else:
-        self._deliver_later(message, delay)
+        self._messages.add(time.monotonic() + delay, message)
     if reaction.release:
       self.changed.notify_all()
 
-  def _apply_round(self, rnd) -> None:
-    args = sync.round_args(rnd)
-    args["learning_rate"] = np.float32(self.schedule(self.host["pushes"] // self.W))
-    self.acct.apply(rnd)
-    self.host["rounds"] += 1
-    self.host["updates"] += int(rnd.applies.any())
-    self.host["server_bytes"] += self.protocol.server_payloads(rnd) * self.pull_bytes
-    self.state = self.round_fn(self.state, args)
+  def _deliver_due(self, message) -> None:
+    with self.lock:
+      if not self.done:
+        now = self._now()
+        self._react(self.protocol.on_message(message, now), now)
 
-  def _deliver_later(self, message, delay: float) -> None:
-    entry = (self._now() + delay, message)
-    self.host["in_flight"].append(entry)
-
-    def deliver():
-      with self.lock:
-        if entry in self.host["in_flight"]:
-          self.host["in_flight"].remove(entry)
-        if not self.done:
-          now = self._now()
-          self._react(self.protocol.on_message(message, now), now)
-    timer = threading.Timer(delay, deliver)
-    timer.daemon = True
-    timer.start()
+  def deliver(self, message, now: float | None = None) -> None:
+    """Delivers a held server-to-server message now (``manual_messages`` runs: tests)."""
+    with self.lock:
+      held = self._messages.take(message)
+      now = self._now() if now is None else now
+      self._react(self.protocol.on_message(held, now), now)
 
   def _message_delay(self, message) -> float:
-    """An emulated server-to-server link's delay (0 without a cluster description)."""
-    return self.cluster.server_time(self.pull_bytes) if self.emulated else 0.0
-
-  def _put(self, w: int, request: dict) -> None:
-    grad = jax.tree.unflatten(self.treedefs[0], wire.unpack_leaves(request["grad"]))
-    stats = jax.tree.unflatten(self.treedefs[1], wire.unpack_leaves(request["model_state"]))
-    self.state = self.put_fn(self.state, np.int32(w), grad, stats,
-                             np.float32(request["loss"]), np.int32(request["bytes"]))
-    host = self.host
-    host["pushes"] += 1
-    host["pushes_per_worker"][w] += 1
-    host["pushed_per_worker"][w] += int(request["bytes"])
-    host["wire_pushed_per_worker"][w] += int(request.get("wire_bytes", 0))
-
-  def _after_push(self) -> None:
-    if self.host["pushes"] >= self.end_pushes:
-      self._finish()
-    if self.host["pushes"] >= self.host["next_eval"] or self.done:
-      self.changed.notify_all()
+    """An emulated server-to-server link's delay, as the simulator charges it (0 without a
+    cluster description)."""
+    if not self.emulated:
+      return 0.0
+    return self.links.message_delay(self.protocol, message, self.host["pushes_per_worker"])
 
   def _finish(self) -> None:
     """The run's pushes are all in: every mesh is told to stop."""
@@ -524,29 +1000,26 @@ class DistServer:
     k = int(self.host["jobs"][w])
     self.host["jobs"][w] += 1
     return {"iteration": k, "ratio": float(self.ratio_of(w, k)),
-            "flush": bool(self.ratio_of.flush(w, k))}
-
-  def _pull_reply(self, w: int, job: dict) -> dict:
-    params, stats = jax.device_get(self.take_fn(
-        (self.state.worker_params, self.state.worker_model_state), np.int32(w)))
-    return {"params": wire.pack_leaves(jax.tree.leaves(params)),
-            "model_state": wire.pack_leaves(jax.tree.leaves(stats)),
-            "session": self.session, **job}
+            "flush": bool(self.ratio_of.flush(w, k)), "watermark": self.ops}
 
   def _stop(self, w: int) -> dict:
     self.told_stop[w] = True
     return {"stop": True}
 
-  def _sent(self, w: int, reply: dict) -> dict:
-    if "params" in reply:
-      self.host["wire_pulled_per_worker"][w] += sum(
-          np.asarray(x["v"]).nbytes for x in reply["params"] + reply["model_state"])
-    return reply
+  def _push_payload(self, w: int, k: int) -> int:
+    """Bytes of mesh ``w``'s push ``k`` as its compressor counted them (InHAD's node link)."""
+    del k   # only a mesh's latest push is asked for (``Traffic.count_round``)
+    return int(self.last_push_bytes[w])
 
-  # -- time and totals ----------------------------------------------------------------------------
+  # -- time -------------------------------------------------------------------------------------
+
+  def _start_clock(self) -> None:
+    if not self._clock_started:
+      self._clock_started = True
+      self._session_start = time.perf_counter()
 
   def _now(self) -> float:
-    return self._wall_time()
+    return self._clock() if self._clock is not None else self._wall_time()
 
   def _wall_time(self) -> float:
     return self._wall_base + time.perf_counter() - self._session_start
@@ -556,21 +1029,31 @@ class DistServer:
     return self.host["blocked_time_per_worker"] + np.where(
         self.waiting, now - self.blocked_since, 0.0)
 
-  def _traffic(self, host: dict) -> dict[str, int]:
-    return {"bytes_pushed": int(host["pushed_per_worker"].sum()),
-            "bytes_pulled": int(host["pulls_per_worker"].sum()) * self.pull_bytes,
-            "bytes_between_servers": int(host["server_bytes"]),
-            "wire_bytes_pushed": int(host["wire_pushed_per_worker"].sum()),
-            "wire_bytes_pulled": int(host["wire_pulled_per_worker"].sum())}
 
-  def _config_id(self) -> str:
-    """What a mesh's config must equal: the config without the per-process ``dist`` settings."""
-    return config_id(self.config)
+def _int(value, name: str, lo: int, hi: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    raise wire.BadMessage(f"{name}={value!r:.40} is invalid; allowed: an int in {lo}..{hi}")
+  return value
 
 
-def config_id(config: ml_collections.ConfigDict) -> str:
-  """A JSON of the config but ``executor`` and ``dist`` (which differ between roles)."""
-  d = json.loads(config.to_json())
-  d.pop("dist", None)
-  d.pop("executor", None)
-  return json.dumps(d, sort_keys=True)
+def _parallel(calls: list[Callable[[], Any]]) -> list[Any]:
+  """Runs ``calls`` at once (one thread each but the first); their results in order."""
+  if len(calls) <= 1:
+    return [call() for call in calls]
+  results: list[Any] = [None] * len(calls)
+  errors: list[BaseException] = []
+
+  def run(i):
+    try:
+      results[i] = calls[i]()
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+      errors.append(e)
+  threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, len(calls))]
+  for t in threads:
+    t.start()
+  run(0)
+  for t in threads:
+    t.join()
+  if errors:
+    raise errors[0]
+  return results

@@ -5,28 +5,44 @@ Each process of a mesh holds its devices; the mesh's processes form one
 shutdown never touches another). Inside the mesh training is synchronous data
 parallelism: each process takes its slice of the worker's batch, and one
 sharded ``jit`` gives every process the mean gradient (XLA's all-reduce; gloo
-on CPUs, NCCL on GPUs). Rank 0 talks to the parameter server (``Join``,
-``Push``, heartbeats) and broadcasts each reply to the other ranks.
+on CPUs, NCCL on GPUs). A one-process mesh runs a plain ``jit``.
+
+Rank 0 talks to the control plane (``Join``, ``Push``, heartbeats) and, for
+each push, sends each parameter shard its slice of the gradient first
+(``PutGrad``, in parallel; each answers with a receipt), then the control
+plane the push itself with shard 0's slice and the receipts. The reply (the
+mesh's release) names the op count at which its weights are ready (the
+watermark); every rank then fetches its weights from every shard itself
+(shard 0's came with the reply for rank 0), in parallel. Only the small job
+(iteration, ratio, watermark) is broadcast inside the mesh.
 
 A mesh computes exactly what the simulator's job computes for the same worker
-and iteration (``sim/executor.make_job_fn``): the batch of
-``sharding.worker_order``, the dropout key ``fold_in(fold_in(key, w), k)``,
+and iteration (``sim/executor.make_worker_gradient``): the batch of
+``sharding.WorkerBatches``, the dropout key ``fold_in(fold_in(key, w), k)``,
 the one-worker compressor with its own error-feedback memory. With a cluster
 description (``cluster.*``) and ``dist.emulate_cluster``, each iteration is
-stretched by sleeping to the cluster model's ``compute_time(w, k)``, and each
-push is delayed by its link time, so a real run can be set against the
-simulator on the same cluster.
+stretched by sleeping to the cluster model's ``compute_time(w, k)``, each
+push waits its link time and each pull its transfer time, as the simulator
+charges them (``sim/traffic.Traffic``; InHAD: the node link plus an 8-byte
+iteration number).
+
+A restarted mesh process starts with an empty error-feedback memory: the
+memory is as large as the model and lives only in the mesh, and sending it
+with every push would double the push traffic; a mesh that is dropped and
+rejoins in the same process keeps it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 from absl import logging
 import grpc
 import jax
 import ml_collections
+import msgpack
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -34,72 +50,107 @@ from jax.sharding import PartitionSpec
 
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
+from gssp_jax.dist import auth
+from gssp_jax.dist import layout as layout_lib
 from gssp_jax.dist import server as server_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
+from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
+
+CONTROL_BYTES = 1 << 14   # the job broadcast inside a multi-process mesh (msgpack, padded)
 
 
 class Stop(Exception):
   """The server said the run is over."""
 
 
-def make_mesh_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int):
-  """``(params, model_state, comp, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
+def _job_gradient(loss_fn, compressor, dense_bytes: int):
+  """The simulator's worker gradient with the dropout key folded in from ``(w, k)``."""
+  gradient = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes)
 
-  One jitted SPMD program over ``mesh``: the batch is split over the ``data``
-  axis, everything else replicated, so the gradient is the mean over the whole
-  worker batch, as one device computing it would get (up to float summation
-  order).
+  def step(params, model_state, comp, batch, base_rng, w, k, ratio, flush):
+    rng = jax.random.fold_in(jax.random.fold_in(base_rng, w), k)
+    return gradient(params, model_state, comp, batch, rng, ratio, flush)
+  return step
+
+
+def make_mesh_step(loss_fn, compressor, mesh: Mesh | None, dense_bytes: int):
+  """``(params, model_state, comp, batch, rng, w, k, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
+
+  ``mesh`` None (a one-process mesh): a plain ``jit``. Else one jitted SPMD
+  program over ``mesh``: the batch split over the ``data`` axis, everything
+  else replicated, so the gradient is the mean over the whole worker batch, as
+  one device would get it (up to float summation order).
   """
+  step = _job_gradient(loss_fn, compressor, dense_bytes)
+  if mesh is None:
+    return jax.jit(step), None, None
   replicated = NamedSharding(mesh, PartitionSpec())
   split = NamedSharding(mesh, PartitionSpec("data"))
-  step = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes)   # the simulator's
-  return jax.jit(step, in_shardings=(replicated, replicated, replicated, split, replicated,
-                                     replicated, replicated),
-                 out_shardings=replicated), replicated, split
+  shardings = (replicated,) * 3 + (split,) + (replicated,) * 5
+  return (jax.jit(step, in_shardings=shardings, out_shardings=replicated), replicated, split)
+
+
+def _clients(addresses, credentials, config) -> list[wire.Client]:
+  return [wire.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
+                      tls=auth.channel_credentials(config.dist),
+                      server_name=config.dist.get("tls_server_name", ""))
+          for a in addresses]
 
 
 class _Heartbeat:
-  """Rank 0's heartbeat thread: beats while the mesh makes progress; notes a stop or a rejoin."""
+  """Rank 0's heartbeat thread: beats while the mesh makes progress; notes a stop or a rejoin.
 
-  def __init__(self, address: str, mesh: int, config: ml_collections.ConfigDict):
-    self.client = wire.Client(address, config.dist.retry_seconds)
-    self.mesh, self.interval = mesh, max(0.05, config.dist.heartbeat_timeout / 4)
+  It stops beating when the main loop makes no progress for ``dist.hang_timeout`` (so the
+  server drops a hung mesh); :meth:`ensure_running` restarts it after a rejoin.
+  """
+
+  def __init__(self, client: wire.Client, mesh: int, instance: str,
+               config: ml_collections.ConfigDict):
+    self.client, self.mesh, self.instance = client, mesh, instance
+    self.interval = max(0.05, config.dist.heartbeat_timeout / 4)
     self.hang_timeout = config.dist.hang_timeout
     self.session = ""
     self.progress_at = time.monotonic()   # the main loop's last sign of life
     self.waiting = False                  # the main loop waits for the server (not hung)
     self.stop = threading.Event()
+    self.closed = threading.Event()
     self.error: Exception | None = None
-    self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-    self._thread.start()
+    self._thread: threading.Thread | None = None
+    self.ensure_running()
+
+  def ensure_running(self) -> None:
+    self.progress_at = time.monotonic()
+    if self._thread is None or not self._thread.is_alive():
+      self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+      self._thread.start()
 
   def _run(self):
-    while not self.stop.wait(self.interval):
+    while not self.closed.wait(self.interval):
       if not self.waiting and time.monotonic() - self.progress_at > self.hang_timeout:
         logging.error("mesh %d: no progress for %.0f s (dist.hang_timeout); heartbeats stop so "
                       "the server drops this mesh", self.mesh, self.hang_timeout)
         return
       try:
-        reply = self.client.call("Heartbeat", {"mesh": self.mesh, "session": self.session},
-                                 timeout=self.interval * 4)
+        reply, _ = self.client.call("Heartbeat", {"mesh": self.mesh, "instance": self.instance,
+                                                  "session": self.session},
+                                    timeout=self.interval * 4)
       except wire.ServerGone as e:   # unreachable for dist.retry_seconds: the mesh gives up
         self.error = e
         return
-      except grpc.RpcError as e:     # a slow answer (a loaded host): beat again next interval
-        logging.warning("mesh %d: heartbeat failed (%s); retrying", self.mesh, e.code())
+      except (wire.CallError, grpc.RpcError) as e:   # a slow answer: beat again next interval
+        logging.warning("mesh %d: heartbeat failed (%s); retrying", self.mesh, e)
         continue
       if reply.get("stop"):
         self.stop.set()
 
   def close(self):
-    self.stop.set()
-    self.client.close()
+    self.closed.set()
 
 
 class MeshWorker:
@@ -108,36 +159,46 @@ class MeshWorker:
   Args:
     config: the run's config (the same as the server's but ``dist.*``).
     mesh: the protocol worker this mesh is, ``0..num_workers-1``.
-    rank: this process's rank in the mesh; rank 0 talks to the server.
+    rank: this process's rank in the mesh; rank 0 talks to the control plane.
     num_processes: processes in the mesh (each holds its local devices).
-    server_address: the parameter server's ``host:port``.
+    server_address: the control plane's ``host:port``.
+    credentials: the run's credentials (default: from the environment's secret).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: int, rank: int, num_processes: int,
-               server_address: str):
+               server_address: str, credentials: auth.Credentials | None = None):
     self.config, self.w, self.rank, self.P = config, int(mesh), int(rank), int(num_processes)
     self.server_address = server_address
+    self.credentials = credentials if credentials is not None else auth.Credentials(
+        auth.load_secret())
+    self.instance = uuid.uuid4().hex
     self.task = tasks.make_task(config)
     config_lib.validate_sizes(config, self.task.num_train)
     self.B = config.batch_size
-    self.shards = sharding.worker_shards(self.task.num_train, config.num_workers, config.seed)
-    self.spe = self.shards.shape[1] // self.B
+    plan = simulate.plan_pushes(config, self.task.num_train)
+    self.batches = sharding.WorkerBatches(plan.shards, config.seed, self.B)
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulate = config.dist.emulate_cluster and config_lib.cluster_is_set(config)
     init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    # One compiled init (eager init compiles each initializer: ~7 s for LeNet-5 here).
-    params, model_state = jax.jit(self.task.init)(init_rng)
+    params, model_state = jax.device_get(jax.jit(self.task.init)(init_rng))
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
     self.templates = (params, model_state)
     self.stats_bytes = step_lib.tree_bytes(model_state)
-    self.mesh = Mesh(np.array(jax.devices()), ("data",))
+    pull_bytes = step_lib.tree_bytes(params) + self.stats_bytes
+    self._push_bytes = 0
+    self.links = traffic_lib.Traffic(config.sync.scheme, self.cluster,
+                                     lambda w, k: self._push_bytes, pull_bytes, pull_bytes)
+    self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     self.step, self.replicated, self.split = make_mesh_step(
         self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params))
     self.comp_state = self._init_compressor(compressor, params)
-    self._order = (-1, None)
+    self.layout: layout_lib.ShardLayout | None = None
+    self.server: wire.Client | None = None
+    self.shards: list[wire.Client] = []
     self.iterations = 0
-    self.session = ""   # the server's, from its last reply (a restarted server has a new one)
+    self.seq = 0
+    self.session = ""
 
   def _init_compressor(self, compressor, params):
     if compressor is None:
@@ -146,149 +207,220 @@ class MeshWorker:
     if hasattr(one, "rng"):   # per-worker keys, as the simulator's init_state folds them
       one = one._replace(rng=jax.random.key_data(jax.random.fold_in(
           jax.random.wrap_key_data(one.rng), self.w)))
-    return self._global(one, self.replicated)
+    return self._put(one, self.replicated)
 
-  def _global(self, tree, sharding_):
+  def _put(self, tree, sharding_):
+    if self.mesh is None:
+      return jax.device_put(tree)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding_, np.asarray(x)),
                         tree)
 
-  # -- talking to the server (rank 0) and to the mesh (all ranks) ----------------------------
+  # -- talking to the control plane (rank 0) ---------------------------------------------------
 
-  def _request(self, client, name: str, message: dict) -> dict:
-    """Rank 0: one call; a ``rejoin`` answer is followed by a ``Join``."""
-    reply = client.call(name, message)
-    if reply.get("rejoin"):   # the push from a dropped mesh or an old session is not applied
-      logging.warning("mesh %d: the server asks it to rejoin (it was dropped, or the server "
-                      "restarted); joining again", self.w)
-      reply = client.call("Join", self._join_message())
-    if reply.get("error"):
-      raise ValueError(reply["error"])
-    self.session = reply.get("session", self.session)
-    return reply
+  def _join(self) -> tuple[dict, np.ndarray | None]:
+    """Joins (or rejoins); a mesh held by a live process is refused after a grace period."""
+    message = {"mesh": self.w, "instance": self.instance,
+               "config": server_lib.config_id(self.config)}
+    deadline = time.monotonic() + float(self.config.dist.heartbeat_timeout) + 2.0
+    while True:
+      try:
+        return self.server.call("Join", message, reply_limit=self._pull_limit(0))
+      except wire.CallError as e:
+        # Another process holds this mesh: it may be a crashed one the server has not dropped
+        # yet (it will within dist.heartbeat_timeout), or a live duplicate (it never will).
+        if e.code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() > deadline:
+          raise
+        time.sleep(0.5)
 
-  def _join_message(self) -> dict:
-    return {"mesh": self.w, "config": server_lib.config_id(self.config)}
+  def _pull_limit(self, s: int) -> int:
+    if self.layout is not None:
+      return self.layout.pull_bytes(s)
+    return 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.templates))
 
-  def _share(self, reply: dict | None) -> tuple[bool, dict]:
-    """Broadcasts rank 0's reply to every rank of the mesh: ``(stop, job and weights)``."""
-    params, model_state = self.templates
+  def _accept(self, header: dict, body) -> dict:
+    """Reads a Join or Push reply: the job, the session, the shards (rank 0)."""
+    if header.get("refused"):
+      logging.error("mesh %d: the server refused its push: %s", self.w, header["refused"])
+    if header.get("stop"):
+      return {"stop": True}
+    self.session = header["session"]
+    self.seq = int(header["seq"])
+    if self.layout is None or len(header["shards"]) + 1 != self.layout.num_shards:
+      self._connect_shards(header["shards"])
+    if header["digest"] != self.layout.digest():
+      raise ValueError(f"mesh {self.w}'s model layout differs from the server's (digest "
+                       f"{self.layout.digest()} vs {header['digest']}); start every process "
+                       "with the same --config and --config.* flags")
+    self._shard0 = body
+    return {k: header[k] for k in ("iteration", "ratio", "flush", "watermark")} | {
+        "session": self.session, "shards": header["shards"], "stop": False}
+
+  def _connect_shards(self, addresses) -> None:
+    for client in self.shards:
+      client.close()
+    self.layout = layout_lib.ShardLayout.balanced(*self.templates, len(addresses) + 1)
+    self.shards = _clients(addresses, self.credentials, self.config)
+
+  def _request_push(self, job: dict, loss, grad, model_state, nbytes) -> tuple[dict, object]:
+    """Rank 0: the slices to the shards, then the push; ``rejoin`` answers lead to a ``Join``."""
+    sparse = self.config.compress.name != "none"
+    grads, stats = jax.tree.leaves(grad), jax.tree.leaves(model_state)
+    bodies = [self.layout.pack_push(s, grads, stats, sparse) for s in range(self.layout.num_shards)]
+    self.seq += 1
+    header = {"mesh": self.w, "instance": self.instance, "session": self.session,
+              "seq": self.seq, "iteration": job["iteration"], "loss": float(loss),
+              "bytes": int(nbytes) + self.stats_bytes,
+              "wire_bytes": sum(body.nbytes for body, _ in bodies),
+              "nnz": [nnz for _, nnz in bodies]}
+    if not (np.isfinite(loss) and all(np.isfinite(b[nnz:].min()) and np.isfinite(b[nnz:].max())
+                                       for b, nnz in ((x, max(n, 0)) for x, n in bodies)
+                                       if b.size > nnz)):
+      return self.server.call("Push", {**header, "nonfinite": "the mesh computed a non-finite "
+                                       "loss or gradient"})
+    try:
+      receipts = server_lib._parallel([   # pylint: disable=protected-access
+          lambda s=s: self.shards[s - 1].call(
+              "PutGrad", {"mesh": self.w, "session": self.session, "seq": self.seq,
+                          "nnz": bodies[s][1]}, bodies[s][0])[0]["receipt"]
+          for s in range(1, self.layout.num_shards)])
+    except wire.CallError as e:
+      if e.code != grpc.StatusCode.FAILED_PRECONDITION:   # an old session: rejoin below
+        raise
+      return {"rejoin": True}, None
+    return self.server.call("Push", {**header, "receipts": receipts}, bodies[0][0],
+                            reply_limit=self._pull_limit(0))
+
+  def _fetch_weights(self, job: dict, shard0) -> tuple:
+    """Every rank's weights at the job's watermark: shard 0's (given, or pulled), the others'."""
+    layout = self.layout
+    calls = []
+    if shard0 is None:
+      calls.append(lambda: self.server.call("Pull", {"mesh": self.w, "session": job["session"],
+                                                     "watermark": job["watermark"]},
+                                            reply_limit=layout.pull_bytes(0))[1])
+    calls += [lambda s=s: self.shards[s - 1].call(
+        "Pull", {"mesh": self.w, "session": job["session"], "watermark": job["watermark"]},
+        reply_limit=layout.pull_bytes(s))[1] for s in range(1, layout.num_shards)]
+    bodies = server_lib._parallel(calls) if calls else []   # pylint: disable=protected-access
+    if shard0 is not None:
+      bodies = [shard0] + bodies
+    leaves, stats = [None] * len(layout.shapes), []
+    for s, body in enumerate(bodies):
+      grads, shard_stats = layout.unpack_pull(s, body)
+      for i, leaf in zip(layout.leaves(s), grads):
+        leaves[i] = leaf
+      stats = shard_stats if s == 0 else stats
+    return (jax.tree.unflatten(self.treedefs[0], leaves),
+            jax.tree.unflatten(self.treedefs[1], stats), sum(b.nbytes for b in bodies))
+
+  def _share(self, job: dict | None) -> dict:
+    """Broadcasts rank 0's job (small: iteration, ratio, watermark, shards) to every rank."""
+    if self.P == 1:
+      return job
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    buf = np.zeros([CONTROL_BYTES], np.uint8)
     if self.rank == 0:
-      stop = bool(reply.get("stop"))
-      job = None if stop else reply
-      leaves = ([np.zeros_like(x) for x in jax.tree.leaves(params)] if stop
-                else wire.unpack_leaves(reply["params"]))
-      stats = ([np.zeros_like(x) for x in jax.tree.leaves(model_state)] if stop
-               else wire.unpack_leaves(reply["model_state"]))
-      ctrl = np.array([stop, 0 if stop else job["iteration"], 0 if stop else job["flush"]],
-                      np.int64)
-      ratio = np.float32(0.0 if stop else job["ratio"])
-    else:
-      leaves = [np.zeros_like(x) for x in jax.tree.leaves(params)]
-      stats = [np.zeros_like(x) for x in jax.tree.leaves(model_state)]
-      ctrl, ratio = np.zeros([3], np.int64), np.float32(0.0)
-    if self.P > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      ctrl, ratio, leaves, stats = multihost_utils.broadcast_one_to_all(
-          (ctrl, ratio, leaves, stats))
-    job = {"iteration": int(ctrl[1]), "flush": bool(ctrl[2]), "ratio": float(ratio),
-           "params": jax.tree.unflatten(self.treedefs[0], [np.asarray(x) for x in leaves]),
-           "model_state": jax.tree.unflatten(self.treedefs[1], [np.asarray(x) for x in stats])}
-    return bool(ctrl[0]), job
+      data = msgpack.packb(job, use_bin_type=True)
+      buf[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+      buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    size = int(np.frombuffer(buf[:4].tobytes(), np.uint32)[0])
+    job = msgpack.unpackb(buf[4:4 + size].tobytes(), raw=False)
+    if self.rank > 0 and not job["stop"] and (
+        self.layout is None or len(job["shards"]) + 1 != self.layout.num_shards):
+      self._connect_shards(job["shards"])
+    return job
 
   # -- the loop ---------------------------------------------------------------------------------
 
   def run(self) -> int:
     """Trains until the server says stop; returns the number of iterations pushed."""
     self.warm_up()
-    client = heart = None
+    self.server = _clients([self.server_address], self.credentials, self.config)[0]
+    heart, shard0, job = None, None, None
     if self.rank == 0:
-      client = wire.Client(self.server_address, self.config.dist.retry_seconds)
-      reply = self._request(client, "Join", self._join_message())
-      heart = _Heartbeat(self.server_address, self.w, self.config)
+      job = self._accept(*self._join())
+      shard0 = self._shard0
+      heart = _Heartbeat(_clients([self.server_address], self.credentials, self.config)[0],
+                         self.w, self.instance, self.config)
       heart.session = self.session
-    else:
-      reply = None
     logging.info("mesh %d rank %d/%d: joined %s", self.w, self.rank, self.P, self.server_address)
     compute, over = [], 0   # seconds of real compute per iteration; how many exceeded emulation
     try:
       while True:
-        stop, job = self._share(reply)
-        if stop:
+        job = self._share(job)
+        if job["stop"]:
           break
+        params, model_state, pulled = self._fetch_weights(job, shard0 if self.rank == 0 else None)
+        if self.emulate:
+          time.sleep(self.links.pull_delay(None, self.w))
         started = time.perf_counter()
-        loss, grad, model_state, nbytes = self._compute(job)
+        loss, grad, new_ms, nbytes = self._compute(job, params, model_state)
         compute.append(time.perf_counter() - started)
         if self.emulate:
-          k = job["iteration"]
-          wait = self.cluster.compute_time(self.w, k) - (time.perf_counter() - started)
+          wait = self.cluster.compute_time(self.w, job["iteration"]) - (time.perf_counter()
+                                                                       - started)
           over += wait < 0
           time.sleep(max(0.0, wait))
         if self.rank == 0:
-          if heart.error is not None:
-            raise heart.error
-          if heart.stop.is_set():   # a heartbeat said the run is over: no push, stop
-            reply = {"stop": True}
-            continue
-          heart.progress_at = time.monotonic()
-          message = self._push_message(job, loss, grad, model_state, nbytes)
-          if self.emulate:
-            time.sleep(self.cluster.link_time(self.w, message["bytes"]))
-          heart.waiting = True
-          reply = self._request(client, "Push", message)
-          heart.waiting = False
-          heart.progress_at = time.monotonic()
-          heart.session = self.session
+          job, shard0 = self._push_and_wait(heart, job, loss, grad, new_ms, nbytes)
         self.iterations += 1
     finally:
       if heart is not None:
         heart.close()
-      if client is not None:
-        client.close()
+      for client in [self.server, *self.shards]:
+        if client is not None:
+          client.close()
       _log_compute(self.w, self.rank, compute, over if self.emulate else None)
     logging.info("mesh %d rank %d: stopped after %d iterations", self.w, self.rank,
                  self.iterations)
     return self.iterations
 
+  def _push_and_wait(self, heart, job, loss, grad, model_state, nbytes):
+    """Rank 0: pushes, waits for its release; rejoins when told to. Returns the next job."""
+    if heart.error is not None:
+      raise heart.error
+    if heart.stop.is_set():   # a heartbeat said the run is over: no push, stop
+      return {"stop": True}, None
+    heart.progress_at = time.monotonic()
+    self._push_bytes = int(nbytes) + self.stats_bytes
+    if self.emulate:
+      time.sleep(self.links.push_delay(None, self.w, job["iteration"]))
+    heart.waiting = True
+    header, body = self._request_push(job, loss, grad, model_state, nbytes)
+    if header.get("rejoin"):
+      logging.warning("mesh %d: the server asks it to rejoin (it was dropped, or the server "
+                      "restarted); joining again", self.w)
+      header, body = self._join()
+    heart.waiting = False
+    job = self._accept(header, body)
+    heart.session = self.session
+    heart.ensure_running()
+    return job, self._shard0
+
   def warm_up(self) -> None:
     """Compiles the mesh's step before it joins, so the run's clock does not count compilation."""
     params, model_state = self.templates
     comp_state = self.comp_state
-    self._compute({"iteration": 0, "ratio": 1.0, "flush": False, "params": params,
-                   "model_state": model_state})
+    self._compute({"iteration": 0, "ratio": 1.0, "flush": False}, params, model_state)
     self.comp_state = comp_state   # the warm-up's gradient is not pushed: memory untouched
 
-  def _compute(self, job: dict):
-    """The mesh's gradient at ``job`` (replicated on every rank)."""
+  def _compute(self, job: dict, params, model_state):
+    """The mesh's gradient at ``job`` (host arrays, the same on every rank)."""
     k = job["iteration"]
-    idx = self._batch_indices(k)
+    idx = self.batches.indices(self.w, k)
     per = self.B // self.P
     local = idx[self.rank * per:(self.rank + 1) * per]
     batch = jax.tree.map(lambda a: a[local], self.task.train)
-    rng = jax.random.fold_in(jax.random.fold_in(self.train_rng, self.w), k)
-    put = lambda tree: self._global(tree, self.replicated)
-    loss, grad, model_state, self.comp_state, nbytes = self.step(
-        put(job["params"]), put(job["model_state"]), self.comp_state,
-        self._global(batch, self.split), put(rng), put(np.float32(job["ratio"])),
-        put(np.bool_(job["flush"])))
+    put = lambda tree: self._put(tree, self.replicated)
+    loss, grad, new_ms, self.comp_state, nbytes = self.step(
+        put(params), put(model_state), self.comp_state, self._put(batch, self.split),
+        put(self.train_rng), put(np.int32(self.w)), put(np.int32(k)),
+        put(np.float32(job["ratio"])), put(np.bool_(job["flush"])))
+    if self.mesh is None:
+      return jax.device_get((loss, grad, new_ms, nbytes))
     local_copy = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
-    return local_copy((loss, grad, model_state, nbytes))
-
-  def _push_message(self, job, loss, grad, model_state, nbytes) -> dict:
-    sparse = self.config.compress.name != "none"
-    message = {"mesh": self.w, "session": self.session, "iteration": job["iteration"],
-               "grad": wire.pack_leaves(jax.tree.leaves(grad), sparse=sparse),
-               "model_state": wire.pack_leaves(jax.tree.leaves(model_state)),
-               "loss": float(loss), "bytes": int(nbytes) + self.stats_bytes}
-    message["wire_bytes"] = sum(np.asarray(v).nbytes for leaf in message["grad"]
-                                + message["model_state"] for v in leaf.values()
-                                if isinstance(v, np.ndarray))
-    return message
-
-  def _batch_indices(self, k: int) -> np.ndarray:
-    epoch, pos = divmod(k, self.spe)
-    if self._order[0] != epoch:
-      self._order = (epoch, sharding.worker_order(self.shards, self.config.seed, self.w, epoch))
-    return self._order[1][pos * self.B:(pos + 1) * self.B]
+    return local_copy((loss, grad, new_ms, nbytes))
 
 
 def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -> None:
@@ -299,4 +431,3 @@ def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -
   logging.info("mesh %d rank %d: compute per iteration median %.1f ms, p90 %.1f ms, max %.1f ms "
                "over %d iterations; %s exceeded the emulated time", mesh, rank, np.median(ms),
                np.percentile(ms, 90), ms.max(), ms.size, "n/a" if over is None else over)
-

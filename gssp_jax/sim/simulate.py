@@ -30,10 +30,10 @@ from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import levels
+from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import health
 from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -199,16 +199,12 @@ class Simulation:
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad")
     self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server
-    self.host = {"jobs": np.zeros([W], np.int64), "wall_time": 0.0,
-                 "pushed_per_worker": np.zeros([W], np.int64),
-                 "pulls_per_worker": np.zeros([W], np.int64),
-                 "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0, "updates": 0,
-                 "next_eval": self.eval_pushes,
-                 "num_evals": 0, "rounds": 0, "next_epoch_end": W * self.spe,
+    self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
+                 "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
-    self._orders: dict = {}
+    self.batches = sharding.WorkerBatches(self.shards, config.seed, self.B)
     self._session_start, self._session_pushes = time.perf_counter(), 0
     self._wall_base = 0.0
 
@@ -277,22 +273,11 @@ class Simulation:
     params_eval, ms_eval = executor.served_weights(self.state, self.eval_replica)
     blocked = engine.blocked_time_so_far()
     results = self.task.evaluate(params_eval, ms_eval)
-    record = {
-        "epoch": engine.num_pushes / (W * self.spe),
-        "pushes": int(engine.num_pushes),
-        "updates": int(host["updates"]),
-        "virtual_time": float(engine.now),
-        "wall_time": self._wall_time(),
-        "train_loss": float(loss_sum) / max(int(loss_count), 1),
-        **results,
-        **self._traffic(),
-        "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
-        "bytes_pulled_per_worker": (host["pulls_per_worker"] * self.pull_bytes).tolist(),
-        "blocked_time": float(blocked.mean()),
-        "blocked_time_per_worker": blocked.tolist(),
-        "staleness": self.acct.summary(),
-        "updates_per_replica": self.acct.version.tolist(),
-    }
+    record = records.evaluation_record(
+        pushes=engine.num_pushes, num_workers=W, spe=self.spe, updates=host["updates"],
+        virtual_time=engine.now, wall_time=self._wall_time(), loss_sum=loss_sum,
+        loss_count=loss_count, results=results, host=host, pull_bytes=self.pull_bytes,
+        blocked=blocked, acct=self.acct)
     host["next_eval"] += self.eval_pushes
     host["num_evals"] += 1
     return record
@@ -329,36 +314,26 @@ class Simulation:
 
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
     engine, host = self.engine, self.host
-    return {
-        **health.time_to_target_fields(history, self.metric_name, self.target),
-        "pushes_to_target": reached["pushes"] if reached else None,
-        "scheme": {**sync.registry.describe(self.scheme), "groups": host["groups"][-1],
-                   "groups_history": host["groups"]},
-        "cluster": {**self.cluster.describe(), "calibrated_base_time": self.calibrated},
-        "totals": {
-            "pushes": int(engine.num_pushes), "updates": int(host["updates"]),
-            "rounds": int(host["rounds"]), "samples": int(engine.num_pushes) * self.B,
-            "virtual_time": float(engine.now),
-            "wall_time": self._wall_time(),
-            **self._traffic(),
-            "blocked_time_per_worker": engine.blocked_time_so_far().tolist(),
-            "staleness": self.acct.summary(),
-        },
-    }
+    fields = records.summary_fields(
+        history=history, reached=reached, metric=self.metric_name, target=self.target,
+        scheme=self.scheme, groups=host["groups"][-1],
+        cluster={**self.cluster.describe(), "calibrated_base_time": self.calibrated},
+        pushes=engine.num_pushes, batch_size=self.B, virtual_time=engine.now,
+        wall_time=self._wall_time(), host=host, pull_bytes=self.pull_bytes,
+        blocked=engine.blocked_time_so_far(), acct=self.acct)
+    fields["scheme"]["groups_history"] = host["groups"]
+    return fields
 
   # -- the steps of a round -------------------------------------------------------------------
 
   def _apply_round(self, rnd) -> None:
     """Host bookkeeping of one round, and its device step (the round, then the pulled jobs)."""
-    engine, host = self.engine, self.host
-    args = sync.round_args(rnd)
-    args["learning_rate"] = np.float32(self.schedule(engine.num_pushes // self.W))
-    self.acct.apply(rnd)
-    host["rounds"] += 1
-    host["updates"] += int(rnd.applies.any())
-    host["server_bytes"] += engine.protocol.server_payloads(rnd) * self.pull_bytes
+    engine = self.engine
     # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
-    self.links.count_round(engine.protocol, rnd, engine.iteration, host)
+    args = records.account_round(
+        rnd, host=self.host, acct=self.acct, protocol=engine.protocol, links=self.links,
+        iteration=engine.iteration, learning_rate=self.schedule(engine.num_pushes // self.W),
+        pull_bytes=self.pull_bytes)
     pulled = np.flatnonzero(rnd.pulls)
     jobs = self._next_jobs(pulled) if pulled.size else None
     self._steps.append(executor.Step(args, jobs))
@@ -372,15 +347,6 @@ class Simulation:
       self.state = self.run_steps(self.state, self.arrays, self._steps)
       self._steps = []
 
-  def _batch_indices(self, w: int, k: int) -> np.ndarray:
-    epoch, pos = divmod(k, self.spe)
-    orders = self._orders
-    if (w, epoch) not in orders:
-      orders[(w, epoch)] = sharding.worker_order(self.shards, self.config.seed, w, epoch)
-      for key in [key for key in orders if key[0] == w and key[1] < epoch]:
-        del orders[key]
-    return orders[(w, epoch)][pos * self.B:(pos + 1) * self.B]
-
   def _next_jobs(self, workers: np.ndarray) -> executor.Jobs:
     """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
     workers = np.asarray(workers, np.int64)
@@ -389,7 +355,7 @@ class Simulation:
     pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
     return executor.Jobs(
         workers=workers.astype(np.int32),
-        idx=np.stack([self._batch_indices(w, k) for w, k in pairs]).astype(np.int32),
+        idx=np.stack([self.batches.indices(w, k) for w, k in pairs]).astype(np.int32),
         iters=ks.astype(np.int32),
         ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
         flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool))
@@ -436,14 +402,6 @@ class Simulation:
 
   def _wall_time(self) -> float:
     return self._wall_base + time.perf_counter() - self._session_start
-
-  def _traffic(self) -> dict[str, int]:
-    """Bytes so far; totals are sums of the per-worker counts (pushes counted at evaluations)."""
-    host = self.host
-    return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + host["node_push_bytes"],
-            "bytes_pulled": int(host["pulls_per_worker"].sum()) * self.pull_bytes,
-            "bytes_between_servers": host["server_bytes"],
-            "bytes_local": host["local_bytes"]}
 
 
 def one_worker_config(config):

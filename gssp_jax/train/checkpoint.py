@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from gssp_jax.train import host_state as host_state_lib
+
+
+# Orbax's asynchronous saves in one process collide when two managers write at once (measured:
+# two parameter shards of one process saving the same step: "Directory not empty"), so saves
+# that may run on several threads go through save_and_wait, one at a time per process.
+_SAVE_LOCK = threading.Lock()
 
 
 class Checkpointer:
@@ -46,6 +53,12 @@ class Checkpointer:
     if host is not None:
       items["host"] = ocp.args.JsonSave(host_state_lib.encode(host))
     self._manager.save(step, args=ocp.args.Composite(**items))
+
+  def save_and_wait(self, step: int, state: Any, meta: dict, host: Any = None) -> None:
+    """:meth:`save`, then :meth:`wait`; one such save at a time in a process (thread-safe)."""
+    with _SAVE_LOCK:
+      self.save(step, state, meta, host=host)
+      self.wait()
 
   def restore_host(self, step: int) -> Any:
     """The host state saved at ``step``.

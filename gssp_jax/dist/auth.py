@@ -1,0 +1,206 @@
+"""Who may call a real run's servers: a per-run secret on every call, optional TLS, receipts.
+
+Every process of a run holds the same **run secret**: 256 random bits, written
+as 64 hexadecimal characters, handed over by the environment
+(``GSSP_SECRET``) or by a file only its owner can read (``GSSP_SECRET_FILE``,
+mode 0600, as ssh keys). The one-host launcher makes a fresh one per run; on
+a cluster the user makes one file and points every host at it::
+
+  umask 077; python -c "import secrets; print(secrets.token_hex(32))" > ~/.gssp_secret
+  export GSSP_SECRET_FILE=~/.gssp_secret
+
+The secret itself never travels and is never logged, nor written to
+``summary.json`` or ``config.json``. Calls carry a token derived from it with
+HMAC-SHA256 (``Credentials.token``), checked by a server interceptor
+(:class:`TokenInterceptor`) in constant time before any handler runs. Without
+TLS the token crosses the network in clear text, so anyone who can read the
+cluster's traffic can replay it: on a network you do not trust, add TLS
+(``dist.tls_*``), which encrypts and, with ``dist.tls_client_auth``, checks a
+certificate of every client too.
+
+A shard acknowledges the gradient slice it staged with a **receipt**, an HMAC
+of (shard, mesh, push number, session, size) under another key derived from
+the secret; the control plane applies a push only when the mesh hands it a
+valid receipt from every other shard, so no shard is ever asked to apply a
+gradient it did not receive and check. Everything here is the standard
+library's ``hmac``/``secrets`` and gRPC's own credentials: no cryptography is
+written by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import threading
+import time
+
+from absl import logging
+import grpc
+
+SECRET_ENV = "GSSP_SECRET"
+SECRET_FILE_ENV = "GSSP_SECRET_FILE"
+SECRET_HEX_CHARS = 64                      # 256 bits
+TOKEN_KEY = "gssp-token"                   # the call metadata that carries the token
+MAKE_ONE = ('umask 077; python -c "import secrets; print(secrets.token_hex(32))" > '
+            "~/.gssp_secret; export GSSP_SECRET_FILE=~/.gssp_secret")
+
+
+class SecretError(ValueError):
+  """No usable run secret: the message says what was wrong and how to make one."""
+
+
+def new_secret() -> str:
+  """A fresh run secret: 256 bits from ``secrets``, as 64 hexadecimal characters."""
+  return secrets.token_hex(SECRET_HEX_CHARS // 2)
+
+
+def parse_secret(text: str, source: str) -> bytes:
+  """The 32 bytes of a secret written as 64 hex characters; raises SecretError naming ``source``."""
+  text = text.strip()
+  if len(text) != SECRET_HEX_CHARS or any(c not in "0123456789abcdefABCDEF" for c in text):
+    raise SecretError(f"the run secret from {source} is invalid ({len(text)} characters); "
+                      f"allowed: {SECRET_HEX_CHARS} hexadecimal characters (256 bits). Make one:"
+                      f" {MAKE_ONE}")
+  return bytes.fromhex(text)
+
+
+def read_secret_file(path: str) -> bytes:
+  """The secret in ``path``; refuses a file that others than its owner may read or write."""
+  try:
+    info = os.stat(path)
+  except OSError as e:
+    raise SecretError(f"{SECRET_FILE_ENV}={path!r} cannot be read ({e.strerror}); make one: "
+                      f"{MAKE_ONE}") from None
+  if not stat.S_ISREG(info.st_mode):
+    raise SecretError(f"{SECRET_FILE_ENV}={path!r} is not a regular file")
+  if info.st_mode & 0o077:
+    raise SecretError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(info.st_mode):04o};"
+                      f" allowed: readable by its owner only (chmod 600 {path})")
+  with open(path) as f:
+    return parse_secret(f.read(), f"{SECRET_FILE_ENV}={path!r}")
+
+
+def write_secret_file(path: str, secret: str) -> None:
+  """Writes ``secret`` to a new file ``path`` created with mode 0600 (never an existing file)."""
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  with os.fdopen(fd, "w") as f:
+    f.write(secret + "\n")
+
+
+def load_secret(environ=None) -> bytes:
+  """The run secret from ``GSSP_SECRET`` or ``GSSP_SECRET_FILE``; raises SecretError without one."""
+  environ = os.environ if environ is None else environ
+  if environ.get(SECRET_ENV):
+    return parse_secret(environ[SECRET_ENV], SECRET_ENV)
+  if environ.get(SECRET_FILE_ENV):
+    return read_secret_file(os.path.expanduser(environ[SECRET_FILE_ENV]))
+  raise SecretError(f"no run secret: set {SECRET_FILE_ENV} (a file of mode 0600) or {SECRET_ENV}"
+                    f" to the same 64 hex characters on every host of the run. Make one: "
+                    f"{MAKE_ONE}")
+
+
+class Credentials:
+  """What a process derives from the run secret: the call token and the receipt key."""
+
+  def __init__(self, secret: bytes):
+    if len(secret) * 2 != SECRET_HEX_CHARS:
+      raise SecretError(f"a run secret has {SECRET_HEX_CHARS // 2} bytes, not {len(secret)}")
+    derive = lambda label: hmac.new(secret, label, hashlib.sha256).digest()
+    self.token = derive(b"gssp call token v1").hex()
+    self._receipt_key = derive(b"gssp shard receipt v1")
+
+  @property
+  def metadata(self) -> tuple[tuple[str, str], ...]:
+    return ((TOKEN_KEY, self.token),)
+
+  def receipt(self, shard: int, mesh: int, seq: int, session: str, nbytes: int) -> bytes:
+    """Shard ``shard`` staged push ``seq`` of ``mesh`` (``nbytes`` bytes) in ``session``."""
+    message = f"{int(shard)}|{int(mesh)}|{int(seq)}|{session}|{int(nbytes)}".encode()
+    return hmac.new(self._receipt_key, message, hashlib.sha256).digest()
+
+  def check_receipt(self, receipt, shard: int, mesh: int, seq: int, session: str,
+                    nbytes: int) -> bool:
+    return isinstance(receipt, bytes) and hmac.compare_digest(
+        receipt, self.receipt(shard, mesh, seq, session, nbytes))
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+  """Refuses (``UNAUTHENTICATED``) every call without the run's token, before any handler runs.
+
+  Refusals are logged at most once a minute per method, without the token a
+  caller sent (it might be another run's secret).
+  """
+
+  def __init__(self, credentials: Credentials):
+    self._token = credentials.token.encode()
+    self._logged: dict[str, float] = {}
+    self._lock = threading.Lock()
+    self.refused = 0
+
+    def deny(request, context):
+      del request
+      context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                    "this call lacks the run's token: the caller is not part of this run (set "
+                    f"{SECRET_FILE_ENV} or {SECRET_ENV} to the run's secret)")
+    self._deny = {
+        "unary": grpc.unary_unary_rpc_method_handler(deny),
+        "stream": grpc.stream_stream_rpc_method_handler(
+            lambda it, context: iter([deny(None, context)])),
+    }
+
+  def intercept_service(self, continuation, handler_call_details):
+    given = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
+    given = given.encode() if isinstance(given, str) else bytes(given)
+    if hmac.compare_digest(given, self._token):
+      return continuation(handler_call_details)
+    method = handler_call_details.method
+    with self._lock:
+      self.refused += 1
+      now = time.monotonic()
+      if now - self._logged.get(method, -1e9) > 60.0:
+        self._logged[method] = now
+        logging.warning("refused a call to %s without the run's token (%d refused so far)",
+                        method, self.refused)
+    return self._deny["stream" if method.endswith("~") else "unary"]
+
+
+# -- TLS (optional) ---------------------------------------------------------------------------
+
+
+def _read(path: str, what: str) -> bytes:
+  try:
+    with open(os.path.expanduser(path), "rb") as f:
+      return f.read()
+  except OSError as e:
+    raise ValueError(f"{what}={path!r} cannot be read ({e.strerror}); allowed: a PEM file") from None
+
+
+def tls_enabled(dist) -> bool:
+  return bool(dist.get("tls_cert", ""))
+
+
+def server_credentials(dist) -> grpc.ServerCredentials | None:
+  """TLS for a server from ``dist.tls_cert``/``tls_key`` (None: plain TCP); mTLS with
+  ``dist.tls_client_auth``, clients' certificates checked against ``dist.tls_ca``."""
+  if not tls_enabled(dist):
+    return None
+  key = _read(dist.tls_key, "config.dist.tls_key")
+  cert = _read(dist.tls_cert, "config.dist.tls_cert")
+  client_auth = bool(dist.get("tls_client_auth", False))
+  ca = _read(dist.tls_ca, "config.dist.tls_ca") if client_auth else None
+  return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                     require_client_auth=client_auth)
+
+
+def channel_credentials(dist) -> grpc.ChannelCredentials | None:
+  """TLS for a client: trusts ``dist.tls_ca``; presents ``tls_cert``/``tls_key`` for mTLS."""
+  if not tls_enabled(dist):
+    return None
+  ca = _read(dist.tls_ca, "config.dist.tls_ca")
+  if dist.get("tls_client_auth", False):
+    return grpc.ssl_channel_credentials(ca, _read(dist.tls_key, "config.dist.tls_key"),
+                                        _read(dist.tls_cert, "config.dist.tls_cert"))
+  return grpc.ssl_channel_credentials(ca)

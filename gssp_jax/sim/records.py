@@ -1,0 +1,104 @@
+"""The host bookkeeping every scheme executor shares: a round's accounting, metrics, summaries.
+
+The simulator (``sim/simulate.py``) and the real runtime's control plane
+(``dist/server.py``) both drive a scheme's protocol and apply the rounds it
+emits; the only differences are where time comes from (virtual or wall) and
+where gradients come from. Everything they count is counted here, by the same
+functions, so a simulated and a real run of the same events report the same
+staleness, updates, bytes per link and records.
+
+``host`` is the executor's counters dict: ``rounds``, ``updates``,
+``server_bytes``, ``local_bytes``, ``node_push_bytes``, and the ``[W]``
+arrays ``pushed_per_worker`` and ``pulls_per_worker``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gssp_jax import sync
+from gssp_jax.train import health
+
+
+def new_counters(num_workers: int) -> dict[str, Any]:
+  """The byte and round counters :func:`account_round` and :func:`traffic` read and write."""
+  return {"rounds": 0, "updates": 0, "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0,
+          "pushed_per_worker": np.zeros([num_workers], np.int64),
+          "pulls_per_worker": np.zeros([num_workers], np.int64)}
+
+
+def account_round(rnd, *, host: dict, acct, protocol, links, iteration: np.ndarray,
+                  learning_rate: float, pull_bytes: int) -> dict[str, Any]:
+  """Counts round ``rnd`` (staleness, updates, bytes per link); returns its device args.
+
+  Args:
+    rnd: the round the protocol emitted.
+    host: the executor's counters (see the module docstring), updated.
+    acct: the run's ``sync.accounting.Accounting``, updated.
+    protocol: the protocol that emitted ``rnd``.
+    links: the run's ``sim.traffic.Traffic``.
+    iteration: ``[W]`` pushes per worker so far (sizes a compressed push).
+    learning_rate: the schedule's value at this point of the run.
+    pull_bytes: bytes of one pull (a server-to-server payload is as large).
+  """
+  args = sync.round_args(rnd)
+  args["learning_rate"] = np.float32(learning_rate)
+  acct.apply(rnd)
+  host["rounds"] += 1
+  host["updates"] += int(rnd.applies.any())
+  host["server_bytes"] += protocol.server_payloads(rnd) * pull_bytes
+  links.count_round(protocol, rnd, iteration, host)
+  return args
+
+
+def traffic(host: dict, pull_bytes: int) -> dict[str, int]:
+  """Bytes so far, by link: to the servers, from them, between them, inside nodes."""
+  return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + int(host["node_push_bytes"]),
+          "bytes_pulled": int(host["pulls_per_worker"].sum()) * pull_bytes,
+          "bytes_between_servers": int(host["server_bytes"]),
+          "bytes_local": int(host["local_bytes"])}
+
+
+def evaluation_record(*, pushes: int, num_workers: int, spe: int, updates: int,
+                      virtual_time: float, wall_time: float, loss_sum: float, loss_count: int,
+                      results: dict, host: dict, pull_bytes: int, blocked: np.ndarray,
+                      acct) -> dict[str, Any]:
+  """One ``metrics.jsonl`` line (the keys docs/USAGE.md lists), from the executor's counters."""
+  return {
+      "epoch": pushes / (num_workers * spe),
+      "pushes": int(pushes),
+      "updates": int(updates),
+      "virtual_time": float(virtual_time),
+      "wall_time": float(wall_time),
+      "train_loss": float(loss_sum) / max(int(loss_count), 1),
+      **results,
+      **traffic(host, pull_bytes),
+      "bytes_pushed_per_worker": host["pushed_per_worker"].tolist(),
+      "bytes_pulled_per_worker": (host["pulls_per_worker"] * pull_bytes).tolist(),
+      "blocked_time": float(np.mean(blocked)),
+      "blocked_time_per_worker": np.asarray(blocked).tolist(),
+      "staleness": acct.summary(),
+      "updates_per_replica": acct.version.tolist(),
+  }
+
+
+def summary_fields(*, history: list[dict], reached: dict | None, metric: str, target: float,
+                   scheme, groups, cluster: dict, pushes: int, batch_size: int,
+                   virtual_time: float, wall_time: float, host: dict, pull_bytes: int,
+                   blocked: np.ndarray, acct) -> dict[str, Any]:
+  """The executor's part of ``summary.json``: time to target, the scheme, the cluster, totals."""
+  return {
+      **health.time_to_target_fields(history, metric, target),
+      "pushes_to_target": reached["pushes"] if reached else None,
+      "scheme": {**sync.registry.describe(scheme), "groups": groups},
+      "cluster": cluster,
+      "totals": {
+          "pushes": int(pushes), "updates": int(host["updates"]), "rounds": int(host["rounds"]),
+          "samples": int(pushes) * batch_size, "virtual_time": float(virtual_time),
+          "wall_time": float(wall_time), **traffic(host, pull_bytes),
+          "blocked_time_per_worker": np.asarray(blocked).tolist(),
+          "staleness": acct.summary(), "updates_per_replica": acct.version.tolist(),
+      },
+  }
