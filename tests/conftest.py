@@ -43,6 +43,23 @@ def _use_a_session_compilation_cache() -> None:
 _use_a_session_compilation_cache()
 
 
+def _use_a_session_data_cache() -> None:
+  """Keeps the suite's decoded datasets out of ~/.cache, unless $GSSP_CACHE_DIR says where.
+
+  Loading a dataset writes its decoded arrays to the cache directory (gssp_jax.data.cache). A
+  fresh directory per session (removed at exit) shares them across the session's tests and, as
+  it is set in the environment, with their subprocesses; nothing is kept across sessions.
+  """
+  if os.environ.get("GSSP_CACHE_DIR"):
+    return
+  path = tempfile.mkdtemp(prefix="gssp_jax_test_cache_")
+  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  os.environ["GSSP_CACHE_DIR"] = path
+
+
+_use_a_session_data_cache()
+
+
 def _data_dir() -> pathlib.Path | None:
   env = os.environ.get("GSSP_DATA_DIR")
   candidates = [pathlib.Path(env)] if env else []

@@ -115,7 +115,7 @@ def _load_python(path: pathlib.Path) -> dict[str, np.ndarray]:
   return arrays
 
 
-def load_cifar10_source(kind: str, path: pathlib.Path, cache_dir: pathlib.Path) -> ImageDataset:
+def load_cifar10_source(kind: str, path: pathlib.Path) -> ImageDataset:
   """CIFAR-10 from a source found by :func:`find_cifar10_source`.
 
   Raises:
@@ -125,6 +125,6 @@ def load_cifar10_source(kind: str, path: pathlib.Path, cache_dir: pathlib.Path) 
   if kind == "python":
     arrays = _load_python(path)
   else:
-    arrays = cifar10_jpeg.load_jpeg_arrays(path, cache_dir)
+    arrays = cifar10_jpeg.load_jpeg_arrays(path)
   return images.make_image_dataset("cifar10", arrays["train_images"], arrays["train_labels"],
                                    arrays["test_images"], arrays["test_labels"], NUM_CLASSES)

@@ -1,18 +1,16 @@
-"""CIFAR-10 from JPEG files (``train/<class>/*.jpg``, ``test/<class>/*.jpg``), cached as .npz.
+"""CIFAR-10 from JPEG files (``train/<class>/*.jpg``, ``test/<class>/*.jpg``).
 
-Decoding 60,000 small JPEGs takes seconds, so the decoded arrays are cached in the cache
-directory under a key derived from the source (the tarball's sha256, or the tree's file
-names, sizes and mtimes): a changed source gets a new cache file.
+Decoding 60,000 small JPEGs takes seconds; the loader keeps the decoded arrays in the dataset
+cache (:mod:`gssp_jax.data.cache`), so a host decodes them once. A change to what this module
+decodes (order, pixels) must bump ``cache.FORMAT``, or hosts keep the old arrays.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import pathlib
 import tarfile
 import time
-import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -20,14 +18,12 @@ import numpy as np
 from absl import logging
 from PIL import Image
 
-from gssp_jax.data import paths
 from gssp_jax.data.types import DataError
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
            "truck")
 SPLITS = ("train", "test")
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-_CACHE_FORMAT = 2  # bump when the cached arrays' meaning changes (2: classes mixed, see mixed_order)
 _LOG_EVERY = 10_000
 
 Arrays = dict[str, np.ndarray]  # train_images, train_labels, test_images, test_labels
@@ -120,46 +116,11 @@ def decode_members(members: Iterable[tuple[str, bytes]], source: pathlib.Path) -
   return arrays
 
 
-def source_key(source: pathlib.Path) -> str:
-  """A short hash identifying the content of a JPEG tarball or tree."""
-  digest = hashlib.sha256(f"format={_CACHE_FORMAT}\n".encode())
-  if source.is_file():
-    with open(source, "rb") as f:
-      for block in iter(lambda: f.read(1 << 20), b""):
-        digest.update(block)
-  else:
-    for path in sorted(source.rglob("*")):
-      if path.is_file():
-        st = path.stat()
-        digest.update(f"{path.relative_to(source)}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
-  return digest.hexdigest()[:20]
-
-
-def cache_path(source: pathlib.Path, cache_dir: pathlib.Path) -> pathlib.Path:
-  return cache_dir / f"cifar10_jpeg_{source_key(source)}.npz"
-
-
-def _read_cache(path: pathlib.Path) -> Arrays | None:
-  try:
-    with np.load(path, allow_pickle=False) as npz:
-      arrays = {k: npz[k] for k in ("train_images", "train_labels", "test_images", "test_labels")}
-  except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
-    logging.warning("Ignoring unreadable CIFAR-10 cache %s (%s); decoding again.", path, e)
-    return None
-  for split in SPLITS:
-    imgs, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
-    if imgs.dtype != np.uint8 or imgs.shape[1:] != (32, 32, 3) or labels.shape != imgs.shape[:1]:
-      logging.warning("Ignoring malformed CIFAR-10 cache %s; decoding again.", path)
-      return None
-  return arrays
-
-
-def load_jpeg_arrays(source: pathlib.Path, cache_dir: pathlib.Path) -> Arrays:
-  """CIFAR-10 arrays from a JPEG tarball or extracted tree, via the .npz cache.
+def load_jpeg_arrays(source: pathlib.Path) -> Arrays:
+  """CIFAR-10 arrays decoded from a JPEG tarball or extracted tree.
 
   Args:
     source: ``cifar10_jpg.tar.gz`` or a directory holding ``train/`` and ``test/``.
-    cache_dir: where the decoded arrays are cached.
 
   Raises:
     DataError: the source is incomplete, unreadable, or holds a non-32x32x3 image.
@@ -171,19 +132,6 @@ def load_jpeg_arrays(source: pathlib.Path, cache_dir: pathlib.Path) -> Arrays:
           f"{source}: missing {' and '.join(m + '/' for m in missing)}; an extracted CIFAR-10 "
           "JPEG tree needs train/<class>/*.jpg and test/<class>/*.jpg "
           f"(or put cifar10_jpg.tar.gz in {source}).")
-  cached = cache_path(source, cache_dir)
-  if cached.is_file():
-    arrays = _read_cache(cached)
-    if arrays is not None:
-      logging.info("Loaded decoded CIFAR-10 from cache %s", cached)
-      return arrays
-  logging.info("Decoding CIFAR-10 JPEGs from %s (once; cached in %s)", source, cached)
+  logging.info("Decoding CIFAR-10 JPEGs from %s", source)
   members = _tree_members(source) if source.is_dir() else _tar_members(source)
-  arrays = decode_members(members, source)
-  try:
-    with paths.atomic_output(cached) as tmp:
-      with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-  except OSError as e:  # an unwritable cache costs time, not correctness
-    logging.warning("Could not write CIFAR-10 cache %s (%s).", cached, e)
-  return arrays
+  return decode_members(members, source)

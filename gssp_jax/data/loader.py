@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 from absl import logging
 
-from gssp_jax.data import cifar10, download, images, mnist, multi30k, paths, tfds_source
+from gssp_jax.data import cache, cifar10, download, images, mnist, multi30k, paths, tfds_source
 from gssp_jax.data.types import DATASETS, DataError, ImageDataset, TranslationDataset
 
 _TFDS_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
@@ -20,19 +20,30 @@ def _is_int(value) -> bool:
 
 def _load_from_dir(name: str, root: pathlib.Path, cache_dir: pathlib.Path, max_len: int | None,
                    min_freq: int) -> ImageDataset | TranslationDataset | None:
-  """The dataset from data directory ``root``; None if none of its files are there.
+  """The dataset in ``root``, decoded once per host (``cache``); None if none of its files are.
 
   Raises:
     DataError: some of the dataset's files are there but missing, malformed or corrupt.
   """
   if name == "mnist":
     directory = mnist.find_mnist_dir(root)
-    return None if directory is None else mnist.load_mnist_dir(directory)
+    if directory is None:
+      return None
+    return cache.cached_dataset("mnist", {}, mnist.source_files(directory), cache_dir,
+                                lambda: mnist.load_mnist_dir(directory))
   if name == "multi30k":
     directory = multi30k.find_multi30k_dir(root)
-    return None if directory is None else multi30k.load_multi30k_dir(directory, max_len, min_freq)
+    if directory is None:
+      return None
+    return cache.cached_dataset(
+        "multi30k", {"max_len": max_len, "min_freq": min_freq},
+        multi30k.source_files(directory), cache_dir,
+        lambda: multi30k.load_multi30k_dir(directory, max_len, min_freq))
   source = cifar10.find_cifar10_source(root)
-  return None if source is None else cifar10.load_cifar10_source(*source, cache_dir)
+  if source is None:
+    return None
+  return cache.cached_dataset("cifar10", {}, [source[1]], cache_dir,
+                              lambda: cifar10.load_cifar10_source(*source))
 
 
 def _load_from_tfds(name: str) -> ImageDataset | None:
@@ -93,7 +104,8 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
   Sources, in order: ``data_dir`` (else ``$GSSP_DATA_DIR``); a dataset TensorFlow Datasets has
   already prepared locally (MNIST, CIFAR-10); and, only if ``allow_download``, a checksummed
   download into ``<cache_dir>/downloads``. With none available it fails at once, saying how to
-  provide the files.
+  provide the files. Files from a data directory or a download are decoded once per host into
+  ``<cache_dir>/datasets`` and memory-mapped from there, so the returned arrays are read-only.
 
   Args:
     name: ``"mnist"``, ``"cifar10"`` or ``"multi30k"``.
@@ -104,8 +116,8 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
     allow_download: whether to download the canonical files if no local source has them.
     download_url: base URL mirroring the data directory layout; None or ``""`` means
       ``$GSSP_DATA_URL``, else the canonical public mirrors.
-    cache_dir: for decoded CIFAR-10 JPEGs and downloads; None or ``""`` means
-      ``$GSSP_CACHE_DIR``, else ``~/.cache/gssp_jax``.
+    cache_dir: for downloads and the decoded datasets (see :mod:`gssp_jax.data.cache`); None
+      or ``""`` means ``$GSSP_CACHE_DIR``, else ``~/.cache/gssp_jax``.
 
   Returns:
     An :class:`ImageDataset` (mnist, cifar10) or a :class:`TranslationDataset` (multi30k).

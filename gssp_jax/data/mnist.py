@@ -29,6 +29,11 @@ def find_mnist_dir(root: pathlib.Path) -> pathlib.Path | None:
   return None
 
 
+def source_files(directory: pathlib.Path) -> list[pathlib.Path]:
+  """The MNIST files present in ``directory`` (the ones :func:`load_mnist_dir` reads)."""
+  return [p for p in (paths.find_file(directory, name) for name in FILE_NAMES) if p]
+
+
 def _header(content: bytes, path: pathlib.Path, magic: int, ndim: int) -> list[int]:
   """The big-endian int32 header fields after the magic number, checked."""
   header_len = 4 * (1 + ndim)

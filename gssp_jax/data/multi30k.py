@@ -40,6 +40,11 @@ def find_multi30k_dir(root: pathlib.Path) -> pathlib.Path | None:
   return None
 
 
+def source_files(directory: pathlib.Path) -> list[pathlib.Path]:
+  """The Multi30k files present in ``directory`` (the ones :func:`load_multi30k_dir` reads)."""
+  return [p for p in (paths.find_file(directory, name) for name in FILE_NAMES) if p]
+
+
 def read_lines(directory: pathlib.Path, name: str) -> tuple[list[str], bytes, pathlib.Path]:
   """The lines of ``directory/name[.gz]``, with the decompressed content and the path."""
   path = paths.find_file(directory, name)
