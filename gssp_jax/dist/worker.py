@@ -11,7 +11,8 @@ on CPUs, NCCL on GPUs). Rank 0 talks to the parameter server (``Join``,
 A mesh computes exactly what the simulator's job computes for the same worker
 and iteration (``sim/executor.make_job_fn``): the batch of
 ``sharding.worker_order``, the dropout key ``fold_in(fold_in(key, w), k)``,
-the one-worker compressor with its own error-feedback memory. With a cluster
+the one-worker compressor with its own error-feedback memory, the gradient
+clipped to ``optimizer.grad_clip`` before it. With a cluster
 description (``cluster.*``) and ``dist.emulate_cluster``, each iteration is
 stretched by sleeping to the cluster model's ``compute_time(w, k)``, and each
 push is delayed by its link time, so a real run can be set against the
@@ -48,17 +49,21 @@ class Stop(Exception):
   """The server said the run is over."""
 
 
-def make_mesh_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int):
+def make_mesh_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int, *,
+                   grad_clip: float = 0.0):
   """``(params, model_state, comp, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
 
   One jitted SPMD program over ``mesh``: the batch is split over the ``data``
   axis, everything else replicated, so the gradient is the mean over the whole
   worker batch, as one device computing it would get (up to float summation
-  order).
+  order). That mean gradient (the protocol worker's) is clipped to global norm
+  ``grad_clip`` (``optimizer.grad_clip``; 0 = off) before its compressor, as
+  the simulator's job clips it; the server does not clip.
   """
   replicated = NamedSharding(mesh, PartitionSpec())
   split = NamedSharding(mesh, PartitionSpec("data"))
-  step = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes)   # the simulator's
+  step = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes,   # the simulator's
+                                           grad_clip=grad_clip)
   return jax.jit(step, in_shardings=(replicated, replicated, replicated, split, replicated,
                                      replicated, replicated),
                  out_shardings=replicated), replicated, split
@@ -133,7 +138,8 @@ class MeshWorker:
     self.mesh = Mesh(np.array(jax.devices()), ("data",))
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     self.step, self.replicated, self.split = make_mesh_step(
-        self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params))
+        self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params),
+        grad_clip=config.optimizer.grad_clip)
     self.comp_state = self._init_compressor(compressor, params)
     self._order = (-1, None)
     self.iterations = 0
