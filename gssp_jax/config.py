@@ -73,7 +73,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay_mode = "progress"
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_epochs = 0.0
-  c.optimizer.grad_clip = 0.0  # global-norm clip of the applied gradient (0 = off)
+  # Global-norm clip of each worker's gradient (0 = off), in every executor: before its
+  # compressor and before any server scales it (1/W per push, K/W per GSSP delivery), so it
+  # bounds the same quantity for every scheme. BSP's step is the mean of the clipped worker
+  # gradients, not the clip of their mean. The server optimizers do not clip.
+  c.optimizer.grad_clip = 0.0
 
   c.sync = ml_collections.ConfigDict()
   c.sync.scheme = "bsp"

@@ -19,7 +19,8 @@ watermark); every rank then fetches its weights from every shard itself
 A mesh computes exactly what the simulator's job computes for the same worker
 and iteration (``sim/executor.make_worker_gradient``): the batch of
 ``sharding.WorkerBatches``, the dropout key ``fold_in(fold_in(key, w), k)``,
-the one-worker compressor with its own error-feedback memory. With a cluster
+the gradient clipped to ``optimizer.grad_clip``, the one-worker compressor
+with its own error-feedback memory. With a cluster
 description (``cluster.*``) and ``dist.emulate_cluster``, each iteration is
 stretched by sleeping to the cluster model's ``compute_time(w, k)``, each
 push waits its link time and each pull its transfer time, as the simulator
@@ -69,9 +70,10 @@ class Stop(Exception):
   """The server said the run is over."""
 
 
-def _job_gradient(loss_fn, compressor, dense_bytes: int):
+def _job_gradient(loss_fn, compressor, dense_bytes: int, grad_clip: float):
   """The simulator's worker gradient with the dropout key folded in from ``(w, k)``."""
-  gradient = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes)
+  gradient = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes,
+                                               grad_clip=grad_clip)
 
   def step(params, model_state, comp, batch, base_rng, w, k, ratio, flush):
     rng = jax.random.fold_in(jax.random.fold_in(base_rng, w), k)
@@ -79,15 +81,19 @@ def _job_gradient(loss_fn, compressor, dense_bytes: int):
   return step
 
 
-def make_mesh_step(loss_fn, compressor, mesh: Mesh | None, dense_bytes: int):
+def make_mesh_step(loss_fn, compressor, mesh: Mesh | None, dense_bytes: int, *,
+                   grad_clip: float = 0.0):
   """``(params, model_state, comp, batch, rng, w, k, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
 
   ``mesh`` None (a one-process mesh): a plain ``jit``. Else one jitted SPMD
   program over ``mesh``: the batch split over the ``data`` axis, everything
   else replicated, so the gradient is the mean over the whole worker batch, as
-  one device would get it (up to float summation order).
+  one device would get it (up to float summation order). That mean gradient
+  (the protocol worker's) is clipped to global norm ``grad_clip``
+  (``optimizer.grad_clip``; 0 = off) before its compressor, as the simulator's
+  job clips it; the servers do not clip.
   """
-  step = _job_gradient(loss_fn, compressor, dense_bytes)
+  step = _job_gradient(loss_fn, compressor, dense_bytes, grad_clip)
   if mesh is None:
     return jax.jit(step), None, None
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -191,7 +197,8 @@ class MeshWorker:
     self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     self.step, self.replicated, self.split = make_mesh_step(
-        self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params))
+        self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params),
+        grad_clip=config.optimizer.grad_clip)
     self.comp_state = self._init_compressor(compressor, params)
     self.layout: layout_lib.ShardLayout | None = None
     self.server: wire.Client | None = None

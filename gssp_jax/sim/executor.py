@@ -20,7 +20,8 @@ round is one small jitted call.
 Compression runs inside the job: a worker compresses its own gradient with its
 own error-feedback memory before it pushes, which is what the chained
 compressor does at apply time, without touching every worker's memory in every
-round.
+round. So does ``optimizer.grad_clip``: a worker clips its own gradient, before
+its compressor and before any server scales it by 1/W (``make_worker_gradient``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import optax
 
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.sync import transforms
+from gssp_jax.train import optim
 
 MAX_JOBS = 8   # gradients per job call; larger sets are split in powers of two
 
@@ -99,21 +101,31 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
       job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng)
 
 
-def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int):
+def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int, *,
+                         grad_clip: float = 0.0):
   """``(params, model_state, comp, batch, rng, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
 
   One worker's job, pure: its float32 gradient on the weights it pulled,
-  compressed with its own one-worker compressor state ``comp`` (worker axis of
-  size 1; ``()`` without a compressor), and the bytes that compressor sends
-  (``dense_bytes`` without one). The simulator's jobs (unrolled here, ``vmap``-ed
-  in ``sim/levels.py``) and the real runtime's meshes (``dist/worker.py``) all
-  compute this function.
+  clipped to global norm ``grad_clip`` (``optimizer.grad_clip``; 0 = off,
+  nothing traced), then compressed with its own one-worker compressor state
+  ``comp`` (worker axis of size 1; ``()`` without a compressor), and the bytes
+  that compressor sends (``dense_bytes`` without one). The clip comes first, so
+  error feedback accumulates clipped gradients, and every scheme's servers
+  (which scale a push by 1/W, or a delivery by K/W) receive the same clipped
+  gradient: the clip bounds each worker's gradient, for every scheme (BSP's
+  step is the mean of clipped gradients). The simulator's jobs (unrolled here,
+  ``vmap``-ed in ``sim/levels.py``) and the real runtime's meshes
+  (``dist/worker.py``) all compute this function.
+
+  Raises:
+    ValueError: ``grad_clip`` is not a finite number >= 0.
   """
+  grad_clip = optim.check_grad_clip(grad_clip)
 
   def gradient(params, model_state, comp, batch, rng, ratio, flush):
     (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
                                                                       rng)
-    grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+    grad = optim.clip_gradient(jax.tree.map(lambda g: g.astype(jnp.float32), grad), grad_clip)
     nbytes = jnp.int32(dense_bytes)
     if compressor is not None:
       sent, comp = compressor.update(jax.tree.map(lambda g: g[None], grad), comp,
@@ -124,17 +136,19 @@ def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int):
   return gradient
 
 
-def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int = 0):
+def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int = 0, *,
+                grad_clip: float = 0.0):
   """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
 
-  Jitted per k. ``flushes`` (bool, default all False) marks the jobs whose
+  Jitted per k; each job is ``make_worker_gradient`` (``grad_clip`` as
+  there). ``flushes`` (bool, default all False) marks the jobs whose
   compressor flushes (GDTopK's epoch end: gradient plus residual sent densely,
   residual cleared); it is traced, so it never recompiles. A job leaves its
   loss and its push's bytes in the worker's outstanding slots (``job_loss``,
   ``job_bytes``); they count only once the push arrives (``make_round_fn``).
   """
 
-  gradient = make_worker_gradient(loss_fn, compressor, dense_bytes)
+  gradient = make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
 
   def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None):
     if flushes is None:

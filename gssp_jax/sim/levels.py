@@ -160,17 +160,20 @@ def stack_round_args(rounds: list, size: int) -> tuple[dict, np.ndarray]:
 
 
 def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int,
-                    num_workers: int):
+                    num_workers: int, *, grad_clip: float = 0.0):
   """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
 
   Pure (not jitted).
-  ``executor.make_job_fn``'s contract, computed as one ``vmap`` over the jobs'
-  weight copies instead of unrolled; workers ``>= num_workers`` are padding and
-  write nowhere. Shared by ``make_level_jobs_fn`` (one level per call) and
-  ``make_multi_level_fn`` (many levels per call), so the two cannot drift.
+  ``executor.make_job_fn``'s contract (``grad_clip``: each worker's gradient
+  clipped before its compressor, ``executor.make_worker_gradient``), computed
+  as one ``vmap`` over the jobs' weight copies instead of unrolled; workers
+  ``>= num_workers`` are padding and write nowhere. Shared by
+  ``make_level_jobs_fn`` (one level per call) and ``make_multi_level_fn``
+  (many levels per call), so the two cannot drift.
   """
 
-  gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes)
+  gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes,
+                                           grad_clip=grad_clip)
 
   def one_job(params, model_state, comp, batch, rng, ratio, flush):
     # A one-worker compressor on this worker's state slice (worker axis of size 1).
@@ -201,12 +204,14 @@ def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes
 
 
 def make_level_jobs_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int,
-                       num_workers: int, on_trace: Callable[[], None] = lambda: None):
+                       num_workers: int, on_trace: Callable[[], None] = lambda: None, *,
+                       grad_clip: float = 0.0):
   """``level_jobs_body``, jitted (state donated).
 
   ``on_trace`` is called each time it is traced (tests count compilations with it).
   """
-  body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers)
+  body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
+                         grad_clip=grad_clip)
 
   def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes):
     on_trace()
@@ -340,7 +345,8 @@ def stack_call(call: Call, num_workers: int, levels_per_call: int):
 
 def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransformationExtraArgs,
                         dense_bytes: int, stats_bytes: int, num_workers: int,
-                        on_trace: Callable[[], None] = lambda: None):
+                        on_trace: Callable[[], None] = lambda: None, *,
+                        grad_clip: float = 0.0):
   """``(state, arrays, jobs [L, J, ..], has_jobs [L], stacked [L, R, ..], valid [L, R]) -> state``.
 
   One jitted call (state donated) that runs ``L`` levels in order, a
@@ -349,7 +355,8 @@ def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransfo
   skipped when none is valid). The model is compiled once per (J, R) shape,
   inside this function.
   """
-  jobs_body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers)
+  jobs_body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
+                              grad_clip=grad_clip)
   rounds_body = level_rounds_body(tx)
 
   def call(state: executor.SimState, arrays, jobs: executor.Jobs, has_jobs, stacked, valid):
@@ -367,7 +374,8 @@ def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransfo
 
 def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransformationExtraArgs,
                       dense_bytes: int, stats_bytes: int, num_workers: int, *,
-                      max_rounds: int = 64, levels_per_call: int = 1):
+                      max_rounds: int = 64, levels_per_call: int = 1,
+                      grad_clip: float = 0.0):
   """``(state, arrays, steps) -> state``, the contract of ``executor.make_round_runner``.
 
   Args:
@@ -383,13 +391,17 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
       consecutive levels into one call of ``make_multi_level_fn``, so the host
       dispatches (and the device idles between) far fewer calls; a call whose
       levels have no jobs, or no rounds, at all uses the one-level functions.
+    grad_clip: ``optimizer.grad_clip``: each worker's gradient is clipped to
+      this global norm before its compressor (``executor.make_worker_gradient``);
+      0 = off.
 
   Returns:
     ``run``; ``run.traces`` counts the traces of its jobs, rounds and (for
     ``levels_per_call > 1``) multi-level functions.
 
   Raises:
-    ValueError: ``num_workers``, ``max_rounds`` or ``levels_per_call`` is invalid.
+    ValueError: ``num_workers``, ``max_rounds``, ``levels_per_call`` or ``grad_clip`` is
+      invalid.
   """
   if isinstance(num_workers, bool) or not isinstance(num_workers, (int, np.integer)) \
       or num_workers < 1:
@@ -409,7 +421,7 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
     return bump
 
   jobs_fn = make_level_jobs_fn(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                               count("jobs"))
+                               count("jobs"), grad_clip=grad_clip)
   rounds_fn = make_level_rounds_fn(tx, count("rounds"))
 
   def run_one(state: executor.SimState, arrays, level: Level) -> executor.SimState:
@@ -429,7 +441,7 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
       return state
   else:
     multi_fn = make_multi_level_fn(loss_fn, compressor, tx, dense_bytes, stats_bytes,
-                                   num_workers, count("levels"))
+                                   num_workers, count("levels"), grad_clip=grad_clip)
 
     def run(state: executor.SimState, arrays,
             steps: Sequence[executor.Step]) -> executor.SimState:

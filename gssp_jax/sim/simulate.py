@@ -167,11 +167,16 @@ class Simulation:
     self.pull_bytes = self.dense_bytes + self.stats_bytes
     self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
     # One worker's job: the rounds runner's, and what calibration times under either runner.
-    self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes)
+    # optimizer.grad_clip clips each worker's gradient in its job, before its compressor and
+    # before any server scales it: make_sync_chain's replicas do not clip.
+    clip = config.optimizer.grad_clip
+    self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes,
+                                       grad_clip=clip)
     if runner == "levels":
       self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
                                                 self.stats_bytes, W,
-                                                levels_per_call=config.get("levels_per_call", 1))
+                                                levels_per_call=config.get("levels_per_call", 1),
+                                                grad_clip=clip)
     else:
       self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
     self.arrays = jax.device_put(task.train)

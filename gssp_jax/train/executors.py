@@ -181,8 +181,11 @@ class FusedBSP:
                                               config.train.max_checkpoints)
     self.meta = {"wall_time": 0.0, "loss_sum": 0.0, "loss_steps": 0, "num_evals": 0,
                  "bytes_pushed": 0}
+    # optimizer.grad_clip clips each worker's gradient before the mean, as the simulator's BSP
+    # does (tx does not clip).
     self.run_chunk = step_lib.make_chunk_runner(
-        step_lib.make_bsp_step(task.loss, tx, plan.num_workers, compressor), plan.batch_size)
+        step_lib.make_bsp_step(task.loss, tx, plan.num_workers, compressor,
+                               grad_clip=config.optimizer.grad_clip), plan.batch_size)
     self.arrays = jax.device_put(task.train)
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self.updates = 0

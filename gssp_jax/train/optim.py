@@ -1,6 +1,9 @@
-"""The server-side optimizer, built from ``config.optimizer``."""
+"""The server-side optimizer, built from ``config.optimizer``, and the workers' gradient clip."""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import ml_collections
 import optax
@@ -31,10 +34,43 @@ def learning_rate_schedule(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
       [optax.linear_schedule(0.0, peak, warmup), main], boundaries=[warmup])
 
 
+def check_grad_clip(value) -> float:
+  """``optimizer.grad_clip`` as a float, checked: a finite number >= 0 (0 = off).
+
+  Raises:
+    ValueError: ``value`` is not such a number.
+  """
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+      or not math.isfinite(value) or value < 0):
+    raise ValueError(f"grad_clip={value!r} is invalid; allowed: a finite number >= 0 (0 = off)")
+  return float(value)
+
+
+def clip_gradient(grads, max_norm: float):
+  """One worker's gradient scaled to global norm at most ``max_norm`` (0: returned as is).
+
+  ``optax.clip_by_global_norm``'s rule, pure. What ``optimizer.grad_clip``
+  means in every executor: each worker clips its own gradient, before the 1/W
+  scale of an asynchronous push and before its compressor, so the clip bounds
+  the same quantity for every scheme. BSP's step is then the mean of the
+  clipped worker gradients, not the clip of their mean. With ``max_norm`` 0
+  nothing is traced (no norm is computed).
+  """
+  if max_norm == 0:
+    return grads
+  clipped, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+  return clipped
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
                    total_steps: int, *, unit_learning_rate: bool = False
                    ) -> optax.GradientTransformation:
   """SGD with momentum and PyTorch-style L2 weight decay, or Adam / AdamW.
+
+  It does not clip: ``cfg.grad_clip`` is applied to each worker's gradient
+  before the server sees it (:func:`clip_gradient`, called by
+  ``sim.executor.make_worker_gradient`` and ``train.step.make_bsp_step``), so a
+  loop built on this optimizer must clip its workers' gradients itself.
 
   With ``unit_learning_rate`` the learning rate is 1 and the caller scales the
   updates by the schedule itself (the simulator does, from training progress,
@@ -52,8 +88,6 @@ def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
   decay = (decay_lib.add_mass_decayed_weights if progress else optax.add_decayed_weights)(
       cfg.weight_decay)
   parts = []
-  if cfg.grad_clip > 0:
-    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
   if cfg.name == "sgd":
     # PyTorch-style weight decay: added to the gradient before momentum.
     if cfg.weight_decay > 0:
@@ -99,6 +133,8 @@ def make_sync_chain(cfg: ml_collections.ConfigDict,
   Worker gradients ``[W, ...]`` in, replica updates ``[R, ...]`` out. The
   replicas' optimizers run at learning rate 1; the round's extra arg
   ``learning_rate`` scales their updates (``scale_by_learning_rate_arg``).
+  No replica clips: the workers clipped their gradients (``cfg.grad_clip``,
+  :func:`clip_gradient`) before they were scaled and pushed.
 
   Weight decay (``cfg.weight_decay_mode``):
 

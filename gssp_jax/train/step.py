@@ -4,7 +4,8 @@ The seam for synchronization schemes is :func:`worker_gradients`: it returns
 every worker's gradient stacked on axis 0 (``[W, ...]``), computed on the
 parameters that worker holds. A scheme decides what the server applies from
 that stack. This build ships the BSP server (:func:`bsp_server_update`): the
-mean of all workers' gradients, applied once per round.
+mean of all workers' gradients (each clipped first with ``optimizer.grad_clip``),
+applied once per round.
 
 BatchNorm: each worker normalises with its own batch statistics, as it would on
 its own accelerator; the server averages the workers' running statistics
@@ -24,6 +25,7 @@ import numpy as np
 import optax
 
 from gssp_jax import compress
+from gssp_jax.train import optim
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -98,19 +100,31 @@ def bsp_server_update(tx: optax.GradientTransformation, state: TrainState, grads
 
 
 def make_bsp_step(loss_fn: Callable, tx: optax.GradientTransformation, num_workers: int,
-                  compressor: optax.GradientTransformationExtraArgs | None = None):
+                  compressor: optax.GradientTransformationExtraArgs | None = None, *,
+                  grad_clip: float = 0.0):
   """(state, batches [W, B, ...]) -> (state, round metrics): one synchronous round.
 
-  Without a compressor the mean gradient comes from one fused backward pass;
-  with one, every worker's gradient is compressed (with its own error-feedback
+  Without a compressor or clip the mean gradient comes from one fused backward
+  pass. With ``grad_clip`` > 0 (``optimizer.grad_clip``) every worker's
+  gradient is computed separately and clipped to that global norm
+  (``optim.clip_gradient``), so the server applies the mean of the clipped
+  worker gradients, exactly what the simulator's BSP applies
+  (``sim.executor.make_worker_gradient``), not the clip of their mean; ``tx``
+  must not clip (``optim.make_optimizer`` does not). With a compressor, every
+  worker's (clipped) gradient is compressed (with its own error-feedback
   memory) before the server averages what was sent. Round metrics: ``loss``
   (mean over workers) and ``push_bytes`` ([W] int32, exact bytes each worker
   sent: its gradient payload plus its BatchNorm statistics).
+
+  Raises:
+    ValueError: ``grad_clip`` is not a finite number >= 0.
   """
+  grad_clip = optim.check_grad_clip(grad_clip)
+
   def step(state: TrainState, batches):
     rngs = worker_rngs(state.rng, state.step, num_workers)
     stats_bytes = tree_bytes(state.model_state)
-    if compressor is None:
+    if compressor is None and grad_clip == 0:
       grads, worker_states, losses = mean_worker_gradient(
           loss_fn, state.params, state.model_state, batches, rngs)
       push = jnp.full((num_workers,), tree_bytes(state.params) + stats_bytes, jnp.int32)
@@ -118,9 +132,16 @@ def make_bsp_step(loss_fn: Callable, tx: optax.GradientTransformation, num_worke
     else:
       worker_grads, worker_states, losses = worker_gradients(
           loss_fn, state.params, state.model_state, batches, rngs)
-      sent, compress_state = compressor.update(worker_grads, state.compress_state, state.params)
+      if grad_clip > 0:
+        worker_grads = jax.vmap(lambda g: optim.clip_gradient(g, grad_clip))(worker_grads)
+      if compressor is None:
+        sent, compress_state = worker_grads, state.compress_state
+        push = jnp.full((num_workers,), tree_bytes(state.params) + stats_bytes, jnp.int32)
+      else:
+        sent, compress_state = compressor.update(worker_grads, state.compress_state,
+                                                 state.params)
+        push = compress.push_bytes(compress_state) + stats_bytes
       grads = jax.tree.map(lambda g: g.mean(0), sent)
-      push = compress.push_bytes(compress_state) + stats_bytes
     state = bsp_server_update(tx, state, grads, worker_states)
     return state.replace(compress_state=compress_state), {"loss": losses.mean(),
                                                           "push_bytes": push}
