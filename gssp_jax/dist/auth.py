@@ -184,13 +184,16 @@ def tls_enabled(dist) -> bool:
 
 def server_credentials(dist) -> grpc.ServerCredentials | None:
   """TLS for a server from ``dist.tls_cert``/``tls_key`` (None: plain TCP); mTLS with
-  ``dist.tls_client_auth``, clients' certificates checked against ``dist.tls_ca``."""
+  ``dist.tls_client_auth``, clients' certificates checked against ``dist.tls_ca``.
+
+  ``dist``: ``config.dist`` (or any mapping with those keys).
+  """
   if not tls_enabled(dist):
     return None
-  key = _read(dist.tls_key, "config.dist.tls_key")
-  cert = _read(dist.tls_cert, "config.dist.tls_cert")
+  key = _read(dist["tls_key"], "config.dist.tls_key")
+  cert = _read(dist["tls_cert"], "config.dist.tls_cert")
   client_auth = bool(dist.get("tls_client_auth", False))
-  ca = _read(dist.tls_ca, "config.dist.tls_ca") if client_auth else None
+  ca = _read(dist["tls_ca"], "config.dist.tls_ca") if client_auth else None
   return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                      require_client_auth=client_auth)
 
@@ -199,8 +202,8 @@ def channel_credentials(dist) -> grpc.ChannelCredentials | None:
   """TLS for a client: trusts ``dist.tls_ca``; presents ``tls_cert``/``tls_key`` for mTLS."""
   if not tls_enabled(dist):
     return None
-  ca = _read(dist.tls_ca, "config.dist.tls_ca")
+  ca = _read(dist["tls_ca"], "config.dist.tls_ca")
   if dist.get("tls_client_auth", False):
-    return grpc.ssl_channel_credentials(ca, _read(dist.tls_key, "config.dist.tls_key"),
-                                        _read(dist.tls_cert, "config.dist.tls_cert"))
+    return grpc.ssl_channel_credentials(ca, _read(dist["tls_key"], "config.dist.tls_key"),
+                                        _read(dist["tls_cert"], "config.dist.tls_cert"))
   return grpc.ssl_channel_credentials(ca)

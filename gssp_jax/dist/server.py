@@ -772,6 +772,13 @@ class DistServer:
     Raises:
       BadMessage: a malformed push (nothing changed).
     """
+    try:
+      return self._accept(header, body)
+    except wire.BadMessage as e:
+      self._count_refused("malformed", header.get("mesh"), str(e))
+      raise
+
+  def _accept(self, header: dict, body) -> tuple[int, int, dict | None]:
     w, instance = self._mesh_header(header)
     session = wire.field(header, "session", str)
     seq = wire.field(header, "seq", int, 1)
@@ -792,9 +799,6 @@ class DistServer:
         raise layout_lib.NonFinite(f"a non-finite loss ({loss})")
     except layout_lib.NonFinite as e:
       return w, seq, self._refuse_nonfinite(w, seq, str(e))
-    except wire.BadMessage as e:
-      self._count_refused("malformed", w, str(e))
-      raise
     with self.lock:
       if session != self.session or not self.protocol.alive[w]:
         return w, seq, {"rejoin": True}   # from before a drop or a server restart
@@ -829,25 +833,21 @@ class DistServer:
   def _check_push(self, w: int, seq: int, iteration: int, nnz: list, receipts: list) -> None:
     """Everything about a new push that needs the mesh table (raises BadMessage)."""
     expected = int(self.host["seq"][w]) + 1
-    try:
-      if seq != expected:
-        raise wire.BadMessage(f"push {seq} of mesh {w} is out of order; expected {expected}")
-      if iteration != self.host["jobs"][w] - 1:
-        raise wire.BadMessage(f"push {seq} of mesh {w} is of iteration {iteration}; its job is "
-                              f"{self.host['jobs'][w] - 1}")
-      if self.waiting[w]:
-        raise wire.BadMessage(f"mesh {w} pushed again before its release")
-      if len(receipts) != self.S - 1:
-        raise wire.BadMessage(f"{len(receipts)} receipts; allowed: one per other shard "
-                              f"({self.S - 1})")
-      for s, receipt in enumerate(receipts, start=1):
-        size = self.layout.push_limit(s, nnz[s])
-        if not self.credentials.check_receipt(receipt, s, w, seq, self.session, size):
-          raise wire.BadMessage(f"the receipt of shard {s} for push {seq} of mesh {w} is "
-                                "invalid (its slice was not staged there)")
-    except wire.BadMessage as e:
-      self._count_refused("malformed", w, str(e))
-      raise
+    if seq != expected:
+      raise wire.BadMessage(f"push {seq} of mesh {w} is out of order; expected {expected}")
+    if iteration != self.host["jobs"][w] - 1:
+      raise wire.BadMessage(f"push {seq} of mesh {w} is of iteration {iteration}; its job is "
+                            f"{self.host['jobs'][w] - 1}")
+    if self.waiting[w]:
+      raise wire.BadMessage(f"mesh {w} pushed again before its release")
+    if len(receipts) != self.S - 1:
+      raise wire.BadMessage(f"{len(receipts)} receipts; allowed: one per other shard "
+                            f"({self.S - 1})")
+    for s, receipt in enumerate(receipts, start=1):
+      size = self.layout.push_limit(s, nnz[s])
+      if not self.credentials.check_receipt(receipt, s, w, seq, self.session, size):
+        raise wire.BadMessage(f"the receipt of shard {s} for push {seq} of mesh {w} is "
+                              "invalid (its slice was not staged there)")
 
   def _accept_push(self, w, seq, grads, stats, loss, nbytes, wire_bytes) -> None:
     host = self.host

@@ -1,0 +1,379 @@
+"""The real runtime treats the network as hostile: strangers, malformed, duplicated and
+non-finite pushes, impostor meshes, oversized messages, and bad secrets.
+
+Each case below was possible against the runtime before the sharded rewrite
+(one unauthenticated server; see issue 21's measurements). The server here is
+the real control plane (``DistServer``, shard 0 in process), its handlers
+called directly or through gRPC on loopback; a case passes only if what
+arrives is refused *before* anything changes.
+"""
+
+import os
+import stat
+import subprocess
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+import dist_replay
+import helpers
+from gssp_jax import config as config_lib
+from gssp_jax.dist import auth
+from gssp_jax.dist import layout as layout_lib
+from gssp_jax.dist import server as server_lib
+from gssp_jax.dist import wire
+from gssp_jax.train import run as run_lib
+
+CREDENTIALS = dist_replay.CREDENTIALS
+
+
+def _server(tmp_path, data_dir, scheme="bsp", num_workers=2, num_servers=1, **changes):
+  config = helpers.mnist_smoke(data_dir, num_workers=num_workers, executor="dist",
+                               **{"sync.scheme": scheme, **changes})
+  config_lib.validate_config(config)
+  srv = server_lib.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path),
+                              num_servers=num_servers, credentials=CREDENTIALS)
+  srv.restore()
+  srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier)
+  return srv
+
+
+def _join(srv, w, instance="mesh-process"):
+  return srv.on_join({"mesh": w, "instance": instance,
+                      "config": server_lib.config_id(srv.config)}, None, "test")
+
+
+def _push_header(srv, w, seq, nnz=-1, instance="mesh-process", **changes):
+  return {"mesh": w, "instance": instance, "session": srv.session, "seq": seq,
+          "iteration": seq - 1, "loss": 1.0, "bytes": srv.pull_bytes, "wire_bytes": 4,
+          "nnz": [nnz] * srv.S, "receipts": [], **changes}
+
+
+def _gradient(srv, value=0.5):
+  leaves = [np.full(shape, value, np.float32) for shape in srv.layout.shapes]
+  body, _ = srv.layout.pack_push(0, leaves, [], False)
+  return body.view(np.uint8)
+
+
+def _state_leaves(srv):
+  with srv.core0.cond:
+    return [np.array(x) for x in jax.tree.leaves(srv.core0.state)]
+
+
+def _unchanged(srv, before, ops):
+  assert srv.host["pushes"] == 0 and srv.ops == ops
+  after = _state_leaves(srv)
+  assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.fixture
+def server(tmp_path, data_dir):
+  srv = _server(tmp_path, data_dir)
+  yield srv
+  srv.close()
+
+
+# -- strangers ------------------------------------------------------------------------------------
+
+
+def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(server):
+  address = server.bind("127.0.0.1:0")
+  seen = server.last_seen.copy()
+  channel = grpc.insecure_channel(address)
+  header = wire.encode_header({"mesh": 0, "instance": "x", "config": "{}", "body_bytes": 0})
+  for method in ("Join", "Heartbeat", "Push", "Pull", "Register"):
+    with pytest.raises(grpc.RpcError) as raised:   # no token at all
+      channel.unary_unary(f"/{wire.SERVICE}/{method}")(
+          b"", metadata=((wire.HEADER_KEY, header),), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+  channel.close()
+  other = wire.Client(address, auth.Credentials(os.urandom(32)), retry_seconds=1)
+  with pytest.raises(wire.CallError) as raised:   # another run's secret
+    other.call("Join", {"mesh": 0, "instance": "x", "config": server_lib.config_id(
+        server.config)}, reply_limit=1 << 20)
+  assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
+  other.close()
+  # Nothing reached a handler: no mesh joined or counted as alive, nothing refused as a push.
+  assert server.instance == [""] * server.W and not server.host["started"].any()
+  np.testing.assert_array_equal(server.last_seen, seen)
+  assert server.host["refused"] == {"nonfinite": 0, "malformed": 0, "duplicate": 0}
+
+
+def test_heartbeats_of_meshes_that_never_joined_and_refused_joins_are_no_sign_of_life(server):
+  before = server.last_seen.copy()
+  reply, _ = server.on_heartbeat({"mesh": 1, "instance": "never-joined",
+                                  "session": server.session}, None, "test")
+  assert reply["rejoin"] and not reply["stop"]
+  with pytest.raises(wire.Refused, match="config differs"):
+    server.on_join({"mesh": 1, "instance": "x", "config": "{}"}, None, "test")
+  np.testing.assert_array_equal(server.last_seen, before)
+
+
+def test_a_second_process_with_the_same_mesh_is_refused_with_a_message(server):
+  _join(server, 0, "first")
+  _join(server, 1, "other")
+  with pytest.raises(wire.Refused, match=r"mesh 0 is held by another process.*each --mesh runs once"
+                     ) as raised:
+    _join(server, 0, "second")
+  assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS
+  # ... and its pushes are refused too.
+  with pytest.raises(wire.Refused, match="held by another process"):
+    server.accept_push(_push_header(server, 0, 1, instance="second"), _gradient(server))
+
+
+# -- malformed pushes -----------------------------------------------------------------------------
+
+
+def test_scalars_float64_and_oversized_declarations_are_refused_and_change_nothing(server):
+  for w in range(server.W):
+    _join(server, w)
+  before, ops = _state_leaves(server), server.ops
+  grad = _gradient(server)
+  n = server.layout.grad_size(0)
+  bad = {
+      "a scalar": np.float32(12.5).reshape(1).view(np.uint8),
+      "float64": np.full([n], 0.5, np.float64).view(np.uint8),
+      "one value short": grad[:-4],
+  }
+  for what, body in bad.items():
+    with pytest.raises(wire.BadMessage, match="expected"):
+      server.accept_push(_push_header(server, 0, 1), body)
+  # A 100-byte body that declares every entry as a sparse one: checked against its own size,
+  # nothing is allocated for the declared shape.
+  with pytest.raises(wire.BadMessage, match="expected"):
+    server.accept_push(_push_header(server, 0, 1, nnz=n), np.zeros([100], np.uint8))
+  with pytest.raises(wire.BadMessage, match="nnz"):
+    server.accept_push(_push_header(server, 0, 1, nnz=n + 1), np.zeros([100], np.uint8))
+  # Sparse indices out of range or repeated.
+  idx = np.array([3, 3], np.int32).view(np.float32)
+  body = np.concatenate([idx, np.ones(2, np.float32)]).view(np.uint8)
+  with pytest.raises(wire.BadMessage, match="strictly increasing"):
+    server.accept_push(_push_header(server, 0, 1, nnz=2), body)
+  for header in (_push_header(server, 0, 3), _push_header(server, 0, 1, iteration=5),
+                 _push_header(server, 0, 1, bytes=-1), _push_header(server, 7, 1),
+                 _push_header(server, 0, 1, loss="1.0"), _push_header(server, 0, 1, nnz=[-1, -1])):
+    with pytest.raises(wire.BadMessage):
+      server.accept_push(header, grad)
+  _unchanged(server, before, ops)
+  assert server.host["refused"]["malformed"] >= 8
+
+
+def test_a_nan_gradient_with_a_zero_loss_is_refused_and_the_run_stops_as_diverged(server):
+  for w in range(server.W):
+    _join(server, w)
+  before, ops = _state_leaves(server), server.ops
+  leaves = [np.full(shape, 0.5, np.float32) for shape in server.layout.shapes]
+  leaves[-1].reshape(-1)[0] = np.nan
+  body = server.layout.pack_push(0, leaves, [], False)[0].view(np.uint8)
+  _, _, reply = server.accept_push(_push_header(server, 0, 1, loss=0.0), body)
+  assert reply["stop"] and "non-finite" in reply["refused"]
+  _, _, reply = server.accept_push(_push_header(server, 1, 1, loss=float("inf")), _gradient(server))
+  assert reply["stop"] and "non-finite loss" in reply["refused"]
+  _unchanged(server, before, ops)
+  assert server.host["refused"]["nonfinite"] == 2
+  with pytest.raises(FloatingPointError, match="mesh 0 pushed a non-finite gradient"):
+    server.advance()
+
+
+def test_the_same_push_twice_is_applied_once_and_answered_both_times(server):
+  for w in range(server.W):
+    _join(server, w)
+  first = _gradient(server, 1.0)
+  server.accept_push(_push_header(server, 0, 1), first)
+  # The retry (a connection that dropped mid-call) carries other bytes: they are not applied.
+  _, _, immediate = server.accept_push(_push_header(server, 0, 1), _gradient(server, 7.0))
+  assert immediate is None and server.host["refused"]["duplicate"] == 1
+  assert server.host["pushes"] == 1
+  server.accept_push(_push_header(server, 1, 1), _gradient(server, 1.0))   # BSP's barrier
+  reply_a, body_a = server.await_release(0, 1, timeout=30)
+  reply_b, body_b = server.await_release(0, 1, timeout=30)   # the retry's answer: the same
+  assert reply_a == reply_b and np.array_equal(body_a, body_b)
+  assert server.host["pushes"] == 2 and reply_a["iteration"] == 1
+  # BSP averaged two gradients of 1.0, not 1.0 and 7.0: the replica moved by lr * 1.0.
+  weights = server.layout.unpack_pull(0, body_a)[0]
+  start = server.init_leaves
+  lr = float(server.schedule(server.host["pushes"] // server.W))   # the round's learning rate
+  step = weights[0] - start[0]
+  assert np.allclose(step, -lr * 1.0 - lr * server.config.optimizer.weight_decay * start[0],
+                     rtol=1e-4, atol=1e-6), float(np.abs(step).max())
+
+
+def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir):
+  srv = _server(tmp_path, data_dir, num_servers=2)
+
+  class Link:   # stands for shard 1's process: records the op stream
+    index, address, ready = 1, "shard1", True
+    sent = []
+    send = lambda self, i, op: self.sent.append(i)
+    failure = lambda self: None
+    close = lambda self: None
+    saved = lambda self, step, timeout: None   # (its checkpoint: not part of this test)
+
+  srv.shards[1] = Link()
+  srv._op_log = None   # pylint: disable=protected-access
+  try:
+    for w in range(srv.W):
+      _join(srv, w)
+    grad = _gradient(srv)
+    size = srv.layout.push_limit(1, -1)
+    forged = auth.Credentials(os.urandom(32)).receipt(1, 0, 1, srv.session, size)
+    for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.session, size)],
+                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size + 4)]):
+      with pytest.raises(wire.BadMessage, match="receipt"):
+        srv.accept_push(_push_header(srv, 0, 1, receipts=receipts), grad)
+    assert srv.host["pushes"] == 0
+    good = [CREDENTIALS.receipt(1, 0, 1, srv.session, size)]
+    srv.accept_push(_push_header(srv, 0, 1, receipts=good), grad)
+    assert srv.host["pushes"] == 1
+  finally:
+    srv.close()
+
+
+# -- the wire's limits ----------------------------------------------------------------------------
+
+
+def _echo_server():
+  method = wire.Method("Echo", lambda header, body, peer: ({"n": 0 if body is None else body.size},
+                                                          body), lambda header: 16 << 20)
+  return wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=4)
+
+
+def test_bodies_travel_exactly_as_one_message_or_in_chunks():
+  grpc_server, port = _echo_server()
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  try:
+    for size in (0, 1, 1000, wire.CHUNK_BYTES, wire.CHUNK_BYTES + 1, 3 * wire.CHUNK_BYTES + 7):
+      body = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+      header, reply = client.call("Echo", {}, body if size else None, reply_limit=16 << 20)
+      assert header["n"] == size
+      np.testing.assert_array_equal(reply if size else np.zeros([0], np.uint8),
+                                    body if size else np.zeros([0], np.uint8))
+  finally:
+    client.close()
+    grpc_server.stop(0)
+
+
+def test_declared_and_real_sizes_past_the_limits_are_refused_before_they_are_received():
+  grpc_server, port = _echo_server()
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.CHANNEL_OPTIONS[:1] + [
+      ("grpc.max_send_message_length", 64 << 20)])
+  token = CREDENTIALS.metadata
+  try:
+    # A stream that declares 2 GiB: refused on the declaration, nothing allocated.
+    header = wire.encode_header({"body_bytes": 2 << 30})
+    call = channel.stream_stream(f"/{wire.SERVICE}/Echo~")
+    with pytest.raises(grpc.RpcError) as raised:
+      list(call(iter([b"x" * 100]), metadata=token + ((wire.HEADER_KEY, header),), timeout=10))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # One message above the run's cap: refused by gRPC itself.
+    header = wire.encode_header({"body_bytes": 0})
+    with pytest.raises(grpc.RpcError) as raised:
+      channel.unary_unary(f"/{wire.SERVICE}/Echo")(
+          b"x" * (wire.MAX_MESSAGE_BYTES + 1), metadata=token + ((wire.HEADER_KEY, header),),
+          timeout=10)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A header that is not msgpack.
+    with pytest.raises(grpc.RpcError) as raised:
+      channel.unary_unary(f"/{wire.SERVICE}/Echo")(
+          b"", metadata=token + ((wire.HEADER_KEY, b"\xc1garbage"),), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+  finally:
+    channel.close()
+    grpc_server.stop(0)
+  assert wire.MAX_MESSAGE_BYTES < 5 << 20   # every message of a run, both ways
+
+
+# -- secrets and TLS ------------------------------------------------------------------------------
+
+
+def test_secrets_are_checked_and_never_readable_by_others(tmp_path):
+  path = str(tmp_path / "secret")
+  auth.write_secret_file(path, auth.new_secret())
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+  assert len(auth.load_secret({auth.SECRET_FILE_ENV: path})) == 32
+  os.chmod(path, 0o644)
+  with pytest.raises(auth.SecretError, match="mode 0644; allowed: readable by its owner only"):
+    auth.load_secret({auth.SECRET_FILE_ENV: path})
+  with pytest.raises(auth.SecretError, match="64 hexadecimal characters"):
+    auth.load_secret({auth.SECRET_ENV: "abc123"})
+  with pytest.raises(auth.SecretError, match="no run secret: set GSSP_SECRET_FILE"):
+    auth.load_secret({})
+  with pytest.raises(FileExistsError):   # never overwrites a file
+    auth.write_secret_file(path, auth.new_secret())
+
+
+def _openssl(*args, cwd):
+  subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _certificates(tmp_path):
+  """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+  d = str(tmp_path)
+  _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+           "-days", "1", "-subj", "/CN=gssp test CA", cwd=d)
+  for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+             f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    with open(os.path.join(d, f"{name}.ext"), "w") as f:
+      f.write(ext + "\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext",
+             cwd=d)
+  return lambda name: os.path.join(d, name)
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="no openssl to make test certificates")
+def test_tls_and_mutual_tls(tmp_path):
+  path = _certificates(tmp_path)
+  method = wire.Method("Echo", lambda header, body, peer: ({"peer": peer}, None))
+  for client_auth in (False, True):
+    server_dist = {"tls_cert": path("server.pem"), "tls_key": path("server.key"),
+                   "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
+    grpc_server, port = wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2,
+                                         tls=auth.server_credentials(server_dist))
+    address = f"127.0.0.1:{port}"
+    try:
+      client_dist = {"tls_cert": path("client.pem"), "tls_key": path("client.key"),
+                     "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
+      client = wire.Client(address, CREDENTIALS, retry_seconds=5,
+                           tls=auth.channel_credentials(client_dist))
+      assert "peer" in client.call("Echo", {})[0]
+      client.close()
+      plain = wire.Client(address, CREDENTIALS, retry_seconds=1)   # no TLS: no connection
+      with pytest.raises((wire.ServerGone, wire.CallError)):
+        plain.call("Echo", {}, timeout=5)
+      plain.close()
+      if client_auth:   # mTLS: a client without a certificate is turned away
+        bare = wire.Client(address, CREDENTIALS, retry_seconds=1, tls=auth.channel_credentials(
+            {"tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
+             "tls_client_auth": False}))
+        with pytest.raises((wire.ServerGone, wire.CallError)):
+          bare.call("Echo", {}, timeout=5)
+        bare.close()
+    finally:
+      grpc_server.stop(0)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"dist.tls_cert": "x.pem"}, r"dist.tls_key='' is invalid.*together"),
+    ({"dist.tls_client_auth": True}, r"dist.tls_client_auth=True is invalid"),
+    ({"dist.all_lost_timeout": 0.0}, r"dist.all_lost_timeout=0.0 is invalid"),
+    ({"dist.num_servers": 0}, r"dist.num_servers=0 is invalid"),
+])
+def test_bad_dist_settings_are_refused_with_the_reason(changes, match):
+  config = helpers.mnist_smoke(None, executor="dist", **changes)
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate_config(config)
+
+
+def test_a_layout_of_more_shards_than_tensors_is_refused():
+  params = {"a": np.zeros([3], np.float32), "b": np.zeros([5], np.float32)}
+  with pytest.raises(ValueError, match=r"--num_servers=3 is invalid.*1\.\.2"):
+    layout_lib.ShardLayout.balanced(params, {}, 3)
+  layout = layout_lib.ShardLayout.balanced(params, {}, 2)
+  assert layout.bounds == ((0, 1), (1, 2))
+  with pytest.raises(ValueError, match="float32"):
+    layout_lib.ShardLayout.balanced({"a": np.zeros([3], np.float64)}, {}, 1)
