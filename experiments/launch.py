@@ -85,8 +85,8 @@ def main(argv):
     with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
       try:
         summary = launch.run_server(config, workdir, topo)
-      except server.RunFailed as e:   # logged where it happened; its summary says why
-        print(f"failed: {e}", file=sys.stderr)
+      except server.RunFailed:   # logged once where it happened; summary.json says why
+        print(f"status failed; workdir {workdir}")
         _exit_now(1)
     print(f"status {summary['status']}; workdir {workdir}")
     _exit_now(1 if summary["status"] in ("failed", "diverged") else 0)

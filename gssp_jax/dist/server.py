@@ -287,8 +287,13 @@ class DistServer:
     self.scheme, _ = shard_lib.build_chain(config)
     self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
                                                  round(self.total_pushes / self.W))
+    float(self.schedule(0))   # eager, as the simulator's (a jitted one rounds differently): its
+    #                           ops compile now, not under the lock while meshes wait
     init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
-    params, model_state = jax.device_get(jax.jit(task.init)(init_rng))
+    # Eager, as the simulator initialises (``sim/simulate.py``): a jitted init rounds a
+    # BatchNorm model's weights differently (ResNet-18: up to 6e-8), and every shard and mesh
+    # starts from these.
+    params, model_state = jax.device_get(task.init(init_rng))
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
     self.layout = layout_lib.ShardLayout.balanced(params, model_state, num_servers)
     self.S = self.layout.num_shards

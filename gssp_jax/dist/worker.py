@@ -45,6 +45,7 @@ import jax
 import ml_collections
 import msgpack
 import numpy as np
+import optax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -59,6 +60,7 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.sync import transforms
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
@@ -186,7 +188,9 @@ class MeshWorker:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulate = config.dist.emulate_cluster and config_lib.cluster_is_set(config)
     init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    params, model_state = jax.device_get(jax.jit(self.task.init)(init_rng))
+    # Shapes only: the weights come from the servers (the server initialises them once).
+    shapes = jax.eval_shape(self.task.init, init_rng)
+    params, model_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
     self.templates = (params, model_state)
     self.stats_bytes = step_lib.tree_bytes(model_state)
@@ -196,9 +200,19 @@ class MeshWorker:
                                      lambda w, k: self._push_bytes, pull_bytes, pull_bytes)
     self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
-    self.step, self.replicated, self.split = make_mesh_step(
-        self.task.loss, compressor, self.mesh, step_lib.tree_bytes(params),
-        grad_clip=config.optimizer.grad_clip)
+    dense_bytes = step_lib.tree_bytes(params)
+    if self.mesh is None:   # one process: the simulator's own job on a one-worker state
+      self.job_fn = sim_executor.make_job_fn(self.task.loss, compressor, dense_bytes,
+                                             self.stats_bytes,
+                                             grad_clip=config.optimizer.grad_clip)
+      self.arrays = jax.device_put(self.task.train)
+      self.one = sim_executor.init_state(params, model_state, optax.identity(), None, 1, 1,
+                                         self.train_rng)
+      self.replicated = self.split = None
+    else:
+      self.step, self.replicated, self.split = make_mesh_step(
+          self.task.loss, compressor, self.mesh, dense_bytes,
+          grad_clip=config.optimizer.grad_clip)
     self.comp_state = self._init_compressor(compressor, params)
     self.layout: layout_lib.ShardLayout | None = None
     self.server: wire.Client | None = None
@@ -214,6 +228,8 @@ class MeshWorker:
     if hasattr(one, "rng"):   # per-worker keys, as the simulator's init_state folds them
       one = one._replace(rng=jax.random.key_data(jax.random.fold_in(
           jax.random.wrap_key_data(one.rng), self.w)))
+    if self.mesh is None:     # a row of the one-worker state
+      return jax.device_put(transforms.stack(one, 1))
     return self._put(one, self.replicated)
 
   def _put(self, tree, sharding_):
@@ -405,10 +421,26 @@ class MeshWorker:
     heart.ensure_running()
     return job, self._shard0
 
+  def _compute_one(self, job: dict, idx, params, model_state):
+    """A one-process mesh: ``make_job_fn`` on the one-worker state, as the simulator runs it."""
+    state = self.one.replace(worker_params=_one_row(params),
+                             worker_model_state=_one_row(model_state),
+                             comp_state=self.comp_state)
+    state = self.job_fn(state, self.arrays, np.zeros([1], np.int32), idx[None].astype(np.int32),
+                        np.array([job["iteration"]], np.int32),
+                        np.array([job["ratio"]], np.float32), np.array([job["flush"]], bool),
+                        np.array([self.w], np.int32))
+    self.one, self.comp_state = state, state.comp_state
+    row = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    loss, grad, new_ms, nbytes = jax.device_get((state.job_loss[0], row(state.grad_buf),
+                                                 row(state.worker_model_state),
+                                                 state.job_bytes[0]))
+    return loss, grad, new_ms, int(nbytes) - self.stats_bytes
+
   def warm_up(self) -> None:
     """Compiles the mesh's step before it joins, so the run's clock does not count compilation."""
     params, model_state = self.templates
-    comp_state = self.comp_state
+    comp_state = jax.tree.map(lambda x: x.copy(), self.comp_state)   # the job donates its own
     self._compute({"iteration": 0, "ratio": 1.0, "flush": False}, params, model_state)
     self.comp_state = comp_state   # the warm-up's gradient is not pushed: memory untouched
 
@@ -416,6 +448,8 @@ class MeshWorker:
     """The mesh's gradient at ``job`` (host arrays, the same on every rank)."""
     k = job["iteration"]
     idx = self.batches.indices(self.w, k)
+    if self.mesh is None:
+      return self._compute_one(job, idx, params, model_state)
     per = self.B // self.P
     local = idx[self.rank * per:(self.rank + 1) * per]
     batch = jax.tree.map(lambda a: a[local], self.task.train)
@@ -428,6 +462,10 @@ class MeshWorker:
       return jax.device_get((loss, grad, new_ms, nbytes))
     local_copy = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
     return local_copy((loss, grad, new_ms, nbytes))
+
+
+def _one_row(tree):
+  return jax.tree.map(lambda x: np.asarray(x)[None], tree)
 
 
 def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -> None:

@@ -141,7 +141,11 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
   """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
 
   Jitted per k; each job is ``make_worker_gradient`` (``grad_clip`` as
-  there). ``flushes`` (bool, default all False) marks the jobs whose
+  there). The real runtime's one-process mesh runs this very function on a
+  one-worker state (``key_workers``: the worker ids its dropout keys fold in,
+  default ``workers``): XLA rounds a computation differently inside another
+  program (a BatchNorm running-statistics update came out one ulp apart in a
+  standalone jit), so the mesh runs the simulator's program, not a copy. ``flushes`` (bool, default all False) marks the jobs whose
   compressor flushes (GDTopK's epoch end: gradient plus residual sent densely,
   residual cleared); it is traced, so it never recompiles. A job leaves its
   loss and its push's bytes in the worker's outstanding slots (``job_loss``,
@@ -150,15 +154,17 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
 
   gradient = make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
 
-  def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None):
+  def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None, key_workers=None):
     if flushes is None:
       flushes = jnp.zeros(workers.shape, bool)
+    if key_workers is None:   # the real runtime's mesh: a one-row state of worker key_workers[0]
+      key_workers = workers
     take = lambda tree, w: jax.tree.map(lambda x: x[w], tree)
     put = lambda tree, w, v: jax.tree.map(lambda x, y: x.at[w].set(y), tree, v)
     for i in range(workers.shape[0]):   # unrolled: no convolution inside a loop body
       w = workers[i]
       batch = jax.tree.map(lambda a: a[idx[i]], arrays)
-      rng = jax.random.fold_in(jax.random.fold_in(state.rng, w), iters[i])
+      rng = jax.random.fold_in(jax.random.fold_in(state.rng, key_workers[i]), iters[i])
       comp_state = state.comp_state
       # A one-worker compressor: its state's worker axis has size 1.
       loss, grad, new_ms, one, nbytes = gradient(
