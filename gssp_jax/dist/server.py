@@ -264,12 +264,18 @@ class DistServer:
                num_servers: int = 1, credentials: auth.Credentials | None = None,
                clock: Callable[[], float] | None = None, manual_messages: bool = False):
     self.config, self.task, self.workdir = config, task, workdir
-    self.credentials = credentials if credentials is not None else auth.Credentials(
-        auth.load_secret())
+    self._credentials = credentials
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
     self._build_model(num_servers)
     self._build_host(clock, manual_messages)
+
+  @property
+  def credentials(self) -> auth.Credentials:
+    """The run's (from the environment's secret when not given): needed only to serve."""
+    if self._credentials is None:
+      self._credentials = auth.Credentials(auth.load_secret())
+    return self._credentials
 
   # -- building the run -----------------------------------------------------------------------
 
@@ -380,6 +386,25 @@ class DistServer:
     self._wall_base = self.host["wall_time"]
     self._session_start, self._session_pushes = time.perf_counter(), self.host["pushes"]
     return int(self.host["pushes"])
+
+  def restore_served(self, step: int):
+    """The served weights ``(params, model_state)`` of the checkpoint at ``step``, from every
+    shard's own checkpoint in this workdir (``train.load_trained``); starts nothing."""
+    leaves, stats = [None] * len(self.layout.shapes), []
+    for s in range(self.S):
+      core = self.core0 if s == 0 else shard_lib.ShardCore(
+          s, self.layout, self.config, [self.init_leaves[i] for i in self.layout.leaves(s)], [],
+          shard_lib.checkpoint_dir(self.workdir, s))
+      core.restore(step)
+      flat = np.asarray(core.served_fn(core.state))
+      grads, shard_stats = self.layout.unpack_pull(s, flat)
+      for i, leaf in zip(self.layout.leaves(s), grads):
+        leaves[i] = leaf
+      stats = shard_stats if s == 0 else stats
+      if s:
+        core.checkpointer.close()
+    return (jax.tree.unflatten(self.treedefs[0], leaves),
+            jax.tree.unflatten(self.treedefs[1], stats))
 
   def finished(self) -> bool:
     return self.host["evaluated"] >= self.end_pushes

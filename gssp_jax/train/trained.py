@@ -65,14 +65,18 @@ def load_trained(workdir: str, *, task=None) -> Trained:
   # The executor gives the exact state template the checkpoint was saved from; building it
   # starts nothing (a real run's server serves only once advanced).
   executor = executors_lib.make_executor(config, task, workdir)
+  sharded = hasattr(executor, "restore_served")   # the real runtime: tensors over its shards
   try:
     step = executor.checkpointer.latest_step()
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}")
+    if sharded:
+      params, model_state = executor.restore_served(step)
+      return Trained(jax.device_get(params), jax.device_get(model_state), config, int(step))
     state, _ = executor.checkpointer.restore(step, executor.state)
   finally:
-    executor.checkpointer.close()
-  if hasattr(executor, "eval_replica"):   # the simulator, the real runtime: server replicas
+    executor.close() if sharded else executor.checkpointer.close()
+  if hasattr(executor, "eval_replica"):   # the simulator: server replicas
     params, model_state = sim_executor.served_weights(state, executor.eval_replica)
   else:
     params, model_state = state.params, state.model_state
