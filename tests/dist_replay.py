@@ -71,7 +71,8 @@ class RealRun:
     self.srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier)
     self.meshes = meshes if meshes is not None else make_meshes(self.config)
     for mesh in self.meshes:   # a fresh start (meshes may be reused from another run)
-      mesh.layout, mesh.seq, mesh.comp_state = None, 0, mesh.initial_comp_state
+      mesh.layout, mesh.seq = None, 0
+      mesh.comp_state = jax.device_put(mesh.initial_comp_state)   # its job donates its own
     self.weights = [None] * len(self.meshes)
     self.pending = [None] * len(self.meshes)
     self.jobs = [None] * len(self.meshes)
@@ -153,7 +154,7 @@ def make_meshes(config) -> list[worker_lib.MeshWorker]:
   meshes = [worker_lib.MeshWorker(config, w, 0, 1, "127.0.0.1:1", CREDENTIALS)
             for w in range(config.num_workers)]
   for mesh in meshes:
-    mesh.initial_comp_state = mesh.comp_state
+    mesh.initial_comp_state = jax.tree.map(np.array, mesh.comp_state)   # a host copy
   return meshes
 
 

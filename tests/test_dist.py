@@ -306,12 +306,19 @@ def _role(workdir, data_dir, role_flags, config_flags, secret_env, log):
 
 
 def _log_times(path, pattern) -> list[float]:
-  """Wall-clock times (seconds since the epoch) of the absl log lines of ``path`` matching."""
+  """Wall-clock times (seconds since the epoch) of the log lines of ``path`` matching ``pattern``:
+  absl's console format (``I1125 16:58:33.394395 ...``) or log.txt's (``2026-11-25 16:58:33,394``)."""
   out, year = [], time.localtime().tm_year
   for line in open(path, errors="replace"):
-    if pattern in line and line[:1] in "IWE" and line[1:5].isdigit():
-      stamp = time.strptime(f"{year}{line[1:5]} {line[6:14]}", "%Y%m%d %H:%M:%S")
-      out.append(time.mktime(stamp) + float("0" + line[14:21]))
+    if pattern not in line:
+      continue
+    if line[:1] in "IWE" and line[1:5].isdigit():
+      stamp, fraction = time.strptime(f"{year}{line[1:5]} {line[6:14]}", "%Y%m%d %H:%M:%S"), line[14:21]
+    elif line[:4].isdigit() and line[4:5] == "-":
+      stamp, fraction = time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"), "." + line[20:23]
+    else:
+      continue
+    out.append(time.mktime(stamp) + float("0" + fraction))
   return out
 
 
@@ -604,3 +611,64 @@ def test_each_process_gets_its_own_gpu_round_robin_and_none_preallocates(tmp_pat
   assert spawned["env"]["CUDA_VISIBLE_DEVICES"] == "5"
   assert spawned["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   assert spawned["cmd"][-1] == f"--workdir={tmp_path}"
+
+
+_TWO_PROCESS_GRADIENT = """
+import os, sys
+import jax
+import numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=rank, initialization_timeout=120)
+sys.path.insert(0, "tests")
+import test_dist
+from gssp_jax.dist import worker
+import dist_replay
+config = test_dist._config(data_dir=os.environ["GSSP_DATA_DIR"])
+mesh = worker.MeshWorker(config, 1, jax.process_index(), 2, "127.0.0.1:1",
+                         dist_replay.CREDENTIALS)
+params, model_state = test_dist._initial_weights(mesh)
+loss, grad, new_ms, nbytes = mesh._compute({"iteration": 3, "ratio": 1.0, "flush": False},
+                                           params, model_state)
+np.savez(out, loss=loss, nbytes=nbytes, *jax.tree.leaves(grad))
+jax.distributed.shutdown()
+"""
+
+
+def _initial_weights(mesh):
+  """The server's initial weights (eager init of the run's seed), as a mesh receives them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(mesh.config.seed))
+  return jax.device_get(mesh.task.init(init_rng))
+
+
+@pytest.mark.slow
+def test_a_two_process_mesh_computes_the_gradient_of_a_one_process_mesh(tmp_path, data_dir):
+  """Each rank takes half the worker's batch and every rank gets the mean (gloo all-reduce):
+  the worker's gradient, to float32 summation order, as one process computes it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
+  port = launch.free_port()
+  procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_GRADIENT, str(rank), str(port),
+                             str(tmp_path / f"rank{rank}.npz")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "GSSP_DATA_DIR": data_dir},
+                            start_new_session=True) for rank in (0, 1)]
+  try:
+    for proc in procs:
+      out, _ = proc.communicate(timeout=300)
+      assert proc.returncode == 0, out[-3000:]
+  finally:
+    _kill_all(procs, tmp_path)
+  config = _config(data_dir=data_dir)
+  one = worker.MeshWorker(config, 1, 0, 1, "127.0.0.1:1", dist_replay.CREDENTIALS)
+  params, model_state = _initial_weights(one)
+  loss, grad, _, nbytes = one._compute({"iteration": 3, "ratio": 1.0, "flush": False}, params,
+                                       model_state)
+  for rank in (0, 1):
+    got = np.load(tmp_path / f"rank{rank}.npz")
+    np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
+    assert int(got["nbytes"]) == nbytes
+    for i, leaf in enumerate(jax.tree.leaves(grad)):
+      np.testing.assert_allclose(got[f"arr_{i}"], leaf, rtol=1e-4, atol=1e-6)
