@@ -2,45 +2,50 @@ r"""The real runtime's data plane: push + pull against the raw gRPC channel; pus
 
     python -m benchmarks.dist_transport [--models=lenet5,resnet18] \
         [--parts=ratio,chunks,server,shards] [--rounds=5] [--reps=0] [--chunk_mib=1,2,4,8] \
-        [--num_servers=1,2,4] [--clients=4] [--seconds=8] [--quick]
+        [--num_servers=1,2,4] [--clients=4] [--seconds=12] [--repeats=2] [--quick]
 
-Every server here runs in a child process (``multiprocessing`` spawn), so
-client and server do not share a GIL; on a small machine they still share
-its cores. Payloads are a real model's tensors (shapes from ``jax.eval_shape``
-of its init, values random float32): LeNet-5 (0.25 MB), ResNet-18 (44.7 MB
-with its BatchNorm statistics). Parts:
+About 13 minutes with the defaults on a 2-core CPU; ``--quick`` (LeNet-5 only,
+few repetitions, S = 2 with 2 meshes, 1.5 s runs) in under a minute. Every
+server runs in a child process (``multiprocessing`` spawn), so client and
+server do not share a GIL; on a small machine they still share its cores.
+Payloads are a real model's tensors (shapes from ``jax.eval_shape`` of its
+init, values random float32): LeNet-5 (0.25 MB), ResNet-18 (44.7 MB with its
+BatchNorm statistics). Parts:
 
 * ``ratio``: one push + pull as the runtime moves it with one shard (S = 1)
-  against the bare gRPC channel moving the same bytes. ``raw unary`` and
-  ``raw stream`` are a bare ``grpc.server`` (no interceptor, no copies) whose
-  handler answers a prebuilt body of the same size, in one message each way or
-  in ``wire.CHUNK_BYTES`` chunks; the faster is the baseline. ``wire`` is what
-  a mesh and the control plane do around the gradient: ``layout.pack_push``,
-  ``wire.Client.call`` of a ``wire.make_server`` method (the run's token
-  checked) whose handler runs ``layout.unpack_push`` (size, finiteness, views)
-  and answers a weights body from a flat float32 array (``np.asarray`` of a
-  jax array, as a shard's pull), then ``layout.unpack_pull``. No optimizer.
-  The variants alternate within each of ``--rounds`` rounds of ``--reps``
-  exchanges; figures are medians over every exchange. A second table times
-  each local step of the wire path alone (no network).
+  against the bare gRPC channel moving the same bytes: ``raw unary`` and
+  ``raw stream`` are a bare ``grpc.server`` (no interceptor, no copies)
+  answering a prebuilt body of the same size, in one message each way or in
+  ``wire.CHUNK_BYTES`` chunks (the faster is the baseline); ``raw unary +
+  header`` adds the wire's metadata (the token, a header each way). ``wire``
+  is what a mesh and the control plane do around the gradient:
+  ``layout.pack_push``, ``wire.Client.call`` of a ``wire.make_server`` method
+  (the token checked) whose handler runs ``layout.unpack_push`` (size,
+  finiteness, views) and answers a weights body from a flat float32 array
+  (``np.asarray`` of a jax array, as a shard's pull), then
+  ``layout.unpack_pull``. No optimizer. The variants alternate within each of
+  ``--rounds`` rounds of ``--reps`` exchanges; wall figures are medians over
+  every exchange, CPU figures (client + server, both processes' every thread)
+  means. A second table times each local step of the wire path alone.
 * ``chunks``: the raw stream and the wire path of the largest model for each
   chunk size of ``--chunk_mib`` (client and server set to it).
 * ``server``: the full real path, S = 1: a ``DistServer`` (ASP, one mesh, so
   every push is released at once) in a child process, and one mesh running the
   runtime's own mesh code (``MeshWorker._request_push``, ``_accept``,
-  ``_fetch_weights``) without a model: every push goes through gRPC ``Push``,
-  is checked, staged, ``put`` and applied as a round on shard 0's device state,
-  and its reply carries the pulled weights. Prints ms per push and the share
-  of it that the ``ratio`` part's wire exchange accounts for.
+  ``_fetch_weights``, its finiteness check included) without a model: every
+  push goes through gRPC ``Push``, is checked, staged, ``put`` and applied as a
+  round on shard 0's device state, and its reply carries the pulled weights.
+  Prints ms per push and the share of it that the ``ratio`` part's wire
+  exchange accounts for.
 * ``shards``: aggregate pushes/s of ``--clients`` meshes (one process each,
   ASP) against S parameter shards (``--num_servers``): the control plane
   (holding shard 0) and S - 1 shard processes started by the shard role's own
-  ``shard_process.start``. Prints pushes/s, MB/s (push + pull), latency and
-  the CPU seconds per push of every process (from ``/proc/PID/stat``), then a
-  projection (labelled as such) of the shards a 16-GPU ResNet-18 run needs.
-
-The mesh-side finiteness check (``MeshWorker._request_push``) is part of
-``server`` and ``shards``, not of ``ratio``.
+  ``shard_process.start``. ``--repeats`` runs per S, the order of S
+  alternating; medians. Prints pushes/s, MB/s (push + pull), latency and the
+  CPU seconds per push of every process (``/proc/PID/stat``), then a
+  projection, labelled as such, for 16 GPU workers pushing at 300-500/s:
+  server cores at the measured CPU per push, shard hosts by NIC, and the
+  busiest shard's bound (a shard holds whole tensors).
 """
 
 from __future__ import annotations
@@ -505,7 +510,9 @@ def measure_run(name: str, num_servers: int, num_meshes: int, seconds: float,
           "MB/s": pushes * (payload.push_bytes + payload.pull_bytes) / MB / (t1 - t0),
           "latency_ms": 1e3 * statistics.median(inside) if inside else math.nan,
           "cpu_per_push": {k: (cpu1[k] - cpu0[k]) / max(pushes, 1) for k in procs},
-          "push_bytes": payload.push_bytes, "pull_bytes": payload.pull_bytes}
+          "push_bytes": payload.push_bytes, "pull_bytes": payload.pull_bytes,
+          "shard_bytes": layout_lib.ShardLayout.balanced(*shapes, num_servers).shard_bytes(),
+          "largest_tensor": 4 * max(math.prod(x.shape) for x in shapes[0])}
 
 
 # -- printing ---------------------------------------------------------------------------------
@@ -628,6 +635,21 @@ def print_projection(rows: list[dict], exchange: dict | None) -> None:
           f"{math.ceil(each_way / nic)} shard hosts on 25 GbE ({nic:.1f} GB/s each way); a worker "
           f"host of 8 GPUs moves {host:.1f} GB/s each way"
           + (f" ({host / nic:.1f}x 25 GbE)" if host > nic else ""))
+  # A shard holds whole tensors (layout.py): the largest tensor bounds the busiest shard.
+  big = rows[0]["largest_tensor"]
+  print(f"One shard process: its handlers share one interpreter (the GIL), so take about one busy "
+        f"core each. A shard holds whole tensors, so its bytes are at least the largest tensor's "
+        f"({big / MB:.1f} MB); the busiest shard of each measured S, at that S's server-side CPU "
+        "per byte:")
+  print("| S | shard MB (measured layout) | busiest shard CPU s per push | its pushes/s at one core |"
+        " its GB/s each way at 500 pushes/s |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    per_byte = server_side(r) / r["push_bytes"]
+    busiest = max(r["shard_bytes"])
+    print(f"| {r['S']} | {' / '.join(f'{b / MB:.1f}' for b in r['shard_bytes'])} |"
+          f" {per_byte * busiest:.3f} | {1 / (per_byte * busiest):.0f} |"
+          f" {500 * busiest / 1e9:.1f} |")
 
 
 def main(argv):

@@ -88,13 +88,15 @@ def tune_allocator() -> bool:
   chunk's ``bytes``, gRPC's own message ``bytes``, a received body). glibc
   serves each from a fresh ``mmap`` and returns it to the kernel when freed
   (its dynamic threshold follows the sizes freed but trims at twice that), so
-  every buffer's pages fault in again; in a VM a fault costs microseconds, and
-  they were most of the transport's cost (a 45 MB push + pull: 161 ms, raw
-  gRPC 87-374 ms; with this 113 and 89 ms, ``benchmarks/dist_transport.py``).
-  With it, buffers up to ``ALLOCATOR_MMAP_THRESHOLD`` come from the heap and up
-  to ``ALLOCATOR_TRIM_THRESHOLD`` of freed heap stays mapped (per arena): a
-  process keeps some hundred MB more resident, never more live memory. A
-  process-wide setting, applied once by the first server or client of the
+  every buffer's pages fault in again. In a VM a fault costs microseconds: a
+  45 MB push + pull spent more time faulting than copying (measured on a 2-core
+  VM, ``benchmarks/dist_transport.py``: 154 ms before, 113 ms with this and
+  the layout's single copy; one 45 MB gRPC message 260-320 ms before, 125-140
+  ms after; docs/PERFORMANCE.md). With it, buffers up to
+  ``ALLOCATOR_MMAP_THRESHOLD`` come from the heap and up to
+  ``ALLOCATOR_TRIM_THRESHOLD`` of freed heap stays mapped (per arena): a
+  process keeps up to a few hundred MB more resident, never more live memory.
+  A process-wide setting, applied once by the first server or client of the
   wire (the processes that move bodies); a no-op where the C library has no
   ``mallopt`` (not glibc). Returns whether it is applied.
   """
