@@ -60,6 +60,12 @@ class ShardLayout:
   stats_shapes: tuple
   bounds: tuple
 
+  def __post_init__(self):
+    # Sizes asked for on every push and pull: computed once (not fields: equality is the above).
+    object.__setattr__(self, "_sizes", tuple(math.prod(x) for x in self.shapes))
+    object.__setattr__(self, "_stats_sizes", tuple(math.prod(x) for x in self.stats_shapes))
+    object.__setattr__(self, "_grad_sizes", tuple(sum(self._sizes[a:b]) for a, b in self.bounds))
+
   @classmethod
   def balanced(cls, params, model_state, num_shards: int) -> "ShardLayout":
     """Contiguous leaf ranges that minimise the largest shard's bytes (statistics on shard 0)."""
@@ -101,10 +107,10 @@ class ShardLayout:
 
   def grad_size(self, s: int) -> int:
     """Float32 entries of shard ``s``'s tensors."""
-    return sum(math.prod(self.shapes[i]) for i in self.leaves(s))
+    return self._grad_sizes[s]
 
   def stats_size(self, s: int) -> int:
-    return sum(math.prod(x) for x in self.stats_shapes) if s == 0 else 0
+    return sum(self._stats_sizes) if s == 0 else 0
 
   def push_limit(self, s: int, nnz: int) -> int:
     """The exact body bytes of a push to shard ``s`` (``nnz`` < 0: dense)."""
@@ -134,14 +140,15 @@ class ShardLayout:
     ``nnz`` is -1 for a dense body; with ``sparse`` a body whose non-zeros are
     fewer than a third of its entries goes as indices and values.
     """
-    flat = _concat([grad_leaves[i] for i in self.leaves(s)])
-    stats = _concat(stats_leaves) if s == 0 else np.zeros([0], F32)
+    grads = [grad_leaves[i] for i in self.leaves(s)]
+    stats = list(stats_leaves) if s == 0 else []
     if sparse:
+      flat = _concat(grads)
       idx = np.flatnonzero(flat)
       if 3 * idx.size < flat.size:
-        body = np.concatenate([idx.astype(np.int32).view(F32), flat[idx], stats])
+        body = np.concatenate([idx.astype(np.int32).view(F32), flat[idx], _concat(stats)])
         return body, int(idx.size)
-    return (np.concatenate([flat, stats]) if stats.size else flat), -1
+    return _concat(grads + stats), -1   # one copy of every leaf: a dense body is the largest
 
   def unpack_push(self, s: int, body: np.ndarray | None, nnz: int):
     """``(gradient leaves, statistics leaves)`` of a push body, checked; raises BadMessage.
@@ -188,7 +195,7 @@ class ShardLayout:
   def _split(self, flat: np.ndarray, leaves: range) -> list[np.ndarray]:
     out, start = [], 0
     for i in leaves:
-      size = math.prod(self.shapes[i])
+      size = self._sizes[i]
       out.append(flat[start:start + size].reshape(self.shapes[i]))
       start += size
     return out
@@ -197,8 +204,7 @@ class ShardLayout:
     if s != 0:
       return []
     out, start = [], 0
-    for shape in self.stats_shapes:
-      size = math.prod(shape)
+    for shape, size in zip(self.stats_shapes, self._stats_sizes):
       out.append(flat[start:start + size].reshape(shape))
       start += size
     return out
@@ -218,8 +224,11 @@ def _concat(leaves) -> np.ndarray:
 
 
 def _check_finite(values: np.ndarray, what: str) -> None:
-  # min and max propagate NaN and show an infinity; two vectorised passes, no temporary array.
-  if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
+  # A finite sum means every value is finite (a NaN or an infinity makes it NaN or infinite):
+  # one vectorised pass, no temporary array. Only a non-finite sum (which finite values of
+  # huge magnitude can also give, by overflow) needs min and max, which are exact.
+  if values.size and not np.isfinite(values.sum()) and not (
+      np.isfinite(values.min()) and np.isfinite(values.max())):
     raise NonFinite(f"{what} has a non-finite value (NaN or infinity); refused")
 
 
