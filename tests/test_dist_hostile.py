@@ -11,6 +11,7 @@ arrives is refused *before* anything changes.
 import os
 import stat
 import subprocess
+import time
 
 import grpc
 import jax
@@ -377,3 +378,33 @@ def test_a_layout_of_more_shards_than_tensors_is_refused():
   assert layout.bounds == ((0, 1), (1, 2))
   with pytest.raises(ValueError, match="float32"):
     layout_lib.ShardLayout.balanced({"a": np.zeros([3], np.float64)}, {}, 1)
+
+
+def test_a_mesh_that_hung_stops_beating_and_beats_again_once_it_rejoins():
+  """After ``dist.hang_timeout`` without progress the heartbeat thread stops (so the server
+  drops the hung mesh); the rejoin that follows its recovery starts it again."""
+  from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
+  beats = []
+  method = wire.Method("Heartbeat", lambda header, body, peer: (
+      beats.append(header["session"]) or {"stop": False, "rejoin": False}, None))
+  grpc_server, port = wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2)
+  config = helpers.mnist_smoke(None, **{"dist.heartbeat_timeout": 0.4, "dist.hang_timeout": 0.5})
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  heart = worker._Heartbeat(client, 0, "i", config)   # pylint: disable=protected-access
+  try:
+    deadline = time.monotonic() + 30
+    while heart._thread.is_alive() and time.monotonic() < deadline:   # pylint: disable=protected-access
+      time.sleep(0.05)
+    assert not heart._thread.is_alive() and beats   # pylint: disable=protected-access
+    count = len(beats)
+    time.sleep(0.5)
+    assert len(beats) == count   # silent while hung
+    heart.session = "after-rejoin"
+    heart.ensure_running()
+    while "after-rejoin" not in beats and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert "after-rejoin" in beats
+  finally:
+    heart.close()
+    client.close()
+    grpc_server.stop(0)
