@@ -292,14 +292,21 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir, how):
   """``kill`` (SIGTERM to the sweep) or a terminal's Ctrl-C (SIGINT to its whole process group):
   each trial saves a checkpoint where it is and stops (a trial that took the group's SIGINT and
-  then the sweep's SIGTERM as a second signal would stop at once, without it)."""
+  then the sweep's SIGTERM as a second signal would stop at once, without it).
+
+  The trials must still be running when the signal comes. With 100 epochs they were not always:
+  a tiny trial trains 100 epochs in about 110 s here (BSP; GSSP 131 s, quiet machine), and on a
+  machine at load 20 a trial once ended ``done`` before the test sent its signal. A run that has
+  not completed its epochs is never ``done`` (``loop._train_and_evaluate``: ``completed()``), so
+  the trials now have 100,000 epochs (days), and the test checks they are running when it signals.
+  """
   path = tmp_path / "long.py"
   path.write_text(textwrap.dedent("""
       from configs.sweeps import tiny
       from gssp_jax.sweep import sweep
       def get_config():
         c = tiny.get_config()
-        c.train.num_epochs = 100.0   # runs until killed
+        c.train.num_epochs = 100000.0   # runs until killed
         return c
       def get_sweep():
         return sweep("sync.scheme", ["bsp", "gssp"])
@@ -319,6 +326,8 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir, how):
       assert time.monotonic() < deadline, "the trials did not start within 240 s"
       time.sleep(0.5)
     assert len(_processes_mentioning(workdir)) == 3   # the parent and its two trials
+    assert [json.load(open(os.path.join(workdir, n, "trial.json")))["status"]
+            for n in names] == ["running"] * 2
     if how == "kill":
       parent.send_signal(signal.SIGTERM)
     else:   # what a terminal does on Ctrl-C: SIGINT to every process of the foreground group

@@ -273,7 +273,7 @@ class ShardCore:
                                                  state.loss_count, state.push_bytes))
       self.state = state.replace(loss_sum=jnp.zeros([], jnp.float32),
                                  loss_count=jnp.zeros([], jnp.int32),
-                                 push_bytes=jnp.zeros([self.W], jnp.int32))
+                                 push_bytes=executor.zero_push_bytes(self.W))
     elif kind == "save":
       # A host copy now (the next op donates the buffers); the saver thread writes it.
       self._to_save.append((op["step"], jax.tree.map(np.array, self.state)))
@@ -313,7 +313,7 @@ class ShardCore:
       self._wait(lambda: snap_id in self.snapshots, timeout, f"snapshot {snap_id}")
       served, loss_sum, loss_count, pushed = self.snapshots.pop(snap_id)
     return np.asarray(served), {"loss_sum": float(loss_sum), "loss_count": int(loss_count),
-                                "push_bytes": np.asarray(pushed, np.int64).tolist()}
+                                "push_bytes": executor.push_bytes_total(pushed).tolist()}
 
   def saved(self, step: int, timeout: float) -> None:
     """Returns once the checkpoint at ``step`` is on disk."""

@@ -41,6 +41,37 @@ from gssp_jax.train import optim
 MAX_JOBS = 8   # gradients per job call; larger sets are split in powers of two
 
 
+# A byte counter on the device is two int32 words, (MiB, bytes below one MiB): exact up to
+# 2**31 MiB (2 PiB) without 64-bit types, which jax enables only globally. One push (a
+# ``job_bytes`` slot, int32) may hold at most MAX_PUSH_BYTES, so adding it never wraps the low word.
+_MIB = 1 << 20
+MAX_PUSH_BYTES = (1 << 31) - _MIB
+
+
+def zero_push_bytes(num_workers: int) -> jax.Array:
+  """An empty ``[W, 2]`` byte counter."""
+  return jnp.zeros([num_workers, 2], jnp.int32)
+
+
+def add_push_bytes(counter: jax.Array, nbytes: jax.Array) -> jax.Array:
+  """``counter [W, 2] + nbytes [W]`` (each 0..MAX_PUSH_BYTES), exactly, in int32."""
+  low = counter[:, 1] + nbytes
+  return jnp.stack([counter[:, 0] + low // _MIB, low % _MIB], axis=1)
+
+
+def push_bytes_total(counter) -> np.ndarray:
+  """A ``[W, 2]`` byte counter (on the device or the host) as ``[W]`` int64 bytes."""
+  words = np.asarray(counter, np.int64)
+  return words[:, 0] * _MIB + words[:, 1]
+
+
+def check_push_bytes(nbytes: int, what: str) -> None:
+  """Refuses a push that one ``job_bytes`` slot (int32) cannot hold."""
+  if not 0 <= nbytes <= MAX_PUSH_BYTES:
+    raise ValueError(f"{what}: one push of {nbytes:,} bytes; allowed: at most "
+                     f"{MAX_PUSH_BYTES:,} (a job's byte count is an int32 on the device)")
+
+
 class SimState(flax.struct.PyTreeNode):
   """Everything on the device; a pytree, so Orbax saves it whole.
 
@@ -55,7 +86,9 @@ class SimState(flax.struct.PyTreeNode):
     loss_sum: ``[]`` float32 sum of the losses of the gradients that reached
       a server since the last evaluation.
     loss_count: ``[]`` int32 number of those gradients.
-    push_bytes: ``[W]`` int32 bytes of those gradients' pushes, per worker.
+    push_bytes: ``[W, 2]`` int32 bytes of those gradients' pushes, per worker,
+      as (MiB, bytes below one MiB) (``add_push_bytes``; ``push_bytes_total``
+      reads them): one int32 wraps after 2 GiB, 27 VGG-19 pushes.
     job_loss: ``[W]`` float32 loss of each worker's outstanding job (computed,
       not pushed yet); moved into ``loss_sum`` in the round it arrives.
     job_bytes: ``[W]`` int32 bytes of each worker's outstanding push (what
@@ -96,7 +129,7 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
       worker_model_state=transforms.stack(model_state, num_workers),
       grad_buf=jax.tree.map(lambda p: jnp.zeros((num_workers, *p.shape), jnp.float32), params),
       comp_state=comp_state, loss_sum=jnp.zeros([], jnp.float32),
-      loss_count=jnp.zeros([], jnp.int32), push_bytes=jnp.zeros([num_workers], jnp.int32),
+      loss_count=jnp.zeros([], jnp.int32), push_bytes=zero_push_bytes(num_workers),
       job_loss=jnp.zeros([num_workers], jnp.float32),
       job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng)
 
@@ -152,6 +185,7 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
   ``job_bytes``); they count only once the push arrives (``make_round_fn``).
   """
 
+  check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
 
   def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None, key_workers=None):
@@ -199,7 +233,8 @@ def round_body(tx: optax.GradientTransformationExtraArgs):
                          replica_model_state=rms, worker_model_state=wms,
                          loss_sum=state.loss_sum + jnp.sum(jnp.where(arrived, state.job_loss, 0.0)),
                          loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
-                         push_bytes=state.push_bytes + jnp.where(arrived, state.job_bytes, 0))
+                         push_bytes=add_push_bytes(state.push_bytes,
+                                                   jnp.where(arrived, state.job_bytes, 0)))
   return one_round
 
 

@@ -271,10 +271,10 @@ class Simulation:
           f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
           f"({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
     if self.links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
-      host["pushed_per_worker"] += np.asarray(pushed, np.int64)
+      host["pushed_per_worker"] += executor.push_bytes_total(pushed)
     self.state = self.state.replace(
         loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
-        push_bytes=jnp.zeros([W], jnp.int32))
+        push_bytes=executor.zero_push_bytes(W))
     params_eval, ms_eval = executor.served_weights(self.state, self.eval_replica)
     blocked = engine.blocked_time_so_far()
     results = self.task.evaluate(params_eval, ms_eval)

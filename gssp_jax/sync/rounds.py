@@ -24,7 +24,9 @@ class Round(NamedTuple):
     time: virtual time of the event (host only; not passed to transforms).
     arrived: ``[W]`` bool, gradients that reach their replica now.
     pulls: ``[W]`` bool, workers that copy their replica's weights after the round.
-    groups: ``[W]`` int32, the replica each worker talks to.
+    groups: ``[W]`` int32, each worker's group in its scheme's transform: the
+      replica it talks to (GSSP's group server, DS-Sync's own), or, where the
+      scheme has one replica, another grouping (InHAD's nodes); ``replica_route``.
     applies: ``[R]`` bool, replicas that take an optimizer step.
     forward: ``[G]`` bool, GSSP groups that forward their pending sum.
     deliver: ``[G]`` bool, GSSP forwards delivered now.
@@ -186,6 +188,17 @@ def adopt_replicas(tree, adopt: jax.Array):
   return jax.tree.map(lambda x: x[src], tree)
 
 
+def replica_route(groups: jax.Array, num_replicas: int) -> jax.Array:
+  """``[W]`` the replica each worker pushes to and pulls from.
+
+  A round's ``groups`` name replicas where a scheme has several; with one
+  replica every worker's is 0, whatever grouping ``groups`` carries (InHAD's
+  node ids: reading them as replicas kept the statistics of node 0's workers
+  only, and its pulls worked only because the gather clamps to row 0).
+  """
+  return groups if num_replicas > 1 else jnp.zeros_like(groups)
+
+
 def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
   """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows."""
   ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
@@ -238,11 +251,11 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   worker_ids, replica_ids = args.get("worker_ids"), args.get("replica_ids")
   replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt)
   arrived = jnp.asarray(args["arrived"], bool)
-  groups = jnp.asarray(args["groups"], jnp.int32)
+  num_replicas = jnp.asarray(args["applies"]).shape[0]
+  groups = replica_route(jnp.asarray(args["groups"], jnp.int32), num_replicas)
   pulls = jnp.asarray(args["pulls"], bool)
   worker_params = pull_rows(worker_params, replica_params, groups, pulls, worker_ids)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
-    num_replicas = jnp.asarray(args["applies"]).shape[0]
     ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
     onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
               & (arrived[safe] & valid)[:, None]).astype(jnp.float32)          # [K, R]

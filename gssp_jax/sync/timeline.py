@@ -90,7 +90,11 @@ class TimelineEngine:
       self.blocked_time[w] += time - self.pushed_at[w]
       self._schedule(time + self.pull_delay(w), "start", w)
     for m in reaction.messages:
-      self._schedule(time + self.message_delay(m), "message", m)
+      arrival = time + self.message_delay(m)
+      for w in m.carries:   # their push travels on: push time, not blocked time
+        self.blocked_time[w] += time - self.pushed_at[w]
+        self.pushed_at[w] = arrival
+      self._schedule(arrival, "message", m)
     return reaction.rounds
 
   def drop_at(self, time: float, worker: int) -> None:
@@ -108,8 +112,8 @@ class TimelineEngine:
   def _drop(self, w: int) -> list:
     busy = any(kind in ("start", "push") and payload == w for _, _, kind, payload in self.queue)
     reaction = self.protocol.drop(w, self.now)
-    if not busy:   # it was waiting to be released
-      self.blocked_time[w] += self.now - self.pushed_at[w]
+    if not busy:   # it was waiting to be released (not while its push travelled)
+      self.blocked_time[w] += max(self.now - self.pushed_at[w], 0.0)
     self.queue = [e for e in self.queue if not (e[2] in ("start", "push") and e[3] == w)]
     heapq.heapify(self.queue)
     return self._react(reaction, self.now)
@@ -161,7 +165,7 @@ class TimelineEngine:
     busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push")}
     waiting = np.array([w not in busy for w in range(self.blocked_time.size)])
     waiting &= self.protocol.alive
-    return self.blocked_time + np.where(waiting, self.now - self.pushed_at, 0.0)
+    return self.blocked_time + np.where(waiting, np.maximum(self.now - self.pushed_at, 0.0), 0.0)
 
   def measured_times(self, reset: bool = True) -> np.ndarray:
     """``[W]`` mean compute time per iteration since the last reset (what a real server sees)."""

@@ -26,9 +26,16 @@ from gssp_jax.sync import rounds as rounds_lib
 
 
 class Message(NamedTuple):
-  """A server-to-server message: ``kind`` (e.g. "deliver", "adopt") about ``group``."""
+  """A server-to-server message: ``kind`` (e.g. "deliver", "adopt") about ``group``.
+
+  ``carries``: workers whose pushes the message takes to their server (CASP's
+  community push through its leader). Its travel is their push time, as a
+  worker's own upload is, not time blocked: the timeline stops their blocked
+  clock when it is sent and restarts it when it arrives.
+  """
   kind: str
   group: int
+  carries: tuple = ()
 
 
 @dataclasses.dataclass

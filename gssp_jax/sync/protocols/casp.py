@@ -177,7 +177,7 @@ class CASPProtocol(Protocol):
     if members.size > 1:   # the leader has every member's gradient: one push to the server
       c = int(self.communities[worker])
       self.in_flight[c] = True
-      return Reaction(messages=[Message("community", c)])
+      return Reaction(messages=[Message("community", c, tuple(int(m) for m in members))])
     return self._apply(members, time)
 
   def on_message(self, message, time):
