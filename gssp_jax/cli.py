@@ -62,14 +62,23 @@ def sigterm_as_interrupt():
   Without it Python dies on SIGTERM at once: a run would not write its
   ``interrupted`` summary and a parallel sweep would leave its child trials
   running. Outside the main thread (where handlers cannot be set) it does nothing.
+
+  Ctrl-C (SIGINT) raises KeyboardInterrupt inside too, even where the process inherited it
+  ignored or blocked (a background job of a non-interactive shell starts with SIGINT ignored;
+  dispositions set to "ignore" and blocked signals survive ``exec``): a sweep whose trials run
+  in other sessions must hear it, or they train on to the end and are recorded ``done``.
   """
   if threading.current_thread() is not threading.main_thread():
     yield
     return
   previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+  previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+  unblocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
   try:
     yield
   finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+    signal.signal(signal.SIGINT, signal.SIG_DFL if previous_int is None else previous_int)
     signal.signal(signal.SIGTERM, previous)
 
 

@@ -143,6 +143,9 @@ class RealRun:
     return [self.srv.core0] + [h.core for h in self.shards]
 
   def close(self) -> None:
+    # The replayed meshes are not processes that read a stop: the server need not wait 3 s
+    # for them to (``DistServer.close``).
+    self.srv.told_stop[:] = True
     self.srv.close()   # its final checkpoint (every shard's), then Stop to the shards
     for handle in self.shards:
       shard_process.stop(handle)

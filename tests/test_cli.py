@@ -177,3 +177,43 @@ def test_a_stoppable_child_is_out_of_the_terminals_group_and_stops_with_its_pare
         os.kill(child, signal.SIGKILL)
       except ProcessLookupError:
         pass
+
+
+_IGNORING = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)            # as a background job of a script starts
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[1], sys.argv[2]])
+"""
+_WAITING = """
+import pathlib, sys, time
+from gssp_jax import cli
+with cli.sigterm_as_interrupt():
+  pathlib.Path(sys.argv[1]).touch()
+  try:
+    time.sleep(60)
+  except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_command_hears_ctrl_c_and_kill_even_if_it_inherited_them_ignored_or_blocked(
+    tmp_path, signum):
+  """A sweep that inherited SIGINT ignored (or blocked) never stopped its trials: they trained
+  to the end and were recorded ``done``. Inside ``sigterm_as_interrupt`` both signals raise."""
+  ready = tmp_path / "ready"
+  proc = subprocess.Popen([sys.executable, "-c", _IGNORING, _WAITING, str(ready)], cwd=REPO,
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+      assert proc.poll() is None and time.monotonic() < deadline, "the child did not start"
+      time.sleep(0.1)
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert out.strip() == "interrupted" and proc.returncode == 0

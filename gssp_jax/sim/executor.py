@@ -56,7 +56,8 @@ def zero_push_bytes(num_workers: int) -> jax.Array:
 def add_push_bytes(counter: jax.Array, nbytes: jax.Array) -> jax.Array:
   """``counter [W, 2] + nbytes [W]`` (each 0..MAX_PUSH_BYTES), exactly, in int32."""
   low = counter[:, 1] + nbytes
-  return jnp.stack([counter[:, 0] + low // _MIB, low % _MIB], axis=1)
+  # Two column scatters, not a stack: a round updates the [W, 2] counter in place.
+  return counter.at[:, 1].set(low % _MIB).at[:, 0].add(low // _MIB)
 
 
 def push_bytes_total(counter) -> np.ndarray:
