@@ -12,6 +12,7 @@ import helpers
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import executor
 from gssp_jax.sim import traffic
 from gssp_jax.sync import replay
 from gssp_jax.train import loop
