@@ -9,7 +9,7 @@
 
 Cluster: workers in four equal speed tiers (1x, 1.5x, 2x, 3x a base iteration of
 100 ms for a batch of 32), 10 Gb/s links; GSSP: 4 speed groups, s = 3, peer
-exchange. Adam 1e-3 with gradient clipping at 1 (per replica), a 1-epoch
+exchange. Adam 1e-3 with each worker's gradient clipped to norm 1, a 1-epoch
 warm-up then cosine, for every scheme. Metric: corpus BLEU (sacrebleu) of
 greedy translations of test_2016_flickr.
 
