@@ -13,6 +13,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from gssp_jax import sync
@@ -48,6 +49,8 @@ def test_a_push_larger_than_a_job_slot_holds_is_refused_before_compiling():
   with pytest.raises(ValueError, match=r"one push of 2,147,483,648 bytes; allowed: at most "
                                        r"2,146,435,072"):
     executor.make_job_fn(_linear_loss, None, 2**31)
+  with pytest.raises(ValueError, match=r"one push of 2,147,483,648 bytes"):   # the level runner
+    levels.make_level_runner(_linear_loss, None, optax.identity(), 2**31 - 8, 8, 4)
 
 
 def test_inhad_takes_the_statistics_of_workers_on_every_node():

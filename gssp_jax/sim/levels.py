@@ -172,6 +172,7 @@ def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes
   (many levels per call), so the two cannot drift.
   """
 
+  executor.check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes,
                                            grad_clip=grad_clip)
 
