@@ -143,7 +143,7 @@ class Payload:
 def set_chunk_bytes(n: int) -> None:
   """Sets the wire's chunk size in this process (a client's and its server's must agree)."""
   wire.CHUNK_BYTES = n
-  wire.MAX_MESSAGE_BYTES = n + (64 << 10)
+  wire.MAX_MESSAGE_BYTES = max(n, wire.SEGMENT_BYTES) + (64 << 10)
   limits = ("grpc.max_send_message_length", "grpc.max_receive_message_length")
   for options in (wire.SERVER_OPTIONS, wire.CHANNEL_OPTIONS):
     options[:] = [(k, wire.MAX_MESSAGE_BYTES if k in limits else v) for k, v in options]
@@ -243,11 +243,11 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
   def push(header, body, peer):
     del peer
     layout.unpack_push(0, body, wire.field(header, "nnz", list)[0])
-    return {"seq": header["seq"]}, np.asarray(weights)
+    return {"seq": header["seq"]}, layout.segments(0, np.asarray(weights))
 
   limit = lambda header: layout.push_limit(0, wire.field(header, "nnz", list)[0])
-  _, wire_port = wire.make_server([wire.Method("Push", push, limit)], "127.0.0.1:0", CREDENTIALS,
-                                  max_workers=4)
+  _, wire_port = wire.make_server([wire.Method("Push", push, limit, parts=True)], "127.0.0.1:0",
+                                  CREDENTIALS, max_workers=4)
   _serve_until_told(conn, (raw_port, wire_port))
 
 
@@ -288,7 +288,7 @@ class Exchanges:
     p = self.payload
     body, nnz = p.layout.pack_push(0, p.grads, p.stats, sparse=False)
     _, reply = self.client.call("Push", {**p.header, "nnz": [nnz]}, body,
-                                reply_limit=p.pull_bytes)
+                                reply_limit=p.pull_bytes, reply_parts=True)
     p.layout.unpack_pull(0, reply)
 
   def close(self) -> None:
@@ -356,13 +356,15 @@ def local_steps_ms(payload: Payload, reps: int) -> dict[str, float]:
   body, nnz = layout.pack_push(0, p.grads, p.stats, sparse=False)
   weights = jnp.asarray(np.zeros([p.pull_bytes // 4], np.float32))
   parts = list(wire.chunks(body))
-  received = wire.receive(iter(parts), body.nbytes)
+  size = wire.body_bytes(body)
+  received = wire.receive(iter(parts), size, keep_parts=True)
   steps = {
-      "pack_push (concatenate)": lambda: layout.pack_push(0, p.grads, p.stats, sparse=False),
-      "wire.chunks (bytes per chunk)": lambda: list(wire.chunks(body)),
-      "wire.receive (into one buffer)": lambda: wire.receive(iter(parts), body.nbytes),
+      "pack_push (leaf views)": lambda: layout.pack_push(0, p.grads, p.stats, sparse=False),
+      "wire.chunks (the one copy)": lambda: list(wire.chunks(body)),
+      "wire.receive (parts kept)": lambda: wire.receive(iter(parts), size, keep_parts=True),
       "unpack_push (size, finite, views)": lambda: layout.unpack_push(0, received, nnz),
       "np.asarray(jax array)": lambda: np.asarray(weights),
+      "layout.segments (views)": lambda: layout.segments(0, np.asarray(weights)),
       "unpack_pull (views)": lambda: layout.unpack_pull(0, received),
   }
   out = {}

@@ -24,6 +24,7 @@ from gssp_jax.dist import auth
 from gssp_jax.dist import server as server_lib
 from gssp_jax.dist import shard as shard_lib
 from gssp_jax.dist import shard_process
+from gssp_jax.dist import wire
 from gssp_jax.dist import worker as worker_lib
 from gssp_jax.sim import simulate
 from gssp_jax.train import run as run_lib
@@ -113,9 +114,9 @@ class RealRun:
     header = {"mesh": w, "instance": mesh.instance, "session": mesh.session, "seq": mesh.seq,
               "iteration": job["iteration"], "loss": float(loss),
               "bytes": int(nbytes) + mesh.stats_bytes,
-              "wire_bytes": sum(b.nbytes for b, _ in bodies), "nnz": [n for _, n in bodies],
+              "wire_bytes": sum(wire.body_bytes(b) for b, _ in bodies), "nnz": [n for _, n in bodies],
               "receipts": receipts}
-    _, _, immediate = self.srv.accept_push(header, bodies[0][0].view(np.uint8))
+    _, _, immediate = self.srv.accept_push(header, bodies[0][0])
     assert immediate is None, immediate
 
   def replay(self, events) -> None:

@@ -41,7 +41,7 @@ def test_a_shard_layout_balances_whole_tensors_and_round_trips_dense_and_sparse_
     for s in range(3):
       body, nnz = layout.pack_push(s, leaves, stat_leaves, sparse=True)
       assert (nnz >= 0) == want_sparse
-      got, got_stats = layout.unpack_push(s, body.view(np.uint8), nnz)
+      got, got_stats = layout.unpack_push(s, body, nnz)
       for i, g in zip(layout.leaves(s), got):
         np.testing.assert_array_equal(g, leaves[i])
       assert len(got_stats) == (1 if s == 0 else 0)
@@ -137,9 +137,10 @@ def _dist_server(tmp_path, data_dir, **changes):
 
 def _push_ones(srv, w, seq):
   leaves = [np.ones(shape, np.float32) for shape in srv.layout.shapes]
-  body = srv.layout.pack_push(0, leaves, [], False)[0].view(np.uint8)
+  body = srv.layout.pack_push(0, leaves, [], False)[0]
   srv.accept_push({"mesh": w, "instance": "i", "session": srv.session, "seq": seq,
-                   "iteration": seq - 1, "loss": 1.0, "bytes": 4, "wire_bytes": body.size,
+                   "iteration": seq - 1, "loss": 1.0, "bytes": 4,
+                   "wire_bytes": wire.body_bytes(body),
                    "nnz": [-1], "receipts": []}, body)
 
 
@@ -162,7 +163,7 @@ def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog)
       for w in (0, 3, 1):   # pushes: ops applied, meshes released (pulls)
         _push_ones(srv, w, 1)
         reply, body = srv.await_release(w, 1, timeout=60)
-        assert "iteration" in reply and body.size, reply
+        assert "iteration" in reply and wire.body_bytes(body), reply
       for message in list(m for _, m in srv._messages.pending()):   # pylint: disable=protected-access
         srv.deliver(message)   # forwards between groups, now
       with srv.lock:

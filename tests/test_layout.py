@@ -23,13 +23,16 @@ def test_a_dense_push_unpacks_to_its_leaves_and_statistics(num_shards):
   grads, stat_leaves = jax.tree.leaves(params), jax.tree.leaves(stats)
   for s in range(num_shards):
     body, nnz = layout.pack_push(s, grads, stat_leaves, sparse=False)
-    assert nnz == -1 and body.nbytes == layout.push_limit(s, -1)
-    got, got_stats = layout.unpack_push(s, body.view(np.uint8), nnz)
-    for i, leaf in zip(layout.leaves(s), got):
-      np.testing.assert_array_equal(leaf, grads[i])
-    assert len(got_stats) == (1 if s == 0 else 0)
-    for leaf, want in zip(got_stats, stat_leaves):
-      np.testing.assert_array_equal(leaf, want)
+    assert nnz == -1 and wire.body_bytes(body) == layout.push_limit(s, -1)
+    # As the sender holds it (segments), as one buffer, and as the messages it travels in.
+    for form in (body, _flat(body).view(np.uint8),
+                 [np.frombuffer(m, np.uint8) for m in wire.chunks(body)]):
+      got, got_stats = layout.unpack_push(s, form, nnz)
+      for i, leaf in zip(layout.leaves(s), got):
+        np.testing.assert_array_equal(leaf, grads[i])
+      assert len(got_stats) == (1 if s == 0 else 0)
+      for leaf, want in zip(got_stats, stat_leaves):
+        np.testing.assert_array_equal(leaf, want)
 
 
 def test_a_sparse_push_unpacks_to_its_dense_leaves():
@@ -37,8 +40,8 @@ def test_a_sparse_push_unpacks_to_its_dense_leaves():
   grads = [np.zeros_like(x) for x in jax.tree.leaves(params)]
   grads[1][[3, 50, 99]] = [1.5, -2.0, 3.25]
   body, nnz = layout.pack_push(0, grads, jax.tree.leaves(stats), sparse=True)
-  assert nnz == 3 and body.nbytes == layout.push_limit(0, 3)
-  got, _ = layout.unpack_push(0, body.view(np.uint8), nnz)
+  assert nnz == 3 and wire.body_bytes(body) == layout.push_limit(0, 3)
+  got, _ = layout.unpack_push(0, body, nnz)
   for leaf, want in zip(got, grads):
     np.testing.assert_array_equal(leaf, want)
 
@@ -49,24 +52,68 @@ def test_a_non_finite_value_anywhere_is_refused(where, bad):
   layout, params, stats = _layout(1)
   grads, stat_leaves = jax.tree.leaves(params), jax.tree.leaves(stats)
   body, nnz = layout.pack_push(0, grads, stat_leaves, sparse=False)
-  body[-1 if where == "stats" else 7] = bad
+  flat = _flat(body)
+  flat[-1 if where == "stats" else 7] = bad
   with pytest.raises(layout_lib.NonFinite, match="non-finite"):
-    layout.unpack_push(0, body.view(np.uint8), nnz)
+    layout.unpack_push(0, flat.view(np.uint8), nnz)
 
 
 def test_finite_values_whose_sum_overflows_are_accepted():
   layout, params, stats = _layout(1)
   body, nnz = layout.pack_push(0, jax.tree.leaves(params), jax.tree.leaves(stats), sparse=False)
-  body[:] = np.finfo(np.float32).max   # the sum is infinite; every value is finite
-  assert not np.isfinite(body.sum())
-  layout.unpack_push(0, body.view(np.uint8), nnz)
+  flat = _flat(body)
+  flat[:] = np.finfo(np.float32).max   # the sum is infinite; every value is finite
+  assert not np.isfinite(flat.sum())
+  layout.unpack_push(0, flat.view(np.uint8), nnz)
 
 
 def test_a_push_of_the_wrong_size_is_refused():
   layout, params, stats = _layout(1)
   body, nnz = layout.pack_push(0, jax.tree.leaves(params), jax.tree.leaves(stats), sparse=False)
   with pytest.raises(wire.BadMessage, match="expected"):
-    layout.unpack_push(0, body[:-1].view(np.uint8), nnz)
+    layout.unpack_push(0, _flat(body).view(np.uint8)[:-1], nnz)
+
+
+def _flat(body) -> np.ndarray:
+  """A body's segments joined into one writable float32 array."""
+  return np.frombuffer(bytearray(wire.join(body)), np.float32)
+
+
+@pytest.mark.parametrize("cuts", [[], [4], [6], [4, 8, 9, 40], list(range(1, 60, 3))])
+def test_leaves_come_out_of_any_messages_exactly_and_in_place_where_they_lie_whole(cuts):
+  values = np.arange(15, dtype=np.float32)
+  raw = values.view(np.uint8)
+  ends = [0] + cuts + [raw.size]
+  parts = [raw[a:b] for a, b in zip(ends[:-1], ends[1:])]
+  sizes = [3, 0, 5, 1, 6]
+  got = layout_lib.leaf_views(parts, sizes)
+  start = 0
+  for leaf, size in zip(got, sizes):
+    np.testing.assert_array_equal(leaf, values[start:start + size])
+    start += size
+  # Cut at every leaf boundary, each non-empty leaf is the very memory it came in.
+  bounds = np.cumsum([0] + sizes) * 4
+  parts = [raw[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+  for leaf in layout_lib.leaf_views(parts, sizes):
+    assert leaf.size == 0 or np.shares_memory(leaf, raw)
+
+
+def test_a_senders_messages_end_on_its_tensors_and_stay_within_the_cap():
+  sizes = [10, 300_000, 2_000_000, 3_000_000, 7, 1_100_000, 1_100_000]   # float32 entries
+  body = [np.full([n], i, np.float32) for i, n in enumerate(sizes)]
+  messages = list(wire.chunks(body))
+  assert max(len(m) for m in messages) <= wire.MAX_MESSAGE_BYTES
+  assert b"".join(messages) == wire.join(body)
+  cuts = np.cumsum([len(m) for m in messages])
+  for n, end in zip(sizes, np.cumsum(sizes) * 4):
+    inside = [c for c in cuts if end - 4 * n < c < end]
+    if 4 * n <= wire.CHUNK_BYTES:
+      assert not inside   # a tensor up to a chunk is never cut
+    else:                 # a larger one travels alone, whole up to SEGMENT_BYTES
+      assert not inside and {end - 4 * n, end} <= set(cuts.tolist()) | {0}
+  # A tensor larger than SEGMENT_BYTES is cut into messages of at most that size.
+  big = [np.zeros([(wire.SEGMENT_BYTES // 4) + 5], np.float32)]
+  assert [len(m) for m in wire.chunks(big)] == [wire.SEGMENT_BYTES, 20]
 
 
 def test_the_wire_tunes_glibcs_allocator_where_there_is_one():

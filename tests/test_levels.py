@@ -114,36 +114,36 @@ def _assert_same_state(got, want):
 
 
 def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
-             levels_per_call=1):
+             levels_per_call=(1,)):
+  """Each level runner (one per ``levels_per_call``) against one run of the round runner."""
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
   reference = executor.make_round_runner(executor.make_job_fn(loss_fn, compressor, dense, stats),
                                          executor.make_round_fn(tx))
-  runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8,
-                                    levels_per_call=levels_per_call)
   with jax.default_matmul_precision("highest"):
     want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
-    # Two calls, split mid-run: pending jobs are computed at the end of each.
-    half = len(steps) // 2
-    got = runner(jax.tree.map(jnp.copy, state), arrays, steps[:half])
-    got = runner(got, arrays, steps[half:])
-  _assert_same_state(got, want)
-  assert int(got.loss_count) >= max_pushes - W
-  if levels_per_call > 1:   # the multi-level path really ran, not only its one-level fallback
-    assert runner.traces["levels"] >= 1
-  plan = levels.plan_levels(steps)
-  return plan
+  for per_call in levels_per_call:
+    runner = levels.make_level_runner(loss_fn, compressor, tx, dense, stats, W, max_rounds=8,
+                                      levels_per_call=per_call)
+    with jax.default_matmul_precision("highest"):
+      # Two calls, split mid-run: pending jobs are computed at the end of each.
+      half = len(steps) // 2
+      got = runner(jax.tree.map(jnp.copy, state), arrays, steps[:half])
+      got = runner(got, arrays, steps[half:])
+    _assert_same_state(got, want)
+    assert int(got.loss_count) >= max_pushes - W
+    if per_call > 1:   # the multi-level path really ran, not only its one-level fallback
+      assert runner.traces["levels"] >= 1
+  return levels.plan_levels(steps)
 
 
+# One level per call and four, each against the same reference run (one compilation of it).
 @pytest.mark.parametrize("name,inter_group", [
     ("bsp", "peer"), ("asp", "peer"), ("ssp", "peer"), ("dssp", "peer"), ("gssp", "peer"),
     ("gssp", "global"), ("inhad", "peer"), ("dssync", "peer"), ("casp", "peer")])
-@pytest.mark.parametrize("levels_per_call", [1, 4])
-def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group,
-                                                                 levels_per_call):
-  plan = _compare(name, batch_norm=True, inter_group=inter_group,
-                  levels_per_call=levels_per_call)
+def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group):
+  plan = _compare(name, batch_norm=True, inter_group=inter_group, levels_per_call=(1, 4))
   if name != "bsp":   # levels really batch: some level holds several jobs
     assert max(l.jobs.workers.size for l in plan if l.jobs is not None) > 1
 
@@ -152,8 +152,8 @@ def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_gro
 # with top-k and GDTopK. (DGC's one-level path also runs in the training loop below, and the
 # one-level cases with DGC and GSSP + top-k were 150 s of the suite's time.)
 @pytest.mark.parametrize("name,levels_per_call,comp_name", [
-    ("gssp", 4, "topk"), ("gssp", 4, "dgc"), ("gssp", 4, "gdtopk"),
-    ("asp", 1, "topk"), ("asp", 1, "gdtopk"), ("gssp", 1, "gdtopk")])
+    ("gssp", (4,), "topk"), ("gssp", (4,), "dgc"), ("gssp", (1, 4), "gdtopk"),
+    ("asp", (1,), "topk"), ("asp", (1,), "gdtopk")])
 def test_level_runner_equals_round_runner_compressed(name, comp_name, levels_per_call):
   _compare(name, comp_name, levels_per_call=levels_per_call)
 
@@ -334,26 +334,21 @@ def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, 
   assert runs["levels"]["status"] == runs["rounds"]["status"] == "done"
 
 
-@pytest.mark.parametrize("levels_per_call", [1, 4])
-def test_levels_executor_resumes_exactly(tmp_path, data_dir, levels_per_call):
+def test_levels_executor_resumes_exactly_and_levels_per_call_changes_no_host_figure(tmp_path,
+                                                                                  data_dir):
+  """An interrupted run of 4 levels per call resumes exactly; it equals 1 level per call."""
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
-  config = _run_config("gssp", "none", executor="levels", data_dir=data_dir,
-                       levels_per_call=levels_per_call)
-  loop.train_and_evaluate(config, str(tmp_path / "whole"))
+  for n in (1, 4):
+    loop.train_and_evaluate(_run_config("gssp", "none", executor="levels", data_dir=data_dir,
+                                        levels_per_call=n), str(tmp_path / str(n)))
+  config = _run_config("gssp", "none", executor="levels", data_dir=data_dir, levels_per_call=4)
   config.train.stop_after_updates = 11   # 16 pushes in all, evaluations every 8
   first = loop.train_and_evaluate(config, str(tmp_path / "split"))
   assert first["status"] == "stopped" and first["totals"]["pushes"] == 11
   config.train.stop_after_updates = 0
   summary = loop.train_and_evaluate(config, str(tmp_path / "split"))
   assert summary["status"] == "done"
-  assert _metric_lines(tmp_path / "split") == _metric_lines(tmp_path / "whole")
-
-
-def test_levels_per_call_equals_one_level_per_call_in_the_training_loop(tmp_path, data_dir):
-  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
-  for n in (1, 4):
-    loop.train_and_evaluate(_run_config("gssp", "none", executor="levels", data_dir=data_dir,
-                                        levels_per_call=n), str(tmp_path / str(n)))
+  assert _metric_lines(tmp_path / "split") == _metric_lines(tmp_path / "4")
   # The host's quantities exactly; the losses to float tolerance (XLA fuses a scan of levels
   # differently from one call per level).
   values = lambda line: {k: v for k, v in line.items() if "loss" not in k and "accuracy" not in k}

@@ -18,14 +18,19 @@ BatchNorm statistics (the model state) live on shard 0, whole, as in the
 simulator. Every body is float32 (the runtime refuses other dtypes before it
 starts).
 
-Bodies (one contiguous buffer per shard and message):
+Bodies (the bytes of one shard and message, sent as segments: ``wire.chunks``):
 
-* a **push** to shard s: its tensors' gradients, raveled and concatenated
-  (dense), or ``nnz`` int32 flat indices followed by ``nnz`` float32 values
-  (sparse, when a compressor left fewer than a third non-zero); then, on
-  shard 0, the worker's BatchNorm statistics;
+* a **push** to shard s: its tensors' gradients, raveled, one segment each
+  (dense), or one segment of ``nnz`` int32 flat indices followed by ``nnz``
+  float32 values (sparse, when a compressor left fewer than a third
+  non-zero); then, on shard 0, the worker's BatchNorm statistics, one segment
+  each;
 * a **pull** from shard s: its tensors of the worker's weights, then (shard 0)
-  the statistics.
+  the statistics, one segment each (views of the shard's row).
+
+A receiver takes a body as one buffer or as the messages it came in; a tensor
+that lies within one message, 4-byte aligned, is used in place
+(:func:`leaf_views`), any other is copied out.
 """
 
 from __future__ import annotations
@@ -134,101 +139,190 @@ class ShardLayout:
 
   # -- bodies ---------------------------------------------------------------------------------
 
-  def pack_push(self, s: int, grad_leaves, stats_leaves, sparse: bool) -> tuple[np.ndarray, int]:
-    """Shard ``s``'s push body from the worker's gradient (and statistics): ``(body, nnz)``.
+  def pack_push(self, s: int, grad_leaves, stats_leaves, sparse: bool) -> tuple[list, int]:
+    """Shard ``s``'s push body from the worker's gradient (and statistics): ``(segments, nnz)``.
 
-    ``nnz`` is -1 for a dense body; with ``sparse`` a body whose non-zeros are
-    fewer than a third of its entries goes as indices and values.
+    ``nnz`` is -1 for a dense body, whose segments are the leaves themselves
+    (float32 views, no copy: ``wire.chunks`` copies them once into the
+    messages); with ``sparse`` a body whose non-zeros are fewer than a third
+    of its entries goes as indices and values.
     """
-    grads = [grad_leaves[i] for i in self.leaves(s)]
-    stats = list(stats_leaves) if s == 0 else []
+    grads = [_flat(grad_leaves[i]) for i in self.leaves(s)]
+    stats = [_flat(x) for x in stats_leaves] if s == 0 else []
     if sparse:
       flat = _concat(grads)
       idx = np.flatnonzero(flat)
       if 3 * idx.size < flat.size:
-        body = np.concatenate([idx.astype(np.int32).view(F32), flat[idx], _concat(stats)])
-        return body, int(idx.size)
-    return _concat(grads + stats), -1   # one copy of every leaf: a dense body is the largest
+        body = np.concatenate([idx.astype(np.int32).view(F32), flat[idx], *stats])
+        return [body], int(idx.size)
+    return grads + stats, -1
 
-  def unpack_push(self, s: int, body: np.ndarray | None, nnz: int):
+  def unpack_push(self, s: int, body, nnz: int):
     """``(gradient leaves, statistics leaves)`` of a push body, checked; raises BadMessage.
 
-    Checked before anything is kept: the size (exact, from the layout), every
-    value finite, and for a sparse body indices in range and strictly
-    increasing (no duplicates).
+    ``body``: one buffer, the list of messages it came in, or None. Checked
+    before anything is kept: the size (exact, from the layout), every value
+    finite, and for a sparse body indices in range and strictly increasing
+    (no duplicates).
     """
     n = self.grad_size(s)
     if not -1 <= nnz <= n:
       raise wire.BadMessage(f"nnz={nnz} is invalid for shard {s}; allowed: -1 (dense) or 0..{n}")
     expected = self.push_limit(s, nnz)
-    body = _bytes(body)
-    size = 0 if body is None else body.size
+    parts = _parts(body)
+    size = sum(p.size for p in parts)
     if size != expected:
       raise wire.BadMessage(f"a push to shard {s} has {size} bytes; expected {expected}"
                             f" ({'dense' if nnz < 0 else f'{nnz} sparse entries'})")
-    values = body.view(F32) if size else np.zeros([0], F32)
+    k, stats_sizes = len(self.leaves(s)), list(self._stats_sizes if s == 0 else ())
     if nnz < 0:
-      flat, stats = values[:n], values[n:]
-      _check_finite(flat, f"the gradient sent to shard {s}")
+      flats = leaf_views(parts, [self._sizes[i] for i in self.leaves(s)] + stats_sizes)
+      grads, stats = flats[:k], flats[k:]
+      _check_region(parts, 0, 4 * n, grads, f"the gradient sent to shard {s}")
     else:
-      idx, vals, stats = values[:nnz].view(np.int32), values[nnz:2 * nnz], values[2 * nnz:]
+      values = leaf_views(parts, [size // 4])[0]
+      idx, vals = values[:nnz].view(np.int32), values[nnz:2 * nnz]
       if nnz and (idx[0] < 0 or idx[-1] >= n or np.any(idx[1:] <= idx[:-1])):
         raise wire.BadMessage(f"the sparse indices sent to shard {s} are not strictly "
                               f"increasing within 0..{n - 1}")
       _check_finite(vals, f"the gradient sent to shard {s}")
       flat = np.zeros([n], F32)
       flat[idx] = vals
-    _check_finite(stats, "the BatchNorm statistics sent")
-    return self._split(flat, self.leaves(s)), self._split_stats(stats, s)
+      grads = _cut(flat, [self._sizes[i] for i in self.leaves(s)])
+      stats = _cut(values[2 * nnz:], stats_sizes)
+    _check_region(parts, size - 4 * sum(stats_sizes), size, stats, "the BatchNorm statistics sent")
+    return self._shaped(s, grads, stats)
 
-  def unpack_pull(self, s: int, body: np.ndarray | None):
-    """``(weight leaves, statistics leaves)`` of shard ``s``'s pull body (views, no copy)."""
-    body = _bytes(body)
-    size = 0 if body is None else body.size
+  def unpack_pull(self, s: int, body):
+    """``(weight leaves, statistics leaves)`` of shard ``s``'s pull body (views where they can be).
+
+    ``body``: one buffer, the list of messages it came in, or None.
+    """
+    parts = _parts(body)
+    size = sum(p.size for p in parts)
     if size != self.pull_bytes(s):
       raise wire.BadMessage(f"a pull from shard {s} has {size} bytes; expected "
                             f"{self.pull_bytes(s)}")
-    values = body.view(F32) if size else np.zeros([0], F32)
-    n = self.grad_size(s)
-    return self._split(values[:n], self.leaves(s)), self._split_stats(values[n:], s)
+    stats_sizes = list(self._stats_sizes if s == 0 else ())
+    flats = leaf_views(parts, [self._sizes[i] for i in self.leaves(s)] + stats_sizes)
+    k = len(self.leaves(s))
+    return self._shaped(s, flats[:k], flats[k:])
 
-  def _split(self, flat: np.ndarray, leaves: range) -> list[np.ndarray]:
-    out, start = [], 0
-    for i in leaves:
-      size = self._sizes[i]
-      out.append(flat[start:start + size].reshape(self.shapes[i]))
-      start += size
-    return out
+  def segments(self, s: int, flat: np.ndarray) -> list[np.ndarray]:
+    """Shard ``s``'s flat float32 row (weights, then statistics) as one view per tensor."""
+    stats_sizes = self._stats_sizes if s == 0 else ()
+    return _cut(np.asarray(flat).reshape(-1),
+                [self._sizes[i] for i in self.leaves(s)] + list(stats_sizes))
 
-  def _split_stats(self, flat: np.ndarray, s: int) -> list[np.ndarray]:
-    if s != 0:
-      return []
-    out, start = [], 0
-    for shape, size in zip(self.stats_shapes, self._stats_sizes):
-      out.append(flat[start:start + size].reshape(shape))
-      start += size
-    return out
+  def _shaped(self, s: int, grads, stats) -> tuple[list, list]:
+    """Flat leaves of shard ``s`` (and its statistics) in their shapes (views)."""
+    return ([x.reshape(self.shapes[i]) for i, x in zip(self.leaves(s), grads)],
+            [x.reshape(shape) for x, shape in zip(stats, self.stats_shapes)])
+
+  def split(self, s: int, flat: np.ndarray) -> list[np.ndarray]:
+    """Shard ``s``'s tensors, in their shapes, from its flat float32 weights (views)."""
+    return self._shaped(s, _cut(flat, [self._sizes[i] for i in self.leaves(s)]), [])[0]
 
 
-def _bytes(body: np.ndarray | None) -> np.ndarray | None:
-  """A body as a flat uint8 view (the wire's form), whatever array it came as."""
-  if body is None or body.dtype == np.uint8:
-    return body
+def leaf_views(parts: list[np.ndarray], sizes) -> list[np.ndarray]:
+  """Consecutive float32 arrays of ``sizes`` entries from a body's byte ``parts``.
+
+  A tensor within one part at a 4-byte-aligned offset is a view of it (no
+  copy); one that straddles parts (or sits unaligned) is copied out. The
+  caller has checked that the parts hold exactly ``4 * sum(sizes)`` bytes.
+  """
+  out, p, offset = [], 0, 0
+  for size in sizes:
+    nbytes = 4 * size
+    while p < len(parts) and offset == parts[p].size and nbytes:
+      p, offset = p + 1, 0
+    if not nbytes:
+      out.append(np.zeros([0], F32))
+    elif offset + nbytes <= parts[p].size and offset % 4 == 0:
+      out.append(parts[p][offset:offset + nbytes].view(F32))
+      offset += nbytes
+    else:
+      leaf = np.empty([size], F32)
+      dest, filled = leaf.view(np.uint8), 0
+      while filled < nbytes:
+        if offset == parts[p].size:
+          p, offset = p + 1, 0
+        take = min(nbytes - filled, parts[p].size - offset)
+        dest[filled:filled + take] = parts[p][offset:offset + take]
+        filled, offset = filled + take, offset + take
+      out.append(leaf)
+  return out
+
+
+def _parts(body) -> list[np.ndarray]:
+  """A body (None, one buffer, or its messages) as a list of flat uint8 arrays."""
+  if body is None:
+    return []
+  if isinstance(body, (list, tuple)):
+    return [_bytes(x) for x in body]
+  return [_bytes(body)]
+
+
+def _bytes(body: np.ndarray) -> np.ndarray:
+  """A buffer as a flat uint8 view (the wire's form), whatever array it came as."""
+  if body.dtype == np.uint8:
+    return body.reshape(-1)
   return np.ascontiguousarray(body).reshape(-1).view(np.uint8)
+
+
+def _flat(x) -> np.ndarray:
+  return np.asarray(x, F32).reshape(-1)
+
+
+def _cut(flat: np.ndarray, sizes) -> list[np.ndarray]:
+  out, start = [], 0
+  for size in sizes:
+    out.append(flat[start:start + size])
+    start += size
+  return out
 
 
 def _concat(leaves) -> np.ndarray:
   if not leaves:
     return np.zeros([0], F32)
-  return np.concatenate([np.asarray(x, F32).reshape(-1) for x in leaves])
+  return np.concatenate([_flat(x) for x in leaves])
 
 
-def _check_finite(values: np.ndarray, what: str) -> None:
+def all_finite(arrays) -> bool:
+  """Whether every value of every array is finite (no NaN, no infinity)."""
+  return all(_finite(np.asarray(x).reshape(-1)) for x in arrays)
+
+
+def _finite(values: np.ndarray) -> bool:
   # A finite sum means every value is finite (a NaN or an infinity makes it NaN or infinite):
   # one vectorised pass, no temporary array. Only a non-finite sum (which finite values of
   # huge magnitude can also give, by overflow) needs min and max, which are exact.
-  if values.size and not np.isfinite(values.sum()) and not (
-      np.isfinite(values.min()) and np.isfinite(values.max())):
+  return not values.size or bool(np.isfinite(values.sum())) or bool(
+      np.isfinite(values.min()) and np.isfinite(values.max()))
+
+
+def _check_region(parts: list[np.ndarray], start: int, end: int, leaves, what: str) -> None:
+  """Checks that bytes ``[start, end)`` of a body (the float32 ``leaves``) are finite.
+
+  One pass per message over the region rather than one per tensor (a small
+  model's dozens of tensors cost more in calls than in bytes); per tensor
+  only when a message does not hold whole float32 values (no sender of this
+  project cuts one, but a stranger's body might).
+  """
+  if any(p.size % 4 for p in parts):
+    for x in leaves:
+      _check_finite(x, what)
+    return
+  offset = 0
+  for part in parts:
+    a, b = max(start - offset, 0), min(end - offset, part.size)
+    if a < b:
+      _check_finite(part[a:b].view(F32), what)
+    offset += part.size
+
+
+def _check_finite(values: np.ndarray, what: str) -> None:
+  if not _finite(values):
     raise NonFinite(f"{what} has a non-finite value (NaN or infinity); refused")
 
 

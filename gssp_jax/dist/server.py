@@ -593,7 +593,7 @@ class DistServer:
     methods = [wire.Method("Register", self.on_register), wire.Method("Ready", self.on_ready),
                wire.Method("Tensors", self.on_tensors),
                wire.Method("Join", self.on_join),
-               wire.Method("Push", self.on_push, self._push_limit),
+               wire.Method("Push", self.on_push, self._push_limit, parts=True),
                wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
     self._grpc, port = wire.make_server(methods, address, self.credentials,
                                         max_workers=2 * self.W + 2 * self.S + 8,
@@ -778,7 +778,7 @@ class DistServer:
     """A job reply, with shard 0's slice of the worker's weights at its watermark."""
     body = self.core0.pull(w, job["watermark"], float(self.config.dist.save_timeout))
     with self.lock:
-      self.host["wire_pulled_per_worker"][w] += body.nbytes
+      self.host["wire_pulled_per_worker"][w] += wire.body_bytes(body)
     shards = [link.address if link is not None else "" for link in self.shards[1:]]
     return {"session": self.session, "seq": seq, "shards": shards,
             "digest": self.layout.digest(), **job}, body

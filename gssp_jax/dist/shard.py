@@ -56,6 +56,7 @@ ROUND_FIELDS = {"arrived": bool, "pulls": bool, "groups": np.int32, "applies": b
                 "forward": bool, "deliver": bool, "aggregate": bool, "adopt": np.int32,
                 "average": np.int32, "stats_mean": np.int32}
 MAX_OPS_PER_CALL = 4096
+PARTS_METHODS = ("PutGrad",)   # methods whose handler takes a body as the messages it came in
 
 
 def param_key(i: int) -> str:
@@ -295,8 +296,12 @@ class ShardCore:
 
   # -- weights out ----------------------------------------------------------------------------
 
-  def pull(self, w: int, watermark: int, timeout: float) -> np.ndarray:
-    """Worker ``w``'s weights (and statistics on shard 0) once ``watermark`` ops are applied."""
+  def pull(self, w: int, watermark: int, timeout: float) -> list[np.ndarray]:
+    """Worker ``w``'s weights (and statistics on shard 0) once ``watermark`` ops are applied.
+
+    Returns:
+      the row as a pull body: one float32 view per tensor (``layout.segments``).
+    """
     if not 0 <= w < self.W:
       raise wire.BadMessage(f"mesh={w} is invalid; allowed: 0..{self.W - 1}")
     with self.cond:
@@ -305,7 +310,7 @@ class ShardCore:
       # thread raced with the applier's next op, which donates the state's buffers, and
       # returned the updated rows (measured: every real GSSP run trained on wrong weights).
       row = np.asarray(self.row_fn(self.state, np.int32(w)))
-    return row
+    return self.layout.segments(self.index, row)
 
   def snapshot(self, snap_id: int, timeout: float) -> tuple[np.ndarray, dict]:
     """The served weights of snapshot ``snap_id`` (flat) and, on shard 0, its loss sums."""
@@ -412,7 +417,7 @@ class ShardService:
     push_limit = lambda h: layout.push_limit(s, wire.field(h, "nnz", int, -1,
                                                            layout.grad_size(s)))
     return [
-        wire.Method("PutGrad", self.put_grad, push_limit),
+        wire.Method("PutGrad", self.put_grad, push_limit, parts="PutGrad" in PARTS_METHODS),
         wire.Method("Pull", self.pull),
         wire.Method("Ops", self.ops, lambda h: wire.MAX_MESSAGE_BYTES),
         wire.Method("Snapshot", self.snapshot),
@@ -428,7 +433,7 @@ class ShardService:
     nnz = wire.field(header, "nnz", int, -1)
     grads, stats = self.core.check_push(w, seq, body, nnz)
     self.core.stage(w, seq, grads, stats)
-    size = 0 if body is None else body.size
+    size = wire.body_bytes(body)
     return {"receipt": self.credentials.receipt(self.core.index, w, seq, self.session, size)}, None
 
   def pull(self, header, body, peer):

@@ -52,7 +52,7 @@ class _Pending:
         if not self.ready.is_set():
           return 0
         return next(m.body_limit for m in self.service.methods() if m.name == name)(header)
-      return wire.Method(name, handler, limit)
+      return wire.Method(name, handler, limit, parts=name in shard_lib.PARTS_METHODS)
     return [bind(name) for name in names]
 
 
@@ -95,8 +95,7 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
     layout = layout_lib.ShardLayout.from_description(json.loads(header["layout"]))
     _, body = client.call("Tensors", {"shard": index, "session": session},
                           reply_limit=4 * layout.grad_size(index))
-    params = layout._split(body.view(np.float32),   # pylint: disable=protected-access
-                           layout.leaves(index))
+    params = layout.split(index, body.view(np.float32))
     core = shard_lib.ShardCore(index, layout, config, params, [],
                                shard_lib.checkpoint_dir(workdir, index))
     if header["restore"] >= 0:

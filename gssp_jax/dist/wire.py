@@ -8,14 +8,22 @@ calls. A call has two parts:
   lists), msgpack-encoded with size limits, in the call's metadata (the
   request's invocation metadata; the reply's trailing metadata in a unary
   call, its initial metadata in a stream, where it must precede the body);
-* a **body**: one contiguous buffer of array data (a shard's gradient slice,
-  a worker's weights), never encoded leaf by leaf. A body of up to
-  ``CHUNK_BYTES`` travels as one unary message; a larger one as a stream of
-  ``CHUNK_BYTES`` chunks, which the receiver copies into one buffer allocated
-  only after the size it declares was checked against the model, so no gRPC
-  message is larger than ``MAX_MESSAGE_BYTES``. (One 45 MB message was about
-  4x slower than chunks until the allocator was tuned, :func:`tune_allocator`;
-  since, both take about as long.)
+* a **body**: raw array bytes (a shard's gradient slice, a worker's
+  weights), never encoded leaf by leaf. A sender gives it as one buffer or as
+  a list of **segments** (its tensors, in order), which it never concatenates:
+  :func:`chunks` copies segments once, straight into the messages. A body of
+  up to ``CHUNK_BYTES`` travels as one unary message; a larger one as a
+  stream of messages that end on segment boundaries: whole segments fill a
+  message up to ``CHUNK_BYTES``, and a segment larger than that travels in
+  messages of its own, cut every ``SEGMENT_BYTES``. The receiver checks the
+  declared size against the model before it takes any message, then either
+  copies the messages into one buffer (:func:`receive`) or, for a method that
+  takes **parts** (pushes and pulls), keeps them as they came, so a tensor
+  that lies within one message is used in place (``layout.leaf_views``): a
+  45 MB ResNet-18 push + pull is copied once each way instead of three times.
+  No gRPC message is larger than ``MAX_MESSAGE_BYTES``. (One 45 MB message was
+  about 4x slower than chunks until the allocator was tuned,
+  :func:`tune_allocator`; since, both take about as long.)
 
 Every method therefore exists twice: ``Name`` (unary) and ``Name~`` (a stream
 both ways); the caller picks by size, the handler is the same. Every gRPC
@@ -46,9 +54,10 @@ from gssp_jax.dist import auth
 
 SERVICE = "gssp.Run"
 HEADER_KEY = "gssp-header-bin"
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20      # whole segments fill a message up to this
+SEGMENT_BYTES = 16 << 20   # a larger segment travels alone, cut every this many bytes
 MAX_HEADER_BYTES = 32 << 10
-MAX_MESSAGE_BYTES = CHUNK_BYTES + (64 << 10)
+MAX_MESSAGE_BYTES = max(CHUNK_BYTES, SEGMENT_BYTES) + (64 << 10)
 _RECONNECT_MS = 250   # a restarted server is found within ~0.5 s (gRPC's default backoff: up to 120 s)
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -185,29 +194,70 @@ def field(header: dict, name: str, kind, lo=None, hi=None):
 
 def as_bytes_view(body) -> memoryview:
   """A flat byte view of ``body`` (bytes, a memoryview or a contiguous NumPy array), no copy."""
-  if isinstance(body, np.ndarray):
-    body = np.ascontiguousarray(body).reshape(-1).view(np.uint8)
-  return memoryview(body).cast("B")
+  if isinstance(body, np.ndarray) and not body.flags.c_contiguous:
+    body = np.ascontiguousarray(body)
+  view = memoryview(body)
+  return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def segments(body) -> list[memoryview]:
+  """A body's byte views, no copy: one for a buffer, one per segment for a list or tuple."""
+  if isinstance(body, (list, tuple)):
+    return [as_bytes_view(x) for x in body]
+  return [as_bytes_view(body)]
+
+
+def body_bytes(body) -> int:
+  """The bytes of a body as :func:`segments` or :func:`receive` give it (None: 0)."""
+  if body is None:
+    return 0
+  return sum(x.nbytes if isinstance(x, np.ndarray) else memoryview(x).nbytes
+             for x in (body if isinstance(body, (list, tuple)) else (body,)))
+
+
+def join(body) -> bytes:
+  """A body as one ``bytes`` (one copy of every segment)."""
+  return b"".join(segments(body))
 
 
 def chunks(body) -> Iterator[bytes]:
-  view = as_bytes_view(body)
-  for start in range(0, max(len(view), 1), CHUNK_BYTES):
-    yield bytes(view[start:start + CHUNK_BYTES])
+  """A body's messages, ending on segment boundaries (see the module's docstring); one copy."""
+  batch, filled = [], 0
+  for view in segments(body):
+    if filled and filled + len(view) > CHUNK_BYTES:
+      yield b"".join(batch)
+      batch, filled = [], 0
+    if len(view) > CHUNK_BYTES:
+      for start in range(0, len(view), SEGMENT_BYTES):
+        yield bytes(view[start:start + SEGMENT_BYTES])
+      continue
+    batch.append(view)
+    filled += len(view)
+  if batch:
+    yield b"".join(batch)
 
 
-def receive(parts: Iterator[bytes], size: int) -> np.ndarray:
-  """Copies a stream of chunks into one buffer of exactly ``size`` bytes (checked as they come)."""
-  buf = np.empty([size], np.uint8)
+def receive(parts: Iterator[bytes], size: int, keep_parts: bool = False):
+  """A stream of messages as a body of exactly ``size`` bytes (checked as they come).
+
+  Returns:
+    one uint8 buffer the messages are copied into, or with ``keep_parts`` the
+    messages themselves as uint8 arrays (no copy).
+  """
+  kept = [] if keep_parts else None
+  buf = None if keep_parts else np.empty([size], np.uint8)
   filled = 0
   for part in parts:
     if filled + len(part) > size:
       raise BadMessage(f"the body runs past the {size} bytes its header declared")
-    buf[filled:filled + len(part)] = np.frombuffer(part, np.uint8)
+    if keep_parts:
+      kept.append(np.frombuffer(part, np.uint8))
+    else:
+      buf[filled:filled + len(part)] = np.frombuffer(part, np.uint8)
     filled += len(part)
   if filled != size:
     raise BadMessage(f"the body has {filled} bytes; its header declared {size}")
-  return buf
+  return kept if keep_parts else buf
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -219,14 +269,17 @@ class Method(NamedTuple):
   Attributes:
     name: the method's name (the stream variant is ``name + "~"``).
     handler: ``(header, body, peer) -> (reply_header, reply_body)``; ``body``
-      is a uint8 array or None; ``reply_body`` anything :func:`as_bytes_view`
+      is a uint8 array or None; ``reply_body`` anything :func:`segments`
       takes, or None. It may raise BadMessage or Refused.
     body_limit: ``header -> int``, the most body bytes this header may bring
       (0: none); checked before any body is received into memory.
+    parts: the handler takes the body as the list of messages it came in
+      (uint8 arrays, no copy) instead of one buffer.
   """
   name: str
-  handler: Callable[[dict, np.ndarray | None, str], tuple[dict, Any]]
+  handler: Callable[[dict, Any, str], tuple[dict, Any]]
   body_limit: Callable[[dict], int] = lambda header: 0
+  parts: bool = False
 
 
 def _abort(context, e: Exception):
@@ -244,18 +297,20 @@ def _unary(method: Method):
         raise BadMessage(f"{method.name}: a body of {len(request)} bytes; allowed: at most "
                          f"{limit} for this header")
       body = np.frombuffer(request, np.uint8) if request else None
+      if body is not None and method.parts:
+        body = [body]
       reply_header, reply_body = method.handler(header, body, context.peer())
     except (BadMessage, Refused) as e:
       _abort(context, e)
-    view = as_bytes_view(reply_body if reply_body is not None else b"")
-    if len(view) > MAX_MESSAGE_BYTES:
+    size = body_bytes(reply_body)
+    if size > MAX_MESSAGE_BYTES:
       context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method.name}: a reply of {len(view)} bytes must be streamed ({method.name}~)")
+                    f"{method.name}: a reply of {size} bytes must be streamed ({method.name}~)")
     # The reply's header goes with its status (trailing metadata): one batch with the body,
     # where initial metadata is sent on its own (measured: ~0.1 ms less per small call).
     context.set_trailing_metadata(((HEADER_KEY, encode_header(
-        {**reply_header, "body_bytes": len(view)})),))
-    return bytes(view)
+        {**reply_header, "body_bytes": size})),))
+    return join(reply_body) if size else b""
   return grpc.unary_unary_rpc_method_handler(handle)
 
 
@@ -264,18 +319,18 @@ def _stream(method: Method):
     try:
       header = _metadata_header(context.invocation_metadata())
       size = field(header, "body_bytes", int, 0, method.body_limit(header))
-      body = receive(request_iterator, size) if size else None
+      body = receive(request_iterator, size, method.parts) if size else None
       if not size:
         for _ in request_iterator:
           raise BadMessage(f"{method.name}: a body was sent after declaring none")
       reply_header, reply_body = method.handler(header, body, context.peer())
     except (BadMessage, Refused) as e:
       _abort(context, e)
-    view = as_bytes_view(reply_body if reply_body is not None else b"")
+    size = body_bytes(reply_body)
     context.send_initial_metadata(((HEADER_KEY, encode_header(
-        {**reply_header, "body_bytes": len(view)})),))
-    if len(view):
-      yield from chunks(view)
+        {**reply_header, "body_bytes": size})),))
+    if size:
+      yield from chunks(reply_body)
   return grpc.stream_stream_rpc_method_handler(handle)
 
 
@@ -354,15 +409,17 @@ class Client:
     return self._methods[key]
 
   def call(self, name: str, header: dict[str, Any], body=None, *, reply_limit: int = 0,
-           timeout: float | None = None, retry: bool = True
-           ) -> tuple[dict[str, Any], np.ndarray | None]:
+           timeout: float | None = None, retry: bool = True, reply_parts: bool = False
+           ) -> tuple[dict[str, Any], Any]:
     """One call: ``(reply header, reply body)``; the body is a uint8 array or None.
 
     Args:
       name: the method.
       header: the request's header (plain values).
-      body: the request's body, or None.
+      body: the request's body (a buffer or a list of segments), or None.
       reply_limit: the most reply body bytes expected; a larger reply is refused.
+      reply_parts: the reply body as the list of messages it came in (uint8
+        arrays, no copy) instead of one buffer.
       timeout: seconds for one attempt (None: no deadline).
       retry: retry ``UNAVAILABLE`` until ``retry_seconds`` have passed.
 
@@ -370,15 +427,15 @@ class Client:
       ServerGone: unreachable for ``retry_seconds``.
       CallError: the server answered with an error status.
     """
-    view = as_bytes_view(body) if body is not None else None
-    size = len(view) if view is not None else 0
+    size = body_bytes(body)
     stream = size > CHUNK_BYTES or reply_limit > CHUNK_BYTES
     metadata = self._metadata + ((HEADER_KEY, encode_header({**header, "body_bytes": size})),)
     deadline = time.monotonic() + self.retry_seconds
     delay = 0.05
     while True:
       try:
-        reply_header, reply = self._attempt(name, stream, view, metadata, reply_limit, timeout)
+        reply_header, reply = self._attempt(name, stream, body if size else None, metadata,
+                                            reply_limit, timeout, reply_parts)
         break
       except grpc.RpcError as e:
         code = e.code()
@@ -391,19 +448,22 @@ class Client:
         time.sleep(delay)
         delay = min(2 * delay, 0.25)
     self.bytes_sent += size
-    self.bytes_received += 0 if reply is None else reply.size
+    self.bytes_received += body_bytes(reply)
     return reply_header, reply
 
-  def _attempt(self, name, stream, view, metadata, reply_limit, timeout):
+  def _attempt(self, name, stream, body, metadata, reply_limit, timeout, reply_parts):
     if not stream:
-      request = bytes(view) if view is not None else b""
+      request = join(body) if body is not None else b""
       reply, call = self._method(name, False).with_call(request, metadata=metadata,
                                                         timeout=timeout)
       header = _metadata_header(call.trailing_metadata())
       if len(reply) > max(reply_limit, 0):
         raise BadMessage(f"{name}: a reply of {len(reply)} bytes; expected at most {reply_limit}")
-      return header, (np.frombuffer(reply, np.uint8) if reply else None)
-    parts = chunks(view) if view is not None else iter(())
+      if not reply:
+        return header, None
+      reply = np.frombuffer(reply, np.uint8)
+      return header, ([reply] if reply_parts else reply)
+    parts = chunks(body) if body is not None else iter(())
     responses = self._method(name, True)(parts, metadata=metadata, timeout=timeout)
     metadata_in = responses.initial_metadata()
     if not any(key == HEADER_KEY for key, _ in metadata_in or ()):
@@ -411,7 +471,7 @@ class Client:
         pass
     header = _metadata_header(metadata_in)
     size = field(header, "body_bytes", int, 0, max(reply_limit, 0))
-    return header, (receive(responses, size) if size else None)
+    return header, (receive(responses, size, reply_parts) if size else None)
 
   def close(self) -> None:
     self._channel.close()

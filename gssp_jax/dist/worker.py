@@ -287,17 +287,16 @@ class MeshWorker:
   def _request_push(self, job: dict, loss, grad, model_state, nbytes) -> tuple[dict, object]:
     """Rank 0: the slices to the shards, then the push; ``rejoin`` answers lead to a ``Join``."""
     sparse = self.config.compress.name != "none"
-    grads, stats = jax.tree.leaves(grad), jax.tree.leaves(model_state)
+    grads = [np.asarray(x) for x in jax.tree.leaves(grad)]
+    stats = [np.asarray(x) for x in jax.tree.leaves(model_state)]
     bodies = [self.layout.pack_push(s, grads, stats, sparse) for s in range(self.layout.num_shards)]
     self.seq += 1
     header = {"mesh": self.w, "instance": self.instance, "session": self.session,
               "seq": self.seq, "iteration": job["iteration"], "loss": float(loss),
               "bytes": int(nbytes) + self.stats_bytes,
-              "wire_bytes": sum(body.nbytes for body, _ in bodies),
+              "wire_bytes": sum(wire.body_bytes(body) for body, _ in bodies),
               "nnz": [nnz for _, nnz in bodies]}
-    if not (np.isfinite(loss) and all(np.isfinite(b[nnz:].min()) and np.isfinite(b[nnz:].max())
-                                       for b, nnz in ((x, max(n, 0)) for x, n in bodies)
-                                       if b.size > nnz)):
+    if not (np.isfinite(loss) and layout_lib.all_finite(grads + stats)):
       return self.server.call("Push", {**header, "nonfinite": "the mesh computed a non-finite "
                                        "loss or gradient"})
     try:
@@ -311,7 +310,7 @@ class MeshWorker:
         raise
       return {"rejoin": True}, None
     return self.server.call("Push", {**header, "receipts": receipts}, bodies[0][0],
-                            reply_limit=self._pull_limit(0))
+                            reply_limit=self._pull_limit(0), reply_parts=True)
 
   def _fetch_weights(self, job: dict, shard0) -> tuple:
     """Every rank's weights at the job's watermark: shard 0's (given, or pulled), the others'."""
@@ -320,10 +319,12 @@ class MeshWorker:
     if shard0 is None:
       calls.append(lambda: self.server.call("Pull", {"mesh": self.w, "session": job["session"],
                                                      "watermark": job["watermark"]},
-                                            reply_limit=layout.pull_bytes(0))[1])
+                                            reply_limit=layout.pull_bytes(0),
+                                            reply_parts=True)[1])
     calls += [lambda s=s: self.shards[s - 1].call(
         "Pull", {"mesh": self.w, "session": job["session"], "watermark": job["watermark"]},
-        reply_limit=layout.pull_bytes(s))[1] for s in range(1, layout.num_shards)]
+        reply_limit=layout.pull_bytes(s), reply_parts=True)[1]
+        for s in range(1, layout.num_shards)]
     bodies = server_lib._parallel(calls) if calls else []   # pylint: disable=protected-access
     if shard0 is not None:
       bodies = [shard0] + bodies
@@ -334,7 +335,7 @@ class MeshWorker:
         leaves[i] = leaf
       stats = shard_stats if s == 0 else stats
     return (jax.tree.unflatten(self.treedefs[0], leaves),
-            jax.tree.unflatten(self.treedefs[1], stats), sum(b.nbytes for b in bodies))
+            jax.tree.unflatten(self.treedefs[1], stats), sum(wire.body_bytes(b) for b in bodies))
 
   def _share(self, job: dict | None) -> dict:
     """Broadcasts rank 0's job (small: iteration, ratio, watermark, shards) to every rank."""
