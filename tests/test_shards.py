@@ -6,7 +6,7 @@ own code, served over gRPC on loopback with the run's token) and the meshes'
 own gradient, compressor and packing code (``dist_replay``). After the last
 event every shard's tensors of every replica, worker and optimizer state, and
 shard 0's statistics and loss sums, must equal the simulator's bit for bit,
-for S = 1, 2 and 4; and the staleness, updates and bytes per link counted by
+for S = 1 and 4 (and 2 in two cases); and the staleness, updates and bytes per link counted by
 the control plane must equal the simulator's exactly.
 """
 
@@ -21,7 +21,7 @@ from gssp_jax import config as config_lib
 from gssp_jax import models
 
 # Every scheme the runtime runs, each once; compression (GDTopK, DGC, top-k) and BatchNorm on
-# some of them; S = 1, 2 and 4 shards each.
+# some of them; S = 1 and 4 shards each, and 2 where noted in the test.
 CASES = {
     "bsp": {"sync.scheme": "bsp"},
     "ssp": {"sync.scheme": "ssp"},
@@ -73,7 +73,10 @@ def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path):
   sim = dist_replay.simulate_events(config, str(tmp_path / "sim"))
   assert sim.engine.num_pushes == sim.end_pushes >= 16
   meshes = dist_replay.make_meshes(config)
-  for num_servers in (1, 2, 4):
+  # S = 2 as well where a shard holds statistics and compressed slices of several tensors; one
+  # and four shards for the rest (each S is a whole real run: the replay is a third of a case).
+  for num_servers in (1, 2, 4) if case in ("gssp-peer-gdtopk", "bn-gssp-global-topk-adam") else (
+      1, 4):
     run = dist_replay.RealRun(config, str(tmp_path / f"real{num_servers}"), num_servers, meshes)
     try:
       run.replay(sim.engine.events)
