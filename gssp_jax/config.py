@@ -113,7 +113,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.straggler_duration = 10   # iterations a straggle lasts
   c.cluster.bandwidth = 1.25e9        # bytes/s of each worker's link (10 Gb/s); or one per worker
   c.cluster.latency = 1e-4            # seconds per message on a worker link; or one per worker
-  c.cluster.server_bandwidth = 1.25e9  # between servers (GSSP forwards, global weights)
+  c.cluster.server_bandwidth = 1.25e9  # each server's interface: its pushes in, its pulls out
+  #                                    (shared, below), and messages between servers
+  c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
+  #                                    (max-min fair), and so do pulls; False: each alone
   c.cluster.server_latency = 1e-4
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6

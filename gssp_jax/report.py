@@ -161,6 +161,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "bytes_pushed": totals.get("bytes_pushed"),
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
+        "staleness_data_mean": (final.get("staleness_data") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
         "_named": not trial["from_sweep"],
         "_speeds": (s.get("cluster") or {}).get("speeds"),   # per worker, for the figures
@@ -213,7 +214,14 @@ def _add_baselines(rows: list[dict], ignore=()) -> None:
 
 
 COLUMNS = ("final", "time_to_target", "speedup_vs_bsp", "delta_vs_bsp", "virtual_time",
-           "bytes_pushed", "blocked_time", "staleness_mean")
+           "bytes_pushed", "blocked_time", "staleness_mean", "staleness_data_mean")
+# What the staleness columns count (each applied gradient, at its own server, from its worker's
+# read to its application): printed under every table that has them.
+STALENESS_NOTE = ("staleness_mean: in updates of the gradient's server (a GSSP delivery, an "
+                  "InHAD aggregate or a BSP round counts 1); staleness_data_mean: in worker "
+                  "iterations of data that server incorporated in between (a BSP round counts "
+                  "W, a GSSP delivery its K pushes). Only the second compares across schemes; "
+                  "'–' where a run predates it.")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -328,7 +336,8 @@ def _fmt(value, col: str, metric: str = "") -> str:
   if col in ("time_to_target", "virtual_time", "blocked_time"):
     return f"{value:.2f}"
   if isinstance(value, float):
-    return f"{value:.2f}" if col in ("final", "delta_vs_bsp", "staleness_mean") else f"{value:.4g}"
+    return (f"{value:.2f}" if col in ("final", "delta_vs_bsp", "staleness_mean",
+                                       "staleness_data_mean") else f"{value:.4g}")
   return str(value)
 
 
@@ -439,7 +448,7 @@ def _mean_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]
              + (f" ({a[c + '_n']}/{a['seeds']} seeds)" if a[c + "_n"] < a["seeds"] else ""))
             if a[c] is not None else "–" for c in COLUMNS]
     lines.append("| " + " | ".join(head + body) + " |")
-  return lines
+  return lines + ["", STALENESS_NOTE]
 
 
 def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:

@@ -8,6 +8,9 @@
   its one replica kept the statistics of node 0's workers only.
 * CASP's blocked time. A community's upload through its leader counted as its members' blocked
   time; every other scheme counts a worker's upload as push time.
+* Staleness in two units. It was counted in updates of the gradient's server only, so a GSSP
+  delivery of K pushes or an InHAD aggregate counted 1, and GSSP's 6.0 sat beside ASP's 15.0.
+  It is now also counted in worker iterations of data (``staleness_data``), labelled.
 """
 
 import jax
@@ -92,3 +95,89 @@ def test_a_casp_communitys_upload_is_push_time_not_blocked_time():
   assert engine.now == 2.75
   np.testing.assert_array_equal(engine.blocked_time, [1.0, 0.0])   # was [1.5, 0.5]
   np.testing.assert_array_equal(engine.blocked_time_so_far(), [1.0, 0.0])
+
+
+def _round(W, R, G, route, **fields):
+  rnd = rounds_lib.empty_round(0.0, W, R, G, np.asarray(route, np.int32))
+  for name, value in fields.items():
+    getattr(rnd, name)[...] = value
+  return rnd
+
+
+def _stale(acct, rnd):
+  """Applies ``rnd``: ({worker: staleness in updates}, sorted staleness in data of its gradients)."""
+  hist = acct.data_hist.copy()
+  workers, values = acct.apply(rnd)
+  new = acct.data_hist - hist
+  return dict(zip(workers.tolist(), values.tolist())), np.repeat(np.arange(new.size), new).tolist()
+
+
+def test_a_gssp_delivery_of_two_pushes_is_one_update_but_two_iterations_of_data():
+  # 4 workers, 2 groups (peer): workers 0, 1 at group server 0; 2, 3 at group server 1.
+  acct = sync.accounting.Accounting(4, 2)
+  route = [0, 0, 1, 1]
+  _stale(acct, _round(4, 2, 2, route, arrived=[1, 0, 0, 0], pulls=[1, 0, 0, 0],
+                      applies=[1, 0]))
+  got, data = _stale(acct, _round(4, 2, 2, route, arrived=[0, 1, 0, 0], pulls=[0, 1, 0, 0],
+                                  applies=[1, 0], forward=[1, 0]))
+  assert got == {1: 1} and data == [1]            # w0's push came first: one of each
+  _stale(acct, _round(4, 2, 2, route, applies=[0, 1], deliver=[1, 0]))   # group 0's sum of 2
+  got, data = _stale(acct, _round(4, 2, 2, route, arrived=[0, 0, 1, 0], applies=[0, 1]))
+  assert got == {2: 1} and data == [2]            # one update of group server 1: 2 gradients
+  assert acct.data.tolist() == [2, 3] and acct.version.tolist() == [2, 2]
+  assert acct.data_summary()["unit"] != acct.summary()["unit"]
+
+
+def test_a_bsp_round_and_asp_pushes_count_the_same_in_both_units_where_they_should():
+  bsp = sync.accounting.Accounting(3, 1)
+  for _ in range(2):
+    got, data = _stale(bsp, _round(3, 1, 1, [0, 0, 0], arrived=[1, 1, 1], pulls=[1, 1, 1],
+                                   applies=[1]))
+    assert got == {0: 0, 1: 0, 2: 0} and data == [0, 0, 0]
+  assert bsp.data.tolist() == [6] and bsp.version.tolist() == [2]
+  asp = sync.accounting.Accounting(2, 1)
+  for w in (0, 1, 0, 0, 1):
+    arrived = [w == 0, w == 1]
+    asp.apply(_round(2, 1, 1, [0, 0], arrived=arrived, pulls=arrived, applies=[1]))
+  assert asp.data_summary()["hist"] == asp.summary()["hist"]
+
+
+def test_an_inhad_aggregate_counts_every_waiting_gradient():
+  # 2 workers on 2 nodes, one replica; nothing applies until the aggregate.
+  acct = sync.accounting.Accounting(2, 1, aggregating=True)
+  for w in (0, 0, 1):
+    arrived = [w == 0, w == 1]
+    acct.apply(_round(2, 1, 2, [0, 1], arrived=arrived, pulls=arrived))
+  acct.apply(_round(2, 1, 2, [0, 1], applies=[1], aggregate=True))
+  assert acct.data.tolist() == [3] and acct.version.tolist() == [1]
+  # Worker 1 read version 0 (data 0) before the aggregate: its next gradient is 1 update
+  # and 3 iterations of data stale.
+  acct.apply(_round(2, 1, 2, [0, 1], arrived=[0, 1]))
+  workers, values = acct.apply(_round(2, 1, 2, [0, 1], applies=[1], aggregate=True))
+  assert workers.tolist() == [1] and values.tolist() == [1]
+  assert acct.data_max == 3
+
+
+def test_a_ds_sync_average_merges_what_each_member_took_once():
+  # 3 workers, each its own replica; replicas 0 and 1 average after 2 and 1 pushes.
+  acct = sync.accounting.Accounting(3, 3)
+  route = [0, 1, 2]
+  for arrived in ([1, 0, 0], [1, 1, 0], [0, 0, 1]):
+    acct.apply(_round(3, 3, 1, route, arrived=arrived, pulls=arrived, applies=arrived))
+  acct.apply(_round(3, 3, 1, route, average=[0, 0, -1], pulls=[1, 1, 0]))
+  assert acct.data.tolist() == [3, 3, 1]
+  acct.apply(_round(3, 3, 1, route, arrived=[1, 0, 0], pulls=[1, 0, 0], applies=[1, 0, 0]))
+  acct.apply(_round(3, 3, 1, route, average=[0, 0, -1]))
+  assert acct.data.tolist() == [4, 4, 1]   # not 7: the shared 3 counted once
+
+
+def test_a_checkpoint_from_before_the_data_counters_still_loads():
+  old = sync.accounting.Accounting(2, 1)
+  old.apply(_round(2, 1, 1, [0, 0], arrived=[1, 0], pulls=[1, 0], applies=[1]))
+  state = {k: v for k, v in old.state_dict().items()
+           if k in ("version", "read", "pending", "aggregating", "hist", "applied",
+                    "staleness_sum", "staleness_max")}
+  acct = sync.accounting.Accounting(2, 1)
+  acct.load_state_dict(state)
+  acct.apply(_round(2, 1, 1, [0, 0], arrived=[0, 1], pulls=[0, 1], applies=[1]))
+  assert acct.summary()["applied"] == 2 and acct.data_summary()["mean"] == 0.0

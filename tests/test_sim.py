@@ -340,6 +340,11 @@ def test_same_config_same_metrics_bit_for_bit(tmp_path, data_dir):
   assert len(runs[0]) == 4 and runs[0][-1]["virtual_time"] > 0
   assert runs[0][-1]["staleness"]["applied"] > 0
   last = runs[0][-1]
+  # Both units, labelled: a GSSP delivery carries several pushes, so data is staler.
+  assert last["staleness"]["unit"] == "updates of its server"
+  assert last["staleness_data"]["unit"].startswith("worker iterations of data")
+  assert last["staleness_data"]["applied"] == last["staleness"]["applied"]
+  assert last["staleness_data"]["mean"] > last["staleness"]["mean"]
   assert last["bytes_pushed"] < last["bytes_pulled"]   # pushes are sparse
   assert sum(last["bytes_pushed_per_worker"]) == last["bytes_pushed"]
   assert sum(last["bytes_pulled_per_worker"]) == last["bytes_pulled"]
@@ -600,6 +605,8 @@ def test_timed_push_bytes_equal_reported_bytes_pushed(tmp_path, data_dir, monkey
   config = _sim_config(scheme, **{"compress.name": compressor, "compress.ratio": 0.05,
                                   "cluster.bandwidth": 1.0, "cluster.latency": 0.0,
                                   "cluster.node_bandwidth": 1.0, "cluster.node_latency": 0.0,
+                                  # each push alone: its delay is its bytes (the fixed path)
+                                  "cluster.shared_server_links": False,
                                   "train.num_epochs": 1.5 if compressor == "gdtopk" else 1.0,
                                   "train.eval_every": 1.0})
   config.data_dir = data_dir
@@ -635,7 +642,7 @@ def test_blocked_time_and_totals_include_waits_in_progress(tmp_path, data_dir, m
   config.data_dir = data_dir
   summary = loop.train_and_evaluate(config, str(tmp_path))
   engine = log["engines"][-1]
-  busy = {w for _, _, kind, w in engine.queue if kind in ("start", "push")}
+  busy = engine.busy_workers()   # computing, or a push or pull on a link
   waiting = [w for w in range(4) if w not in busy]
   assert waiting   # fast workers wait for the slow ones under SSP(1)
   expected = engine.blocked_time + np.where(np.isin(np.arange(4), waiting),

@@ -234,6 +234,8 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   duration = cfg.straggler_duration
   if isinstance(duration, bool) or not isinstance(duration, int) or duration < 1:
     _fail("straggler_duration", duration, "an int >= 1 (iterations)")
+  if not isinstance(cfg.get("shared_server_links", True), bool):
+    _fail("shared_server_links", cfg.shared_server_links, "True or False")
   prob = _non_negative("straggler_prob", cfg.straggler_prob)
   if prob > 1:
     _fail("straggler_prob", prob, "a probability in [0, 1]")

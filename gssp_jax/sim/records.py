@@ -80,6 +80,7 @@ def evaluation_record(*, pushes: int, num_workers: int, spe: int, updates: int,
       "blocked_time": float(np.mean(blocked)),
       "blocked_time_per_worker": np.asarray(blocked).tolist(),
       "staleness": acct.summary(),
+      "staleness_data": acct.data_summary(),
       "updates_per_replica": acct.version.tolist(),
   }
 
@@ -99,6 +100,7 @@ def summary_fields(*, history: list[dict], reached: dict | None, metric: str, ta
           "samples": int(pushes) * batch_size, "virtual_time": float(virtual_time),
           "wall_time": float(wall_time), **traffic(host, pull_bytes),
           "blocked_time_per_worker": np.asarray(blocked).tolist(),
-          "staleness": acct.summary(), "updates_per_replica": acct.version.tolist(),
+          "staleness": acct.summary(), "staleness_data": acct.data_summary(),
+          "updates_per_replica": acct.version.tolist(),
       },
   }

@@ -15,6 +15,17 @@ Two schemes move data differently:
   (``Message("community")``) and gets one reply over its link, then forwards it
   to every member over the member's link.
 
+Contention (``route``, with ``cluster.shared_server_links``): a push into a
+server (the worker's replica's: its GSSP group server, else the one server)
+and a pull out of it cross the server's interface, ``(server, "push")`` in and
+``(server, "pull")`` out, each shared max-min fairly by the transfers in
+progress on it (``sync.links``), each transfer capped by its worker's own
+bandwidth, its latency added after. BSP's W simultaneous pushes of the whole
+model therefore take W times one push's transfer at a server as fast as a
+worker. Not routed (fixed delays, as before): InHAD's push to its node's
+aggregator, a CASP community's member <-> leader legs and upload, and messages
+between servers.
+
 Byte counters (``host`` keys): ``pushed_per_worker`` (to a server, by the
 worker), ``node_push_bytes`` (InHAD's aggregates, node -> server),
 ``pulls_per_worker`` (pulls from a server), ``local_bytes`` (inside a node or
@@ -43,8 +54,8 @@ class Traffic:
   """
 
   def __init__(self, scheme: str, cluster, push_payload: Callable[[int, int], int],
-               dense_payload: int, pull_bytes: int):
-    self.scheme, self.cluster = scheme, cluster
+               dense_payload: int, pull_bytes: int, shared: bool = False):
+    self.scheme, self.cluster, self.shared = scheme, cluster, bool(shared)
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
 
   # ------------------------------------------------------------ time
@@ -66,6 +77,23 @@ class Traffic:
       local = 0.0 if leader == worker else c.link_time(worker, self.pull_bytes)
       return c.link_time(leader, self.pull_bytes) + local
     return c.link_time(worker, self.pull_bytes)
+
+  def route(self, protocol, kind: str, worker: int, iteration: int):
+    """The shared link a push or pull crosses: ``(link, bytes, cap, latency)``, or None.
+
+    None: the transfer takes :meth:`push_delay` / :meth:`pull_delay` alone
+    (without ``shared``, or a path that does not end at a server's interface).
+    """
+    if not self.shared:
+      return None
+    if kind == "push" and self.scheme == "inhad":
+      return None   # to the node's aggregator
+    if self.scheme == "casp" and protocol.members(worker).size > 1:
+      return None   # through the community's leader
+    c = self.cluster
+    num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
+    return ((int(protocol.route[worker]), kind), num_bytes, float(c.bandwidth[worker]),
+            float(c.latency[worker]))
 
   def message_delay(self, protocol, message, iteration: np.ndarray) -> float:
     """``iteration``: pushes per worker so far (the engine's), to size a community's push."""

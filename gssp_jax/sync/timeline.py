@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from gssp_jax.sync import links as links_lib
 from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 
@@ -56,14 +57,24 @@ class TimelineEngine:
     pull_delay: ``worker -> seconds`` from release to the next start (weights' transfer).
     message_delay: ``message -> seconds`` for server-to-server messages.
     record: keep ``starts``/``pushes``/``events`` lists (tests, small runs).
+    route: ``(kind, worker, iteration) -> (link, bytes, cap, latency) | None``:
+      with it, a push (kind "push", at the end of compute) or a pull ("pull",
+      at the release) that is routed crosses ``link``, shared with the other
+      transfers on it (``links.SharedLinks``): ``bytes`` at most ``cap``
+      bytes/s, then ``latency`` seconds. A transfer routed None (and every
+      one without ``route``) takes ``push_delay`` / ``pull_delay`` alone.
+    link_bandwidth: bytes/s of every shared link (with ``route``).
   """
 
   def __init__(self, protocol: Protocol, compute_time: Callable[[int, int], float], *,
                push_delay: Callable[[int, int], float] = lambda w, k: 0.0,
                pull_delay: Callable[[int], float] = lambda w: 0.0,
                message_delay: Callable[[Message], float] = lambda m: 0.0,
-               record: bool = True):
+               record: bool = True, route: Callable | None = None,
+               link_bandwidth: float = 1.25e9):
     self.protocol = protocol
+    self.route = route
+    self.links = links_lib.SharedLinks(link_bandwidth) if route is not None else None
     self.compute_time, self.push_delay = compute_time, push_delay
     self.pull_delay, self.message_delay = pull_delay, message_delay
     self.record = record
@@ -88,7 +99,11 @@ class TimelineEngine:
   def _react(self, reaction, time):
     for w in reaction.release:
       self.blocked_time[w] += time - self.pushed_at[w]
-      self._schedule(time + self.pull_delay(w), "start", w)
+      path = self.route("pull", w, int(self.iteration[w])) if self.route is not None else None
+      if path is None:
+        self._schedule(time + self.pull_delay(w), "start", w)
+      else:
+        self._transfer(time, path, ("start", w))
     for m in reaction.messages:
       arrival = time + self.message_delay(m)
       for w in m.carries:   # their push travels on: push time, not blocked time
@@ -96,6 +111,29 @@ class TimelineEngine:
         self.pushed_at[w] = arrival
       self._schedule(arrival, "message", m)
     return reaction.rounds
+
+  def _transfer(self, time: float, path, then) -> None:
+    """Starts a transfer on a shared link; ``then`` = (event kind, worker) follows its end."""
+    link, num_bytes, cap, latency = path
+    version = self.links.start(link, time, (then, float(latency)), num_bytes, cap)
+    self._schedule(self.links.next_end(link), "link", (link, version))
+
+  def _link_event(self, link, version) -> None:
+    """A link's first transfer ends (unless its shares changed since: a stale event)."""
+    if version != self.links.version[link]:
+      return
+    for (kind, w), latency in self.links.finish(link, self.now):
+      self._schedule(self.now + latency, kind, w)
+    end = self.links.next_end(link)
+    if end is not None:
+      self._schedule(end, "link", (link, self.links.version[link]))
+
+  def busy_workers(self) -> set:
+    """Workers computing, pushing or pulling (not waiting for a release, not dropped)."""
+    busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push", "sent")}
+    if self.links is not None:
+      busy |= {w for (_, w), _ in self.links.tags()}
+    return busy
 
   def drop_at(self, time: float, worker: int) -> None:
     """Schedules ``worker``'s crash at ``time``: its pending start and push vanish.
@@ -110,12 +148,17 @@ class TimelineEngine:
     self._schedule(time, "rejoin", int(worker))
 
   def _drop(self, w: int) -> list:
-    busy = any(kind in ("start", "push") and payload == w for _, _, kind, payload in self.queue)
+    busy = w in self.busy_workers()
     reaction = self.protocol.drop(w, self.now)
     if not busy:   # it was waiting to be released (not while its push travelled)
       self.blocked_time[w] += max(self.now - self.pushed_at[w], 0.0)
-    self.queue = [e for e in self.queue if not (e[2] in ("start", "push") and e[3] == w)]
+    self.queue = [e for e in self.queue if not (e[2] in ("start", "push", "sent") and e[3] == w)]
     heapq.heapify(self.queue)
+    if self.links is not None:
+      for link in self.links.cancel(self.now, lambda tag: tag[0][1] == w):
+        end = self.links.next_end(link)
+        if end is not None:
+          self._schedule(end, "link", (link, self.links.version[link]))
     return self._react(reaction, self.now)
 
   def _rejoin(self, w: int) -> list:
@@ -129,7 +172,7 @@ class TimelineEngine:
       raise RuntimeError(f"{self.protocol.name} timeline has no pending event: every worker "
                          "waits and no message is in flight (a protocol deadlock)")
     self.now, _, kind, payload = heapq.heappop(self.queue)
-    if self.record:
+    if self.record and kind not in ("sent", "link"):   # a link's own events are not recorded
       self.events.append((kind, self.now, payload))
     if kind == "start":
       w = payload
@@ -139,7 +182,21 @@ class TimelineEngine:
       compute = self.compute_time(w, k)
       self.compute_sum[w] += compute
       self.compute_count[w] += 1
-      self._schedule(self.now + compute + self.push_delay(w, k), "push", w)
+      if self.route is None:
+        self._schedule(self.now + compute + self.push_delay(w, k), "push", w)
+      else:
+        self._schedule(self.now + compute, "sent", w)
+      return []
+    if kind == "sent":   # compute ended: the push leaves
+      w, k = payload, int(self.iteration[payload])
+      path = self.route("push", w, k)
+      if path is None:
+        self._schedule(self.now + self.push_delay(w, k), "push", w)
+      else:
+        self._transfer(self.now, path, ("push", w))
+      return []
+    if kind == "link":
+      self._link_event(*payload)
       return []
     if kind == "push":
       w = payload
@@ -162,7 +219,7 @@ class TimelineEngine:
     pushed and has neither a start nor a push scheduled is still waiting, since
     its last push at ``pushed_at``. A dropped worker is not waiting.
     """
-    busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push")}
+    busy = self.busy_workers()
     waiting = np.array([w not in busy for w in range(self.blocked_time.size)])
     waiting &= self.protocol.alive
     return self.blocked_time + np.where(waiting, np.maximum(self.now - self.pushed_at, 0.0), 0.0)
@@ -178,7 +235,7 @@ class TimelineEngine:
   def state_dict(self) -> dict:
     return {k: getattr(self, k) for k in ("protocol", "queue", "seq", "iteration", "pushed_at",
                                          "blocked_time", "num_pushes", "now", "compute_sum",
-                                         "compute_count")}
+                                         "compute_count", "links")}
 
   def load_state_dict(self, state: dict) -> None:
     for k, v in state.items():

@@ -64,10 +64,12 @@ def _allowed_classes() -> dict[str, type]:
   # pylint: disable=g-import-not-at-top
   from gssp_jax import sync
   from gssp_jax.sim import executor
+  from gssp_jax.sync import links
   from gssp_jax.sync import rounds
   from gssp_jax.sync.protocols import base, casp
   # pylint: enable=g-import-not-at-top
-  own = [executor.Step, executor.Jobs, rounds.Round, base.Message, casp.ActorCritic]
+  own = [executor.Step, executor.Jobs, rounds.Round, base.Message, casp.ActorCritic,
+         links.SharedLinks, links._Transfer]   # pylint: disable=protected-access
   classes = [*own, sync.Protocol, *_subclasses(sync.Protocol)]
   return {**{_name(c): c for c in classes}, **_ALLOWED}
 

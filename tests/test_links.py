@@ -1,0 +1,170 @@
+"""A server's link shared by the transfers that overlap on it, against hand timelines."""
+
+import numpy as np
+import pytest
+
+from gssp_jax import sync
+from gssp_jax.sync import links as links_lib
+
+MB = 1e6
+
+
+def _route(bytes_of, cap=1 * MB, server_of=lambda w: 0, latency=0.0):
+  """Every push and pull crosses its server's link: ``bytes_of(kind)``, at most ``cap`` B/s."""
+  return lambda kind, w, k: ((server_of(w), kind), bytes_of(kind), cap, latency)
+
+
+def _run(protocol, compute, route, link_bandwidth, max_pushes, **kwargs):
+  engine = sync.TimelineEngine(protocol, compute, route=route, link_bandwidth=link_bandwidth,
+                               **kwargs)
+  while engine.num_pushes < max_pushes:
+    engine.step()
+  return engine
+
+
+def test_max_min_rates_fill_the_link_and_respect_each_cap():
+  assert links_lib.max_min_rates([1.0, 100.0, 100.0], 10.0) == [1.0, 4.5, 4.5]
+  assert links_lib.max_min_rates([5.0, 5.0], 100.0) == [5.0, 5.0]
+  assert links_lib.max_min_rates([], 3.0) == []
+  assert sum(links_lib.max_min_rates([2.0, 7.0, 9.0, 30.0], 12.0)) == pytest.approx(12.0)
+
+
+def test_bsps_incast_shares_the_servers_link():
+  # 3 workers, 1 s of compute, 1 MB pushes and pulls, 1 MB/s links everywhere.
+  # Alone each push would take 1 s; together they share the server's 1 MB/s:
+  # all three arrive at 1 + 3 = 4 s, and the three pulls end at 4 + 3 = 7 s.
+  engine = _run(sync.BSPProtocol(3), lambda w, k: 1.0, _route(lambda kind: MB), MB, 6,
+                record=True)
+  assert [t for t, _, _ in engine.pushes[:3]] == pytest.approx([4.0, 4.0, 4.0], rel=1e-12)
+  starts = [(t, w) for t, w, k in engine.starts if k == 1]
+  assert [w for _, w in starts] == [0, 1, 2]
+  assert [t for t, _ in starts] == pytest.approx([7.0, 7.0, 7.0], rel=1e-12)
+  assert [t for t, _, _ in engine.pushes[3:6]] == pytest.approx([11.0, 11.0, 11.0], rel=1e-12)
+  np.testing.assert_allclose(engine.blocked_time, [0.0, 0.0, 0.0])   # transfers are no wait
+
+
+def test_asynchronous_transfers_share_only_while_they_overlap():
+  # ASP, computes of 1.0 and 1.5 s. w0's push runs alone on [1, 1.5) (0.5 MB), then both at
+  # 0.5 MB/s: w0 ends at 2.5, w1 has 0.5 MB left and ends alone at 3.0. w0's pull runs alone
+  # on [2.5, 3.0), then with w1's: w0 ends at 4.0, w1 at 4.5.
+  engine = _run(sync.ASPProtocol(2), lambda w, k: [1.0, 1.5][w], _route(lambda kind: MB), MB,
+                2, record=True)
+  assert [w for _, w, _ in engine.pushes] == [0, 1]
+  assert [t for t, _, _ in engine.pushes] == pytest.approx([2.5, 3.0], rel=1e-12)
+  while len(engine.starts) < 4:
+    engine.step()
+  again = sorted((t, w) for t, w, k in engine.starts if k == 1)
+  assert [w for _, w in again] == [0, 1]
+  assert [t for t, _ in again] == pytest.approx([4.0, 4.5], rel=1e-12)
+
+
+def test_a_worker_capped_below_its_share_leaves_the_rest_to_the_others():
+  # Server 3 MB/s; worker 0's link 0.5 MB/s, workers 1 and 2 at 10 MB/s. Max-min shares:
+  # 0.5, 1.25, 1.25: workers 1 and 2 end at 1 + 0.8; worker 0 then alone at 0.5 MB/s:
+  # it had 0.6 MB left -> ends at 1.8 + 1.2 = 3.0.
+  caps = [0.5 * MB, 10 * MB, 10 * MB]
+  route = lambda kind, w, k: ((0, kind), MB, caps[w], 0.0)
+  engine = _run(sync.ASPProtocol(3), lambda w, k: 1.0, route, 3 * MB, 3, record=True)
+  times = {w: t for t, w, _ in engine.pushes}
+  assert times[1] == pytest.approx(1.8) and times[2] == pytest.approx(1.8)
+  assert times[0] == pytest.approx(3.0)
+
+
+def test_a_fast_server_link_changes_nothing():
+  # Server links far faster than the workers' own: each transfer goes at its cap, so the
+  # timeline is the one of fixed delays, bytes / cap + latency.
+  def delays(w, k=None):
+    return 0.01 + MB / (2 * MB)
+  protocol = lambda: sync.SSPProtocol(4, 1)
+  compute = lambda w, k: [1.0, 1.3, 2.0, 3.1][w] * (1 + 0.1 * (k % 3))
+  fixed = _run(protocol(), compute, None, MB, 40, record=True, push_delay=delays,
+               pull_delay=delays)
+  shared = _run(protocol(), compute, _route(lambda kind: MB, cap=2 * MB, latency=0.01),
+                1e6 * MB, 40, record=True)
+  assert [(w, k) for _, w, k in shared.pushes] == [(w, k) for _, w, k in fixed.pushes]
+  np.testing.assert_allclose([t for t, _, _ in shared.pushes],
+                             [t for t, _, _ in fixed.pushes], rtol=1e-12)
+  np.testing.assert_allclose(shared.blocked_time, fixed.blocked_time, rtol=1e-9, atol=1e-12)
+
+
+def test_each_group_server_has_a_link_of_its_own():
+  # GSSP, 2 groups of 2: the groups' pushes do not share a link. Each group server's two
+  # pushes share its 1 MB/s: both end at 1 + 2 = 3 s (one group alone would say the same).
+  scheme = sync.build_scheme("gssp", 4, worker_times=[1.0, 1.0, 1.0, 1.0], num_groups=2,
+                             staleness=3)
+  protocol = scheme.make_protocol()
+  route = _route(lambda kind: MB, server_of=lambda w: int(protocol.route[w]))
+  engine = _run(protocol, lambda w, k: 1.0, route, MB, 4, record=True,
+                message_delay=lambda m: 0.1)
+  assert sorted(t for t, _, _ in engine.pushes[:4]) == pytest.approx([3.0] * 4, rel=1e-12)
+
+
+def test_a_dropped_worker_leaves_the_link_to_the_others():
+  # ASP, 2 workers pushing 1 MB at once on 1 MB/s; worker 1 crashes at 1.5 s (0.25 MB sent
+  # each): worker 0 then has the link alone and ends at 1.5 + 0.75 = 2.25 s.
+  engine = sync.TimelineEngine(sync.ASPProtocol(2), lambda w, k: 1.0,
+                               route=_route(lambda kind: MB), link_bandwidth=MB)
+  engine.drop_at(1.5, 1)
+  while engine.num_pushes < 1:
+    engine.step()
+  assert engine.now == pytest.approx(2.25)
+  assert 1 not in engine.busy_workers()
+
+
+def test_a_resumed_engine_continues_its_transfers_exactly():
+  import pickle  # pylint: disable=g-import-not-at-top
+  make = lambda: sync.TimelineEngine(sync.ASPProtocol(3), lambda w, k: [1.0, 1.2, 1.7][w],
+                                     route=_route(lambda kind: MB), link_bandwidth=MB)
+  whole = make()
+  for _ in range(50):
+    whole.step()
+  split = make()
+  for _ in range(23):
+    split.step()
+  resumed = make()
+  resumed.load_state_dict(pickle.loads(pickle.dumps(split.state_dict())))
+  for _ in range(27):
+    resumed.step()
+  assert resumed.now == whole.now and resumed.num_pushes == whole.num_pushes
+  np.testing.assert_array_equal(resumed.iteration, whole.iteration)
+
+
+def _cluster_engine(scheme_name, shared, num_workers=4, **kw):
+  """The simulator's own traffic model (``sim.traffic``) on a cluster of 1 MB/s links."""
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([num_workers]), base_time=1.0,
+                                bandwidth=MB, latency=0.0, server_bandwidth=MB)
+  scheme = sync.build_scheme(scheme_name, num_workers, worker_times=[1.0] * num_workers, **kw)
+  links = traffic.Traffic(scheme_name, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = sync.TimelineEngine(
+      scheme.make_protocol(), cluster.compute_time,
+      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
+      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
+      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
+      link_bandwidth=cluster.server_bandwidth,
+      route=(lambda kind, w, k: links.route(engine.protocol, kind, w, k)) if shared else None)
+  return engine
+
+
+@pytest.mark.parametrize("shared,push_at,start_at", [(True, 5.0, 9.0), (False, 2.0, 3.0)])
+def test_the_simulators_bsp_pays_for_its_incast_only_on_a_shared_link(shared, push_at, start_at):
+  # 4 workers, 1 s of compute, 1 MB each way on 1 MB/s links and a 1 MB/s server.
+  engine = _cluster_engine("bsp", shared)
+  while engine.num_pushes < 4:
+    engine.step()
+  assert engine.now == pytest.approx(push_at, rel=1e-12)
+  while len(engine.starts) < 5:
+    engine.step()
+  assert engine.starts[4][0] == pytest.approx(start_at, rel=1e-12)
+
+
+def test_inhads_gradients_stay_on_their_node_and_only_its_pulls_share_the_server():
+  # The gradients go to the node aggregators (not routed); the iteration numbers cost 8 B.
+  engine = _cluster_engine("inhad", True, num_nodes=2)
+  while engine.num_pushes < 4:
+    engine.step()
+  assert engine.now < 1.01   # no 1 MB push crossed a 1 MB/s link
+  assert engine.route("push", 0, 0) is None
+  assert engine.route("pull", 0, 0)[0] == (0, "pull")
+
