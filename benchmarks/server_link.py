@@ -44,13 +44,7 @@ def run(scheme_name: str, shared: bool) -> float:
   payload = int(_PAYLOAD.value * 1e6)
   links = traffic.Traffic(scheme_name, cluster, lambda w, k: payload, payload, payload,
                           shared=shared)
-  engine = sync.TimelineEngine(
-      scheme.make_protocol(), cluster.compute_time,
-      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
-      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
-      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
-      record=False, link_bandwidth=cluster.server_bandwidth,
-      route=(lambda kind, w, k: links.route(engine.protocol, kind, w, k)) if shared else None)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time)
   while engine.num_pushes < _PUSHES.value:
     engine.step()
   return engine.now

@@ -137,14 +137,7 @@ def _cluster_engine(scheme_name, shared, num_workers=4, **kw):
                                 bandwidth=MB, latency=0.0, server_bandwidth=MB)
   scheme = sync.build_scheme(scheme_name, num_workers, worker_times=[1.0] * num_workers, **kw)
   links = traffic.Traffic(scheme_name, cluster, lambda w, k: MB, MB, MB, shared=shared)
-  engine = sync.TimelineEngine(
-      scheme.make_protocol(), cluster.compute_time,
-      push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
-      pull_delay=lambda w: links.pull_delay(engine.protocol, w),
-      message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
-      link_bandwidth=cluster.server_bandwidth,
-      route=(lambda kind, w, k: links.route(engine.protocol, kind, w, k)) if shared else None)
-  return engine
+  return links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
 
 
 @pytest.mark.parametrize("shared,push_at,start_at", [(True, 5.0, 9.0), (False, 2.0, 3.0)])

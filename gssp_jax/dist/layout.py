@@ -176,7 +176,7 @@ class ShardLayout:
                             f" ({'dense' if nnz < 0 else f'{nnz} sparse entries'})")
     k, stats_sizes = len(self.leaves(s)), list(self._stats_sizes if s == 0 else ())
     if nnz < 0:
-      flats = leaf_views(parts, [self._sizes[i] for i in self.leaves(s)] + stats_sizes)
+      flats = leaf_views(parts, self._entry_sizes(s))
       grads, stats = flats[:k], flats[k:]
       _check_region(parts, 0, 4 * n, grads, f"the gradient sent to shard {s}")
     else:
@@ -203,16 +203,17 @@ class ShardLayout:
     if size != self.pull_bytes(s):
       raise wire.BadMessage(f"a pull from shard {s} has {size} bytes; expected "
                             f"{self.pull_bytes(s)}")
-    stats_sizes = list(self._stats_sizes if s == 0 else ())
-    flats = leaf_views(parts, [self._sizes[i] for i in self.leaves(s)] + stats_sizes)
+    flats = leaf_views(parts, self._entry_sizes(s))
     k = len(self.leaves(s))
     return self._shaped(s, flats[:k], flats[k:])
 
   def segments(self, s: int, flat: np.ndarray) -> list[np.ndarray]:
     """Shard ``s``'s flat float32 row (weights, then statistics) as one view per tensor."""
-    stats_sizes = self._stats_sizes if s == 0 else ()
-    return _cut(np.asarray(flat).reshape(-1),
-                [self._sizes[i] for i in self.leaves(s)] + list(stats_sizes))
+    return _cut(np.asarray(flat).reshape(-1), self._entry_sizes(s))
+
+  def _entry_sizes(self, s: int) -> list[int]:
+    """Float32 entries of each of shard ``s``'s tensors, then (shard 0) of each statistic."""
+    return [self._sizes[i] for i in self.leaves(s)] + list(self._stats_sizes if s == 0 else ())
 
   def _shaped(self, s: int, grads, stats) -> tuple[list, list]:
     """Flat leaves of shard ``s`` (and its statistics) in their shapes (views)."""

@@ -196,14 +196,7 @@ class Simulation:
     self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
-    self.engine = engine = sync.TimelineEngine(
-        scheme.make_protocol(), self.cluster.compute_time,
-        push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
-        pull_delay=lambda w: links.pull_delay(engine.protocol, w),
-        message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration),
-        record=False, link_bandwidth=self.cluster.server_bandwidth,
-        route=((lambda kind, w, k: links.route(engine.protocol, kind, w, k))
-               if links.shared else None))
+    self.engine = engine = links.engine(scheme.make_protocol(), self.cluster.compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad")
     self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server

@@ -78,6 +78,19 @@ class Traffic:
       return c.link_time(leader, self.pull_bytes) + local
     return c.link_time(worker, self.pull_bytes)
 
+  def engine(self, protocol, compute_time, *, record: bool = False):
+    """A ``sync.TimelineEngine`` of ``protocol`` whose delays (and shared links) are these."""
+    from gssp_jax import sync  # pylint: disable=g-import-not-at-top  (looked up per call)
+    engine = sync.TimelineEngine(
+        protocol, compute_time,
+        push_delay=lambda w, k: self.push_delay(engine.protocol, w, k),
+        pull_delay=lambda w: self.pull_delay(engine.protocol, w),
+        message_delay=lambda m: self.message_delay(engine.protocol, m, engine.iteration),
+        record=record, link_bandwidth=self.cluster.server_bandwidth,
+        route=((lambda kind, w, k: self.route(engine.protocol, kind, w, k))
+               if self.shared else None))
+    return engine
+
   def route(self, protocol, kind: str, worker: int, iteration: int):
     """The shared link a push or pull crosses: ``(link, bytes, cap, latency)``, or None.
 
