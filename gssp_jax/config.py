@@ -20,7 +20,8 @@ MODEL_DATASETS = {
 }
 DATASETS = ("mnist", "cifar10", "multi30k")
 # Every scheme of the papers.
-SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp", "local_sgd", "diloco",
+           "async_local_sgd", "halos")
 COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
 COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -95,6 +96,34 @@ def default_config() -> ml_collections.ConfigDict:
   c.sync.casp.max_communities = 4     # the agent picks k in 1..max_communities
   c.sync.casp.reconfigure_every = 64  # community pushes between the agent's decisions
   c.sync.casp.traffic_penalty = 0.01  # reward = progress/time - penalty * pushes/time
+  # The local-update schemes (local_sgd, diloco, async_local_sgd; gssp_jax/sync/local.py): a
+  # worker's job is local.steps inner optimizer steps (local.optimizer.*, its state kept per
+  # worker) from the weights it pulled; it pushes the pseudo-gradient pulled - local, which the
+  # server applies with the outer optimizer, config.optimizer.* (local_sgd: SGD at rate 1, no
+  # momentum: model averaging). Every other scheme leaves local.* at its defaults.
+  c.local = ml_collections.ConfigDict()
+  c.local.steps = 1                   # H: inner steps per job (one push = H data iterations)
+  c.local.dylu = False                # async_local_sgd: H_w = floor(H * fastest time / w's time)
+  c.local.delayed_nesterov = 0        # async_local_sgd: N > 0 = Delayed Nesterov, the momentum
+  #                                     stepped every N pushes (optimizer.momentum is its beta)
+  c.local.optimizer = ml_collections.ConfigDict()
+  c.local.optimizer.name = "sgd"      # sgd | adam | adamw
+  c.local.optimizer.learning_rate = 0.05
+  c.local.optimizer.momentum = 0.0
+  c.local.optimizer.nesterov = False
+  c.local.optimizer.weight_decay = 0.0
+  c.local.optimizer.schedule = "constant"   # over each worker's own inner steps
+  c.local.optimizer.warmup_epochs = 0.0
+  # halos: local servers per group (sync.num_groups, sync.grouping) with Delayed Nesterov, a
+  # global server with its own (optimizer.learning_rate, optimizer.momentum); every
+  # sync.forward_every local updates after its last merge (0: the group's size) a local server
+  # sends its progress; it merges the reply as (1 - merge_weight) local + merge_weight global.
+  c.local.halos = ml_collections.ConfigDict()
+  c.local.halos.merge_weight = 0.25
+  c.local.halos.local_learning_rate = 3.2   # a push g moves its local server 3.2 g / local_period
+  c.local.halos.local_momentum = 0.9
+  c.local.halos.local_period = 16           # N of the local servers' Delayed Nesterov
+  c.local.halos.global_period = 2           # N of the global server's
   # The simulated cluster (gssp_jax.sim). profile 'none' with every other cluster key at its
   # default: BSP trains in the fused loop (no virtual time), any other scheme in the simulator
   # on a homogeneous cluster. Setting any timing key (speeds, base_time, jitter, bandwidth, ...)
@@ -266,6 +295,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
     _fail("data.train_size", config.data.train_size,
           f"0 (all) or at least num_workers={config.num_workers}")
   validate_sync(config, allow_unread=allow_unread)
+  validate_local(config)
   validate_dist(config)
   from gssp_jax.sim import cluster  # pylint: disable=g-import-not-at-top
   cluster.cluster_from_config(config, base_time=1.0 if config.cluster.calibrate else None)
@@ -290,6 +320,38 @@ def validate_sync(config: ml_collections.ConfigDict, *,
     sync.scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+
+
+def validate_local(config: ml_collections.ConfigDict) -> None:
+  """``config.local.*``: in range, and changed from its defaults only under a local-update scheme.
+
+  Raises:
+    ValueError: naming the key, its value and what is allowed.
+  """
+  if "local" not in config:   # a config recorded before the local-update schemes
+    return
+  from gssp_jax.sync import local as local_lib  # pylint: disable=g-import-not-at-top
+  _choice(config, "local.optimizer.name", OPTIMIZERS)
+  _choice(config, "local.optimizer.schedule", SCHEDULES)
+  _positive(config, "local.optimizer.learning_rate")
+  for key in ("local.optimizer.momentum", "local.optimizer.weight_decay",
+              "local.optimizer.warmup_epochs"):
+    _non_negative(config, key)
+  if config.local.optimizer.momentum >= 1:
+    _fail("local.optimizer.momentum", config.local.optimizer.momentum, "a number in [0, 1)")
+  _check_bool("local.optimizer.nesterov", config.local.optimizer.nesterov)
+  if local_lib.is_local(config.sync.scheme):
+    local_lib.check_local_config(config)
+    return
+  defaults = default_config().local
+  for key in ("steps", "dylu", "delayed_nesterov", *(f"optimizer.{k}" for k in defaults.optimizer),
+              *(f"halos.{k}" for k in defaults.get("halos", {}))):
+    value, default = _get(config.local, key), _get(defaults, key)
+    if comparable(value) != comparable(default):
+      raise ValueError(
+          f"config.local.{key}={value!r} cannot apply: sync.scheme={config.sync.scheme!r} is not"
+          f" a local-update scheme ({', '.join(local_lib.LOCAL_SCHEMES)}); leave it at its"
+          f" default {default!r}")
 
 
 def _int_at_least(minimum: int):

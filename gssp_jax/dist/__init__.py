@@ -19,6 +19,11 @@ _UNSUPPORTED_SYNC = {
 def check_real_run(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming what of ``config`` the real runtime cannot run, and why."""
   from gssp_jax import sync  # pylint: disable=g-import-not-at-top
+  if sync.local.is_local(config.sync.scheme):
+    raise ValueError(
+        f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime yet: its "
+        "meshes compute one gradient per push and keep no inner optimizer state (the "
+        "local-update schemes run in the simulator: python -m experiments.main)")
   scheme = sync.scheme_from_config(config, worker_times=None)
   protocol = scheme.make_protocol()
   if not getattr(protocol, "supports_membership", False):

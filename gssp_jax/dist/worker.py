@@ -430,7 +430,7 @@ class MeshWorker:
     state = self.job_fn(state, self.arrays, np.zeros([1], np.int32), idx[None].astype(np.int32),
                         np.array([job["iteration"]], np.int32),
                         np.array([job["ratio"]], np.float32), np.array([job["flush"]], bool),
-                        np.array([self.w], np.int32))
+                        key_workers=np.array([self.w], np.int32))
     self.one, self.comp_state = state, state.comp_state
     row = lambda tree: jax.tree.map(lambda x: x[0], tree)
     loss, grad, new_ms, nbytes = jax.device_get((state.job_loss[0], row(state.grad_buf),

@@ -96,6 +96,9 @@ class SimState(flax.struct.PyTreeNode):
       its compressor actually sends, plus its BatchNorm statistics); moved
       into ``push_bytes`` in the round it arrives.
     rng: ``[2]`` uint32 base key of the workers' dropout.
+    inner_state: the local-update schemes' per-worker inner optimizer states
+      stacked on ``[W]`` (``()`` for every other scheme): each worker's own,
+      kept across its pulls, as a worker of DiLoCo keeps its AdamW moments.
   """
   replica_params: Any
   replica_model_state: Any
@@ -110,11 +113,16 @@ class SimState(flax.struct.PyTreeNode):
   job_loss: jax.Array
   job_bytes: jax.Array
   rng: jax.Array
+  inner_state: Any = ()
 
 
 def init_state(params, model_state, tx, compressor, num_workers: int, num_replicas: int,
-               rng: jax.Array) -> SimState:
-  """All replicas and workers start from ``params``; compressor keys differ per worker."""
+               rng: jax.Array, inner: optax.GradientTransformation | None = None) -> SimState:
+  """All replicas and workers start from ``params``; compressor keys differ per worker.
+
+  ``inner``: the local-update schemes' inner optimizer (``LocalJob.inner``);
+  every worker gets its own state of it, initialized on ``params``.
+  """
   comp_state = ()
   if compressor is not None:
     one = compressor.init(params)
@@ -132,7 +140,8 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
       comp_state=comp_state, loss_sum=jnp.zeros([], jnp.float32),
       loss_count=jnp.zeros([], jnp.int32), push_bytes=zero_push_bytes(num_workers),
       job_loss=jnp.zeros([num_workers], jnp.float32),
-      job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng)
+      job_bytes=jnp.zeros([num_workers], jnp.int32), rng=rng,
+      inner_state=() if inner is None else transforms.stack(inner.init(params), num_workers))
 
 
 def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int, *,
@@ -160,22 +169,85 @@ def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int, *,
     (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, model_state, batch,
                                                                       rng)
     grad = optim.clip_gradient(jax.tree.map(lambda g: g.astype(jnp.float32), grad), grad_clip)
-    nbytes = jnp.int32(dense_bytes)
-    if compressor is not None:
-      sent, comp = compressor.update(jax.tree.map(lambda g: g[None], grad), comp,
-                                     ratios=ratio[None], flush=flush)
-      grad = jax.tree.map(lambda s: s[0], sent)
-      nbytes = comp.last_bytes[0]
+    grad, comp, nbytes = compress_push(compressor, grad, comp, ratio, flush, dense_bytes)
     return loss.astype(jnp.float32), grad, new_ms, comp, nbytes
   return gradient
 
 
+def compress_push(compressor, push, comp, ratio, flush, dense_bytes: int):
+  """``(sent, comp, bytes)``: a worker's push through its one-worker compressor (or as is)."""
+  if compressor is None:
+    return push, comp, jnp.int32(dense_bytes)
+  sent, comp = compressor.update(jax.tree.map(lambda g: g[None], push), comp,
+                                 ratios=ratio[None], flush=flush)
+  return jax.tree.map(lambda s: s[0], sent), comp, comp.last_bytes[0]
+
+
+class LocalJob(NamedTuple):
+  """The local-update schemes' job: up to ``max_steps`` inner optimizer steps, then a push.
+
+  Attributes:
+    inner: the workers' inner optimizer (one worker's; each keeps its own state).
+    max_steps: ``H_max``, the longest job's steps (the scan's length); a job of
+      ``H_w < H_max`` steps skips the rest (``lax.cond``; a ``select`` under ``vmap``).
+  """
+  inner: optax.GradientTransformation
+  max_steps: int
+
+
+def make_local_update(loss_fn: Callable, compressor, dense_bytes: int, local: LocalJob, *,
+                      grad_clip: float = 0.0):
+  """``(params, ms, inner, comp, batches [H_max, B], key, first, steps, ratio, flush) -> ...``.
+
+  One worker's local-update job, pure: ``steps`` inner optimizer steps from the
+  weights it pulled, on its batches of data iterations ``first ..
+  first + steps - 1`` (dropout key of step ``i``: ``fold_in(key, first + i)``,
+  exactly a one-step job's key of that iteration), each gradient clipped to
+  ``grad_clip`` as ``make_worker_gradient`` clips; then the pseudo-gradient
+  ``pulled - local`` (float32) goes through the worker's compressor as a
+  gradient would. Returns ``(mean loss of the steps, pseudo-gradient,
+  statistics after the last step, inner state, compressor state, bytes)``.
+  With one step of plain SGD at rate ``lr`` the pseudo-gradient is ``lr`` times
+  the gradient (to rounding), which is how ``local_sgd`` reduces to BSP.
+  """
+  grad_clip = optim.check_grad_clip(grad_clip)
+  inner = local.inner
+
+  def one_step(carry, i, batch, key):
+    params, model_state, opt, loss_sum = carry
+    (loss, new_ms), grad = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, model_state, batch, jax.random.fold_in(key, i))
+    grad = optim.clip_gradient(jax.tree.map(lambda g: g.astype(jnp.float32), grad), grad_clip)
+    updates, opt = inner.update(grad, opt, params)
+    params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+    return params, new_ms, opt, loss_sum + loss.astype(jnp.float32)
+
+  def update(params, model_state, opt, comp, batches, key, first, steps, ratio, flush):
+    def body(carry, xs):
+      j, batch = xs
+      carry = jax.lax.cond(j < steps, lambda c: one_step(c, first + j, batch, key),
+                           lambda c: c, carry)
+      return carry, None
+    init = (params, model_state, opt, jnp.zeros([], jnp.float32))
+    (local_params, new_ms, opt, loss_sum), _ = jax.lax.scan(
+        body, init, (jnp.arange(local.max_steps, dtype=jnp.int32), batches))
+    push = jax.tree.map(lambda p, q: p.astype(jnp.float32) - q.astype(jnp.float32), params,
+                        local_params)
+    push, comp, nbytes = compress_push(compressor, push, comp, ratio, flush, dense_bytes)
+    return loss_sum / jnp.maximum(steps, 1).astype(jnp.float32), push, new_ms, opt, comp, nbytes
+  return update
+
+
 def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int = 0, *,
-                grad_clip: float = 0.0):
-  """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
+                grad_clip: float = 0.0, local: LocalJob | None = None):
+  """``(state, arrays, workers [k], idx, iters [k], ratios [k], flushes [k], steps [k]) -> state``.
 
   Jitted per k; each job is ``make_worker_gradient`` (``grad_clip`` as
-  there). The real runtime's one-process mesh runs this very function on a
+  there), ``idx`` its ``[k, B]`` batches; or, with ``local``, a local-update
+  job (``make_local_update``): ``idx`` is ``[k, H_max, B]``, ``iters`` each
+  job's first data iteration and ``steps`` (default all 1) its inner steps,
+  and the worker's inner optimizer state (``SimState.inner_state``) carries
+  over to its next job. The real runtime's one-process mesh runs this very function on a
   one-worker state (``key_workers``: the worker ids its dropout keys fold in,
   default ``workers``): XLA rounds a computation differently inside another
   program (a BatchNorm running-statistics update came out one ulp apart in a
@@ -188,10 +260,15 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
 
   check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
+  if local is not None:
+    local_update = make_local_update(loss_fn, compressor, dense_bytes, local, grad_clip=grad_clip)
 
-  def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None, key_workers=None):
+  def jobs(state: SimState, arrays, workers, idx, iters, ratios, flushes=None, steps=None,
+           key_workers=None):
     if flushes is None:
       flushes = jnp.zeros(workers.shape, bool)
+    if steps is None:
+      steps = jnp.ones(workers.shape, jnp.int32)
     if key_workers is None:   # the real runtime's mesh: a one-row state of worker key_workers[0]
       key_workers = workers
     take = lambda tree, w: jax.tree.map(lambda x: x[w], tree)
@@ -199,19 +276,26 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
     for i in range(workers.shape[0]):   # unrolled: no convolution inside a loop body
       w = workers[i]
       batch = jax.tree.map(lambda a: a[idx[i]], arrays)
-      rng = jax.random.fold_in(jax.random.fold_in(state.rng, key_workers[i]), iters[i])
-      comp_state = state.comp_state
+      key = jax.random.fold_in(state.rng, key_workers[i])
+      comp_state, inner_state = state.comp_state, state.inner_state
       # A one-worker compressor: its state's worker axis has size 1.
-      loss, grad, new_ms, one, nbytes = gradient(
-          take(state.worker_params, w), take(state.worker_model_state, w),
-          take(comp_state, w) if compressor is not None else (), batch, rng, ratios[i],
-          flushes[i])
+      comp = take(comp_state, w) if compressor is not None else ()
+      if local is None:
+        loss, grad, new_ms, one, nbytes = gradient(
+            take(state.worker_params, w), take(state.worker_model_state, w), comp, batch,
+            jax.random.fold_in(key, iters[i]), ratios[i], flushes[i])
+      else:
+        loss, grad, new_ms, opt, one, nbytes = local_update(
+            take(state.worker_params, w), take(state.worker_model_state, w),
+            take(inner_state, w), comp, batch, key, iters[i], steps[i], ratios[i], flushes[i])
+        inner_state = put(inner_state, w, opt)
       if compressor is not None:
         comp_state = put(comp_state, w, one)
       state = state.replace(
           grad_buf=put(state.grad_buf, w, grad),
           worker_model_state=put(state.worker_model_state, w, new_ms),
-          comp_state=comp_state, job_loss=state.job_loss.at[w].set(loss.astype(jnp.float32)),
+          comp_state=comp_state, inner_state=inner_state,
+          job_loss=state.job_loss.at[w].set(loss.astype(jnp.float32)),
           job_bytes=state.job_bytes.at[w].set(nbytes + jnp.int32(stats_bytes)))
     return state
   return jax.jit(jobs, donate_argnums=(0,))
@@ -266,15 +350,19 @@ class Jobs(NamedTuple):
     iters: ``[k]`` int32, each job's iteration number (its dropout key).
     ratios: ``[k]`` float32, each job's compressor keep-ratio.
     flushes: ``[k]`` bool, jobs whose compressor flushes (GDTopK's epoch end).
+    steps: ``[k]`` int32, each job's inner steps (local-update schemes; then
+      ``idx`` is ``[k, H_max, B]`` and ``iters`` each job's first data
+      iteration), or None: one gradient each.
   """
   workers: np.ndarray
   idx: np.ndarray
   iters: np.ndarray
   ratios: np.ndarray
   flushes: np.ndarray
+  steps: np.ndarray | None = None
 
   def part(self, sl) -> "Jobs":
-    return Jobs(*(x[sl] for x in self))
+    return Jobs(*(None if x is None else x[sl] for x in self))
 
 
 class Step(NamedTuple):

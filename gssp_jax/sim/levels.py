@@ -67,7 +67,8 @@ class Level(NamedTuple):
 def _concat_jobs(parts: list) -> executor.Jobs | None:
   if not parts:
     return None
-  return executor.Jobs(*(np.concatenate([np.asarray(getattr(p, f)) for p in parts])
+  return executor.Jobs(*(None if getattr(parts[0], f) is None
+                         else np.concatenate([np.asarray(getattr(p, f)) for p in parts])
                          for f in executor.Jobs._fields))
 
 
@@ -140,7 +141,9 @@ def pad_jobs(jobs: executor.Jobs, num_workers: int, size: int | None = None) -> 
                        idx=grow(np.asarray(jobs.idx, np.int32), 0),
                        iters=grow(np.asarray(jobs.iters, np.int32), 0),
                        ratios=grow(np.asarray(jobs.ratios, np.float32), 1.0),
-                       flushes=grow(np.asarray(jobs.flushes, bool), False))
+                       flushes=grow(np.asarray(jobs.flushes, bool), False),
+                       steps=None if jobs.steps is None
+                       else grow(np.asarray(jobs.steps, np.int32), 0))
 
 
 def stack_round_args(rounds: list, size: int) -> tuple[dict, np.ndarray]:
@@ -160,8 +163,9 @@ def stack_round_args(rounds: list, size: int) -> tuple[dict, np.ndarray]:
 
 
 def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int,
-                    num_workers: int, *, grad_clip: float = 0.0):
-  """``(state, arrays, workers [k], idx [k, B], iters [k], ratios [k], flushes [k]) -> state``.
+                    num_workers: int, *, grad_clip: float = 0.0,
+                    local: executor.LocalJob | None = None):
+  """``(state, arrays, workers [k], idx, iters [k], ratios [k], flushes [k], steps) -> state``.
 
   Pure (not jitted).
   ``executor.make_job_fn``'s contract (``grad_clip``: each worker's gradient
@@ -169,35 +173,47 @@ def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes
   as one ``vmap`` over the jobs' weight copies instead of unrolled; workers
   ``>= num_workers`` are padding and write nowhere. Shared by
   ``make_level_jobs_fn`` (one level per call) and ``make_multi_level_fn``
-  (many levels per call), so the two cannot drift.
+  (many levels per call), so the two cannot drift. With ``local`` the jobs are
+  local-update jobs (``executor.make_local_update``), as in ``make_job_fn``.
   """
 
   executor.check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes,
                                            grad_clip=grad_clip)
+  if local is not None:
+    local_update = executor.make_local_update(loss_fn, compressor, dense_bytes, local,
+                                              grad_clip=grad_clip)
 
-  def one_job(params, model_state, comp, batch, rng, ratio, flush):
+  def one_job(params, model_state, inner, comp, batch, key, first, steps, ratio, flush):
     # A one-worker compressor on this worker's state slice (worker axis of size 1).
-    loss, grad, new_ms, comp, nbytes = gradient(params, model_state, comp, batch, rng, ratio,
-                                                flush)
-    return grad, new_ms, comp, loss, nbytes + jnp.int32(stats_bytes)
+    if local is None:
+      loss, grad, new_ms, comp, nbytes = gradient(params, model_state, comp, batch,
+                                                  jax.random.fold_in(key, first), ratio, flush)
+    else:
+      loss, grad, new_ms, inner, comp, nbytes = local_update(
+          params, model_state, inner, comp, batch, key, first, steps, ratio, flush)
+    return grad, new_ms, inner, comp, loss, nbytes + jnp.int32(stats_bytes)
 
-  def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes):
+  def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes, steps=None):
     safe = jnp.minimum(workers, num_workers - 1)   # padded jobs compute on worker W-1's inputs
     take = lambda tree: jax.tree.map(lambda x: x[safe], tree)
     put = lambda tree, v: jax.tree.map(lambda x, y: x.at[workers].set(y, mode="drop"), tree, v)
     batch = jax.tree.map(lambda a: a[idx], arrays)
+    if steps is None:
+      steps = jnp.ones(workers.shape, jnp.int32)
     # Exactly make_job_fn's dropout keys: fold in the worker, then its iteration.
-    rngs = jax.vmap(lambda w, k: jax.random.fold_in(jax.random.fold_in(state.rng, w), k))(
-        safe, iters)
+    keys = jax.vmap(lambda w: jax.random.fold_in(state.rng, w))(safe)
     comp = take(state.comp_state) if compressor is not None else None
-    grad, new_ms, comp, loss, nbytes = jax.vmap(
-        one_job, in_axes=(0, 0, 0 if compressor is not None else None, 0, 0, 0, 0))(
-            take(state.worker_params), take(state.worker_model_state), comp, batch, rngs, ratios,
-            flushes)
+    inner = take(state.inner_state) if local is not None else None
+    grad, new_ms, inner, comp, loss, nbytes = jax.vmap(
+        one_job, in_axes=(0, 0, 0 if local is not None else None,
+                          0 if compressor is not None else None, 0, 0, 0, 0, 0, 0))(
+            take(state.worker_params), take(state.worker_model_state), inner, comp, batch, keys,
+            iters, steps, ratios, flushes)
     return state.replace(
         grad_buf=put(state.grad_buf, grad),
         worker_model_state=put(state.worker_model_state, new_ms),
+        inner_state=put(state.inner_state, inner) if local is not None else state.inner_state,
         comp_state=put(state.comp_state, comp) if compressor is not None else state.comp_state,
         job_loss=state.job_loss.at[workers].set(loss, mode="drop"),
         job_bytes=state.job_bytes.at[workers].set(nbytes, mode="drop"))
@@ -206,17 +222,17 @@ def level_jobs_body(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes
 
 def make_level_jobs_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: int,
                        num_workers: int, on_trace: Callable[[], None] = lambda: None, *,
-                       grad_clip: float = 0.0):
+                       grad_clip: float = 0.0, local: executor.LocalJob | None = None):
   """``level_jobs_body``, jitted (state donated).
 
   ``on_trace`` is called each time it is traced (tests count compilations with it).
   """
   body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                         grad_clip=grad_clip)
+                         grad_clip=grad_clip, local=local)
 
-  def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes):
+  def jobs(state: executor.SimState, arrays, workers, idx, iters, ratios, flushes, steps=None):
     on_trace()
-    return body(state, arrays, workers, idx, iters, ratios, flushes)
+    return body(state, arrays, workers, idx, iters, ratios, flushes, steps)
   return jax.jit(jobs, donate_argnums=(0,))
 
 
@@ -323,7 +339,8 @@ def stack_call(call: Call, num_workers: int, levels_per_call: int):
   idle = executor.Jobs(workers=np.full([size], num_workers, np.int32),
                        idx=np.zeros([size, *np.shape(template.idx)[1:]], np.int32),
                        iters=np.zeros([size], np.int32), ratios=np.ones([size], np.float32),
-                       flushes=np.zeros([size], bool))
+                       flushes=np.zeros([size], bool),
+                       steps=None if template.steps is None else np.zeros([size], np.int32))
   filler = next(p.rounds for p in call.pieces if p.rounds)[:1]
   jobs, has_jobs, stacked, valid = [], [], [], []
   for i in range(levels_per_call):
@@ -338,7 +355,8 @@ def stack_call(call: Call, num_workers: int, levels_per_call: int):
   if any(set(a) != keys for a in stacked):
     raise ValueError(f"every round needs the same args; got the key sets "
                      f"{sorted(map(sorted, {frozenset(a) for a in stacked}))}")
-  jobs = executor.Jobs(*(np.stack([np.asarray(getattr(j, f)) for j in jobs])
+  jobs = executor.Jobs(*(None if getattr(template, f) is None
+                         else np.stack([np.asarray(getattr(j, f)) for j in jobs])
                          for f in executor.Jobs._fields))
   return (jobs, np.asarray(has_jobs), {k: np.stack([a[k] for a in stacked]) for k in keys},
           np.stack(valid))
@@ -347,7 +365,7 @@ def stack_call(call: Call, num_workers: int, levels_per_call: int):
 def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransformationExtraArgs,
                         dense_bytes: int, stats_bytes: int, num_workers: int,
                         on_trace: Callable[[], None] = lambda: None, *,
-                        grad_clip: float = 0.0):
+                        grad_clip: float = 0.0, local: executor.LocalJob | None = None):
   """``(state, arrays, jobs [L, J, ..], has_jobs [L], stacked [L, R, ..], valid [L, R]) -> state``.
 
   One jitted call (state donated) that runs ``L`` levels in order, a
@@ -357,7 +375,7 @@ def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransfo
   inside this function.
   """
   jobs_body = level_jobs_body(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                              grad_clip=grad_clip)
+                              grad_clip=grad_clip, local=local)
   rounds_body = level_rounds_body(tx)
 
   def call(state: executor.SimState, arrays, jobs: executor.Jobs, has_jobs, stacked, valid):
@@ -376,7 +394,7 @@ def make_multi_level_fn(loss_fn: Callable, compressor, tx: optax.GradientTransfo
 def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransformationExtraArgs,
                       dense_bytes: int, stats_bytes: int, num_workers: int, *,
                       max_rounds: int = 64, levels_per_call: int = 1,
-                      grad_clip: float = 0.0):
+                      grad_clip: float = 0.0, local: executor.LocalJob | None = None):
   """``(state, arrays, steps) -> state``, the contract of ``executor.make_round_runner``.
 
   Args:
@@ -395,6 +413,7 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
     grad_clip: ``optimizer.grad_clip``: each worker's gradient is clipped to
       this global norm before its compressor (``executor.make_worker_gradient``);
       0 = off.
+    local: the local-update schemes' job (``executor.LocalJob``), or None.
 
   Returns:
     ``run``; ``run.traces`` counts the traces of its jobs, rounds and (for
@@ -422,7 +441,7 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
     return bump
 
   jobs_fn = make_level_jobs_fn(loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                               count("jobs"), grad_clip=grad_clip)
+                               count("jobs"), grad_clip=grad_clip, local=local)
   rounds_fn = make_level_rounds_fn(tx, count("rounds"))
 
   def run_one(state: executor.SimState, arrays, level: Level) -> executor.SimState:
@@ -442,7 +461,7 @@ def make_level_runner(loss_fn: Callable, compressor, tx: optax.GradientTransform
       return state
   else:
     multi_fn = make_multi_level_fn(loss_fn, compressor, tx, dense_bytes, stats_bytes,
-                                   num_workers, count("levels"), grad_clip=grad_clip)
+                                   num_workers, count("levels"), grad_clip=grad_clip, local=local)
 
     def run(state: executor.SimState, arrays,
             steps: Sequence[executor.Step]) -> executor.SimState:

@@ -64,10 +64,15 @@ def traffic(host: dict, pull_bytes: int) -> dict[str, int]:
 def evaluation_record(*, pushes: int, num_workers: int, spe: int, updates: int,
                       virtual_time: float, wall_time: float, loss_sum: float, loss_count: int,
                       results: dict, host: dict, pull_bytes: int, blocked: np.ndarray,
-                      acct) -> dict[str, Any]:
-  """One ``metrics.jsonl`` line (the keys docs/USAGE.md lists), from the executor's counters."""
+                      acct, iterations: int | None = None) -> dict[str, Any]:
+  """One ``metrics.jsonl`` line (the keys docs/USAGE.md lists), from the executor's counters.
+
+  ``iterations``: data iterations pushed (default ``pushes``; a local-update
+  push carries its ``H`` inner steps' iterations); the epoch counts them.
+  """
+  iterations = pushes if iterations is None else iterations
   return {
-      "epoch": pushes / (num_workers * spe),
+      "epoch": iterations / (num_workers * spe),
       "pushes": int(pushes),
       "updates": int(updates),
       "virtual_time": float(virtual_time),
@@ -88,8 +93,12 @@ def evaluation_record(*, pushes: int, num_workers: int, spe: int, updates: int,
 def summary_fields(*, history: list[dict], reached: dict | None, metric: str, target: float,
                    scheme, groups, cluster: dict, pushes: int, batch_size: int,
                    virtual_time: float, wall_time: float, host: dict, pull_bytes: int,
-                   blocked: np.ndarray, acct) -> dict[str, Any]:
-  """The executor's part of ``summary.json``: time to target, the scheme, the cluster, totals."""
+                   blocked: np.ndarray, acct, iterations: int | None = None) -> dict[str, Any]:
+  """The executor's part of ``summary.json``: time to target, the scheme, the cluster, totals.
+
+  ``iterations``: as in :func:`evaluation_record`; ``samples`` counts them.
+  """
+  iterations = pushes if iterations is None else iterations
   return {
       **health.time_to_target_fields(history, metric, target),
       "pushes_to_target": reached["pushes"] if reached else None,
@@ -97,7 +106,7 @@ def summary_fields(*, history: list[dict], reached: dict | None, metric: str, ta
       "cluster": cluster,
       "totals": {
           "pushes": int(pushes), "updates": int(host["updates"]), "rounds": int(host["rounds"]),
-          "samples": int(pushes) * batch_size, "virtual_time": float(virtual_time),
+          "samples": int(iterations) * batch_size, "virtual_time": float(virtual_time),
           "wall_time": float(wall_time), **traffic(host, pull_bytes),
           "blocked_time_per_worker": np.asarray(blocked).tolist(),
           "staleness": acct.summary(), "staleness_data": acct.data_summary(),

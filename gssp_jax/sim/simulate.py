@@ -32,6 +32,7 @@ from gssp_jax.sim import executor
 from gssp_jax.sim import levels
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.sync import local as local_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import optim
@@ -71,10 +72,15 @@ class Ratios:
     return self.name == "gdtopk" and iteration % self.spe == self.spe - 1
 
 
-def _calibrate(job_fn, state, arrays, batch_size) -> float:
-  """Seconds of one worker's gradient job on this machine (best of 5, after compilation)."""
-  args = (np.zeros([1], np.int32), np.zeros([1, batch_size], np.int32), np.zeros([1], np.int32),
-          np.ones([1], np.float32))
+def _calibrate(job_fn, state, arrays, batch_size, local=None) -> float:
+  """Seconds of one worker's iteration on this machine (best of 5, after compilation).
+
+  A local-update job is timed with one inner step (the rest skipped).
+  """
+  shape = [1, batch_size] if local is None else [1, local.max_steps, batch_size]
+  args = (np.zeros([1], np.int32), np.zeros(shape, np.int32), np.zeros([1], np.int32),
+          np.ones([1], np.float32), np.zeros([1], bool),
+          None if local is None else np.ones([1], np.int32))
   state = job_fn(state, arrays, *args)
   jax.block_until_ready(state)
   best = float("inf")
@@ -92,7 +98,12 @@ MAX_BUFFERED_ROUNDS = 256
 
 
 class PushPlan(NamedTuple):
-  """A run's length in pushes (one push: one worker's gradient), shared by every executor."""
+  """A run's length in data iterations, shared by every executor.
+
+  One push is one data iteration (one worker's gradient) for every scheme but
+  the local-update ones, whose push carries its job's ``H_w`` iterations; the
+  simulator counts those (``Simulation._iterations``), the rest count pushes.
+  """
   shards: np.ndarray   # [W, shard size]: each worker's example ids
   spe: int             # iterations per worker per epoch
   total_pushes: int    # train.num_epochs of every worker's iterations (at least one round)
@@ -155,9 +166,17 @@ class Simulation:
                    else self.cluster.speeds)
     self.scheme = scheme = sync.scheme_from_config(config, worker_times=self.speeds)
     R = scheme.num_replicas
-    self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
+    self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
                                                  round(self.total_pushes / W))
-    tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
+    self.steps = np.ones([W], np.int64)   # inner steps per job (data iterations per push)
+    self.local = None
+    if local_lib.is_local(scheme.name):
+      self.steps = local_lib.local_steps(config.local.steps, self.speeds, config.local.dylu)
+      inner = local_lib.inner_optimizer(config, self.spe, round(config.train.num_epochs * self.spe))
+      self.local = executor.LocalJob(inner, int(self.steps.max()))
+      tx = local_lib.server_chain(config, scheme.transform, R)
+    else:
+      tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
     compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     params, model_state = task.init(init_rng)
@@ -165,18 +184,19 @@ class Simulation:
     self.dense_bytes = step_lib.tree_bytes(params)
     self.stats_bytes = step_lib.tree_bytes(model_state)
     self.pull_bytes = self.dense_bytes + self.stats_bytes
-    self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng)
+    self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng,
+                                     inner=self.local.inner if self.local else None)
     # One worker's job: the rounds runner's, and what calibration times under either runner.
     # optimizer.grad_clip clips each worker's gradient in its job, before its compressor and
     # before any server scales it: make_sync_chain's replicas do not clip.
     clip = config.optimizer.grad_clip
     self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes,
-                                       grad_clip=clip)
+                                       grad_clip=clip, local=self.local)
     if runner == "levels":
       self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
                                                 self.stats_bytes, W,
                                                 levels_per_call=config.get("levels_per_call", 1),
-                                                grad_clip=clip)
+                                                grad_clip=clip, local=self.local)
     else:
       self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
     self.arrays = jax.device_put(task.train)
@@ -184,7 +204,7 @@ class Simulation:
     self.calibrated = None
     if config.cluster.calibrate:
       self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, self.state), self.arrays,
-                                   B)
+                                   B, self.local)
       self.cluster = cluster_lib.cluster_from_config(config, base_time=self.calibrated)
       logging.info("calibrated base_time: %.4f s per iteration of %d samples", self.calibrated, B)
 
@@ -196,17 +216,18 @@ class Simulation:
     self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
-    self.engine = engine = links.engine(scheme.make_protocol(), self.cluster.compute_time)
+    self.engine = engine = links.engine(scheme.make_protocol(), self._job_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad")
     self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
+                 "iterations": 0,
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
     self.batches = sharding.WorkerBatches(self.shards, config.seed, self.B)
-    self._session_start, self._session_pushes = time.perf_counter(), 0
+    self._session_start, self._session_iterations = time.perf_counter(), 0
     self._wall_base = 0.0
 
   # -- the executor interface -----------------------------------------------------------------
@@ -219,14 +240,14 @@ class Simulation:
       self.state = jax.device_put(state)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
-      self.host = {"local_bytes": 0, "node_push_bytes": 0, **saved["host"]}
-      self._steps = list(saved.get("steps", []))   # steps not run on the device yet
+      self.host = {"local_bytes": 0, "node_push_bytes": 0, "iterations": 0, **saved["host"]}
+      self._steps = [_with_adopt_weight(step) for step in saved.get("steps", [])]   # not run yet
       logging.info("resumed from the checkpoint at %d pushes", latest)
     if "ratio_groups" in self.host:   # resumed after a regrouping
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
     if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
       self._steps.append(executor.Step(None, self._next_jobs(np.arange(self.W))))
-    self._session_start, self._session_pushes = time.perf_counter(), self.engine.num_pushes
+    self._session_start, self._session_iterations = time.perf_counter(), self._iterations()
     self._wall_base = self.host["wall_time"]
     return int(self.engine.num_pushes)
 
@@ -235,22 +256,25 @@ class Simulation:
     return int(self.engine.num_pushes)
 
   def finished(self) -> bool:
-    return self.engine.num_pushes >= self.end_pushes
+    stop = self.config.train.stop_after_updates   # in pushes, for every scheme
+    return self.completed() or bool(stop and self.engine.num_pushes >= stop)
 
   def completed(self) -> bool:
-    return self.engine.num_pushes >= self.total_pushes
+    return self._iterations() >= self.total_pushes
 
   def advance(self) -> bool:
     engine, host = self.engine, self.host
-    while engine.num_pushes < self.end_pushes:
+    while not self.finished():
       for rnd in engine.step():
         self._apply_round(rnd)
-      if engine.num_pushes >= host["next_epoch_end"]:
-        host["next_epoch_end"] += self.W * self.spe
+      done = self._iterations()
+      if done >= host["next_epoch_end"]:
+        while host["next_epoch_end"] <= done:
+          host["next_epoch_end"] += self.W * self.spe
         measured = engine.measured_times()
-        if self.config.sync.regroup_every_epoch and engine.num_pushes < self.end_pushes:
+        if self.config.sync.regroup_every_epoch and not self.finished():
           self._regroup(measured)
-      if engine.num_pushes >= host["next_eval"] or engine.num_pushes == self.total_pushes:
+      if done >= host["next_eval"] or done >= self.total_pushes:
         return True
       if interrupt.requested():
         return False   # between events: host and buffered device steps are consistent
@@ -278,8 +302,9 @@ class Simulation:
         pushes=engine.num_pushes, num_workers=W, spe=self.spe, updates=host["updates"],
         virtual_time=engine.now, wall_time=self._wall_time(), loss_sum=loss_sum,
         loss_count=loss_count, results=results, host=host, pull_bytes=self.pull_bytes,
-        blocked=blocked, acct=self.acct)
-    host["next_eval"] += self.eval_pushes
+        blocked=blocked, acct=self.acct, iterations=self._iterations())
+    while host["next_eval"] <= self._iterations():   # a local-update push spans H iterations
+      host["next_eval"] += self.eval_pushes
     host["num_evals"] += 1
     return record
 
@@ -288,10 +313,11 @@ class Simulation:
     return self.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
-    pushes = self.engine.num_pushes
+    done = self._iterations()
     elapsed = time.perf_counter() - self._session_start
-    rate = (pushes - self._session_pushes) / max(elapsed, 1e-9)
-    eta = (self.end_pushes - pushes) / max(rate, 1e-9)
+    rate = (done - self._session_iterations) / max(elapsed, 1e-9)
+    end = self.end_pushes if self.local is None else self.total_pushes
+    eta = (end - done) / max(rate, 1e-9)
     return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"
@@ -321,7 +347,9 @@ class Simulation:
         cluster={**self.cluster.describe(), "calibrated_base_time": self.calibrated},
         pushes=engine.num_pushes, batch_size=self.B, virtual_time=engine.now,
         wall_time=self._wall_time(), host=host, pull_bytes=self.pull_bytes,
-        blocked=engine.blocked_time_so_far(), acct=self.acct)
+        blocked=engine.blocked_time_so_far(), acct=self.acct, iterations=self._iterations())
+    if self.local is not None:
+      fields["scheme"]["local_steps"] = self.steps.tolist()
     fields["scheme"]["groups_history"] = host["groups"]
     return fields
 
@@ -331,9 +359,11 @@ class Simulation:
     """Host bookkeeping of one round, and its device step (the round, then the pulled jobs)."""
     engine = self.engine
     # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
+    if self.local is not None:
+      self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
     args = records.account_round(
         rnd, host=self.host, acct=self.acct, protocol=engine.protocol, links=self.links,
-        iteration=engine.iteration, learning_rate=self.schedule(engine.num_pushes // self.W),
+        iteration=engine.iteration, learning_rate=self.schedule(self._iterations() // self.W),
         pull_bytes=self.pull_bytes)
     pulled = np.flatnonzero(rnd.pulls)
     jobs = self._next_jobs(pulled) if pulled.size else None
@@ -354,12 +384,45 @@ class Simulation:
     ks = self.host["jobs"][workers].copy()
     self.host["jobs"][workers] += 1
     pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
-    return executor.Jobs(
+    jobs = executor.Jobs(
         workers=workers.astype(np.int32),
         idx=np.stack([self.batches.indices(w, k) for w, k in pairs]).astype(np.int32),
         iters=ks.astype(np.int32),
         ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
         flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool))
+    if self.local is None:
+      return jobs
+    # Job k of worker w: its data iterations k H_w .. k H_w + H_w - 1 (padded to H_max with
+    # the first, skipped by the job).
+    steps = self.steps[workers]
+    firsts = ks * steps
+    idx = np.stack([np.stack([self.batches.indices(w, f + min(j, h - 1))
+                              for j in range(self.local.max_steps)])
+                    for w, f, h in zip(workers.tolist(), firsts.tolist(), steps.tolist())])
+    return jobs._replace(idx=idx.astype(np.int32), iters=firsts.astype(np.int32),
+                         steps=steps.astype(np.int32))
+
+  def _job_time(self, w: int, k: int) -> float:
+    """Seconds of worker ``w``'s job ``k``: its ``H_w`` iterations' times, each from the cluster.
+
+    Job ``k`` of a worker taking ``H_w`` steps per job is its data iterations
+    ``k H_w .. k H_w + H_w - 1``, so jitter and stragglers stay per iteration.
+    """
+    h = int(self.steps[w])
+    if h == 1:
+      return self.cluster.compute_time(w, k)
+    return float(sum(self.cluster.compute_time(w, k * h + j) for j in range(h)))
+
+  def _iterations(self) -> int:
+    """Data iterations that reached a server so far (a local-update push: its job's ``H_w``).
+
+    Other schemes count pushes, as they always did. A local-update push counts
+    when a round applies it (BSP's barrier for local_sgd and diloco), so an
+    evaluation never falls inside a round.
+    """
+    if self.local is None:
+      return int(self.engine.num_pushes)
+    return int(self.host["iterations"])
 
   def _regroup(self, measured: np.ndarray) -> None:
     """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
@@ -403,6 +466,14 @@ class Simulation:
 
   def _wall_time(self) -> float:
     return self._wall_base + time.perf_counter() - self._session_start
+
+
+def _with_adopt_weight(step: executor.Step) -> executor.Step:
+  """A step saved before ``Round.adopt_weight`` existed, with its default (copies)."""
+  if step.args is None or "adopt_weight" in step.args:
+    return step
+  weight = np.ones(np.shape(step.args["adopt"]), np.float32)
+  return step._replace(args={**step.args, "adopt_weight": weight})
 
 
 def one_worker_config(config):

@@ -9,18 +9,21 @@ import numpy as np
 import optax
 
 from gssp_jax.sync import grouping
+from gssp_jax.sync import halos as halos_lib
 from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.casp import CASPProtocol
 from gssp_jax.sync.protocols.dssync import DSSyncProtocol
 from gssp_jax.sync.protocols.gssp import GSSPProtocol
+from gssp_jax.sync.protocols.halos import HALoSProtocol
 from gssp_jax.sync.protocols.inhad import InHADProtocol
 from gssp_jax.sync.protocols.ssp import ASPProtocol
 from gssp_jax.sync.protocols.ssp import BSPProtocol
 from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 
-SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp")
+SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp", "local_sgd", "diloco",
+           "async_local_sgd", "halos")
 # The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``); a key changed from
 # its default under a scheme that does not read it is rejected by ``config.validate_config``.
 SYNC_KEYS = {
@@ -33,6 +36,11 @@ SYNC_KEYS = {
     "inhad": ("num_nodes", "inhad_threshold", "grouping"),
     "dssync": ("group_size",),
     "casp": ("casp.max_communities", "casp.reconfigure_every", "casp.traffic_penalty"),
+    # The local-update schemes read config.local.* (gssp_jax/sync/local.py), no sync key.
+    "local_sgd": (),
+    "diloco": (),
+    "async_local_sgd": (),
+    "halos": ("num_groups", "grouping", "forward_every"),
 }
 # Schemes added with register_scheme: name -> builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
@@ -50,6 +58,9 @@ class Scheme:
     num_replicas: R, the leading axis of the replicas' weights.
     groups: ``[W]`` the exchange group of each worker (GSSP groups, InHAD
       nodes, CASP/DS-Sync: all 0); GDTopK takes its ratios per group.
+    own_optimizer: the transform applies its servers' optimizers itself
+      (HALoS: a Delayed Nesterov per local server and one at the global
+      server), so its updates are final and nothing is chained after it.
   """
   name: str
   transform: optax.GradientTransformationExtraArgs
@@ -57,13 +68,25 @@ class Scheme:
   num_workers: int
   num_replicas: int
   groups: np.ndarray
+  own_optimizer: bool = False
 
-  def chain(self, optimizer: optax.GradientTransformation,
+  def chain(self, optimizer: optax.GradientTransformation | None,
             compressor: optax.GradientTransformationExtraArgs | None = None
             ) -> optax.GradientTransformationExtraArgs:
-    """``optax.chain([compressor,] transform, replicated(optimizer, R))``."""
-    parts = ([compressor] if compressor is not None else []) + [
-        self.transform, transforms.replicated(optimizer, self.num_replicas)]
+    """``optax.chain([compressor,] transform, replicated(optimizer, R))``.
+
+    A scheme with ``own_optimizer`` (HALoS) takes ``optimizer=None``: ``[compressor,] transform``.
+
+    Raises:
+      ValueError: an optimizer for a scheme with its own, or None for one without.
+    """
+    if self.own_optimizer != (optimizer is None):
+      raise ValueError(f"scheme {self.name!r}: optimizer={optimizer!r} is invalid; allowed: "
+                       + ("None (its transform applies its servers' own optimizers)"
+                          if self.own_optimizer else "an optax optimizer for its replicas"))
+    parts = ([compressor] if compressor is not None else []) + [self.transform]
+    if optimizer is not None:
+      parts.append(transforms.replicated(optimizer, self.num_replicas))
     return optax.chain(*parts)
 
 
@@ -73,11 +96,14 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
                  num_nodes: int = 4, inhad_threshold: int | None = None,
                  group_size: int = 2, casp_max_communities: int = 4,
                  casp_reconfigure_every: int = 64, casp_traffic_penalty: float = 0.01,
-                 worker_times=None, seed: int = 0, scale: float | None = None) -> Scheme:
+                 worker_times=None, seed: int = 0, scale: float | None = None,
+                 halos: dict | None = None) -> Scheme:
   """Builds scheme ``name`` for ``num_workers``; every argument is checked here, before any JAX.
 
   ``worker_times`` ([W] iteration times or slowdown factors) feeds the speed
-  groupings; without it all workers count as equally fast.
+  groupings; without it all workers count as equally fast. ``halos``: the
+  HALoS settings (``merge_weight``, ``local_learning_rate``, ``local_momentum``,
+  ``local_period``, ``global_momentum``, ``global_period``; ``halos_settings``).
 
   Raises:
     ValueError: an unknown name or an invalid argument, naming the value and
@@ -88,8 +114,10 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
                      "(register others with register_scheme)")
   W = transforms.check_int(name, "num_workers", num_workers, 1)
   zeros = np.zeros([W], np.int32)
-  if name == "bsp":
+  if name in ("bsp", "local_sgd", "diloco"):   # the local-update ones push pseudo-gradients
     return Scheme(name, transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1, zeros)
+  if name == "async_local_sgd":
+    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, zeros)
   if name == "asp":
     return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, zeros)
   if name == "ssp":
@@ -108,6 +136,14 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
     return Scheme(name, tx, lambda: GSSPProtocol(W, groups, s, inter_group=inter_group,
                                                  forward_every=forward_every),
                   W, probe.num_replicas, groups)
+  if name == "halos":
+    groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
+    settings = dict(halos or {})
+    merge = settings.pop("merge_weight", 0.25)
+    make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
+    probe = make()   # validates
+    tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
+    return Scheme(name, tx, make, W, probe.num_replicas, groups, own_optimizer=True)
   if name == "inhad":
     nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
     tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
@@ -178,7 +214,8 @@ def scheme_from_config(config, worker_times=None) -> Scheme:
       casp_max_communities=casp.max_communities if casp else 4,
       casp_reconfigure_every=casp.reconfigure_every if casp else 64,
       casp_traffic_penalty=casp.traffic_penalty if casp else 0.01,
-      worker_times=worker_times, seed=config.get("seed", 0))
+      worker_times=worker_times, seed=config.get("seed", 0),
+      halos=halos_lib.settings_from_config(config) if s.scheme == "halos" else None)
 
 
 def describe(scheme: Scheme) -> dict[str, Any]:

@@ -32,6 +32,8 @@ class Round(NamedTuple):
     deliver: ``[G]`` bool, GSSP forwards delivered now.
     aggregate: ``[]`` bool, InHAD's server pulls the node aggregates.
     adopt: ``[R]`` int32, replica whose weights each replica copies (-1: none).
+    adopt_weight: ``[R]`` float32, how much of them: a replica with ``adopt[r] >= 0``
+      becomes ``(1 - w) itself + w adopt[r]`` (1: a copy; HALoS's merge: alpha).
     average: ``[R]`` int32, averaging group of each replica (-1: not averaged).
     stats_mean: ``[R]`` int32; ``n >= 1``: the replica's model state
       (BatchNorm statistics, not weights) becomes the mean of replicas
@@ -49,6 +51,7 @@ class Round(NamedTuple):
   adopt: np.ndarray
   average: np.ndarray
   stats_mean: np.ndarray
+  adopt_weight: np.ndarray
 
 
 def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: int,
@@ -60,7 +63,8 @@ def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: in
                deliver=np.zeros([num_groups], bool), aggregate=np.zeros([], bool),
                adopt=np.full([num_replicas], -1, np.int32),
                average=np.full([num_replicas], -1, np.int32),
-               stats_mean=np.full([num_replicas], -1, np.int32))
+               stats_mean=np.full([num_replicas], -1, np.int32),
+               adopt_weight=np.ones([num_replicas], np.float32))
 
 
 # The index args of a sparse round (``round_indices``): each lists, ascending and padded with
@@ -182,10 +186,24 @@ def mean_of_first(tree, count: jax.Array):
   return jax.tree.map(one, tree)
 
 
-def adopt_replicas(tree, adopt: jax.Array):
-  """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values."""
+def adopt_replicas(tree, adopt: jax.Array, weight=None):
+  """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values.
+
+  With ``weight`` (``[R]``), it becomes ``(1 - weight[r]) x[r] + weight[r] x[adopt[r]]``
+  instead; where every weight is 1 that is the copy, bit for bit.
+  """
   src = jnp.where(adopt >= 0, adopt, jnp.arange(adopt.shape[0]))
-  return jax.tree.map(lambda x: x[src], tree)
+  copy = jax.tree.map(lambda x: x[src], tree)
+  if weight is None:
+    return copy
+  weight = jnp.where(adopt >= 0, jnp.asarray(weight, jnp.float32), 1.0)
+
+  def mix(tree):
+    def one(x, c):
+      w = transforms.rows(weight, x)
+      return ((1.0 - w) * x.astype(jnp.float32) + w * c.astype(jnp.float32)).astype(x.dtype)
+    return jax.tree.map(one, tree, copy)
+  return jax.lax.cond(jnp.all(weight == 1.0), lambda t: copy, mix, tree)
 
 
 def replica_route(groups: jax.Array, num_replicas: int) -> jax.Array:
@@ -249,7 +267,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   average = jnp.asarray(args["average"], jnp.int32)
   adopt = jnp.asarray(args["adopt"], jnp.int32)
   worker_ids, replica_ids = args.get("worker_ids"), args.get("replica_ids")
-  replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt)
+  weight = args.get("adopt_weight")   # absent from the real runtime's shards' args: copies
+  replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt,
+                                  weight)
   arrived = jnp.asarray(args["arrived"], bool)
   num_replicas = jnp.asarray(args["applies"]).shape[0]
   groups = replica_route(jnp.asarray(args["groups"], jnp.int32), num_replicas)
@@ -270,7 +290,7 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
       replica_model_state = mean_of_first(replica_model_state,
                                           jnp.asarray(args["stats_mean"], jnp.int32))
     replica_model_state = adopt_replicas(
-        average_replicas(replica_model_state, average, replica_ids), adopt)
+        average_replicas(replica_model_state, average, replica_ids), adopt, weight)
     worker_model_state = pull_rows(worker_model_state, replica_model_state, groups, pulls,
                                    worker_ids)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state

@@ -210,6 +210,10 @@ def _account(state, *, arrived, route, pulls, applies, bumps=None):
   return dict(clock=clock, read=read, staleness=staleness.astype(jnp.int32), version=version)
 
 
+# Shared with the transforms outside this module (sync/halos.py).
+init_clocks, mask, account = _init_clocks, _mask, _account
+
+
 def _zeros_like_stacked(params, n: int):
   return jax.tree.map(lambda p: jnp.zeros((n, *jnp.shape(p)), jnp.float32), params)
 

@@ -1,0 +1,240 @@
+"""The local-update schemes' parts: local steps per worker (DyLU), the inner optimizer, Delayed Nesterov.
+
+A local-update scheme's worker job is ``H`` inner optimizer steps from the
+weights it pulled (``sim.executor.make_local_update``); it pushes the
+pseudo-gradient ``pulled - local``, which the server treats as a gradient:
+
+* ``local_sgd``: each worker runs ``optimizer.*`` locally (Local SGD / FedAvg);
+  BSP's round (the mean of the W pseudo-gradients) is applied with SGD at
+  learning rate 1, so the server's weights become the workers' mean (model
+  averaging). With ``local.steps=1`` and no momentum it is BSP.
+* ``diloco``: the same round, the workers running ``local.optimizer.*`` and the
+  server an outer optimizer, ``optimizer.*`` (DiLoCo: inner AdamW; outer SGD
+  with Nesterov momentum 0.9 at learning rate 0.7; Douillard et al. 2023).
+* ``async_local_sgd``: ASP's server, each pseudo-gradient applied as it
+  arrives (Liu et al. 2024), with Delayed Nesterov (:func:`delayed_nesterov`)
+  and dynamic local updates (:func:`local_steps`, DyLU) as options.
+
+Each worker keeps its inner optimizer state across its jobs (DiLoCo's workers
+keep their AdamW moments between outer rounds; so does the HALoS authors'
+code for every method, ``utnslab/halos``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+LOCAL_SCHEMES = ("local_sgd", "diloco", "async_local_sgd", "halos")
+
+
+def is_local(scheme: str) -> bool:
+  """True for the local-update schemes (their jobs take ``local.steps`` inner steps)."""
+  return scheme in LOCAL_SCHEMES
+
+
+def local_steps(steps: int, times, dylu: bool) -> np.ndarray:
+  """``[W]`` inner steps of each worker's job: ``steps``, or with DyLU by its speed.
+
+  DyLU (Liu et al. 2024, Eq. 6): ``H_w = floor(H * v_w / v_max)`` with ``v``
+  a worker's iterations per second, so the fastest worker takes ``H`` steps
+  and every job takes about as long as the fastest worker's. The authors'
+  toy notebook keeps at least 5 steps; here a job keeps at least 1 (the
+  formula's own floor), so a worker more than ``H`` times slower than the
+  fastest still pushes.
+
+  Args:
+    steps: H >= 1.
+    times: ``[W]`` mean iteration times (or slowdown factors) of the workers.
+    dylu: scale by speed.
+  """
+  times = np.asarray(times, np.float64)
+  if not dylu:
+    return np.full(times.shape, int(steps), np.int64)
+  return np.maximum(1, np.floor(steps * times.min() / times + 1e-9)).astype(np.int64)
+
+
+# local_sgd's server: the mean of the workers' models.
+AVERAGING = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0, "nesterov": False,
+             "weight_decay": 0.0, "weight_decay_mode": "progress", "schedule": "constant",
+             "warmup_epochs": 0.0, "grad_clip": 0.0}
+
+
+def inner_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The workers' optimizer as an ``optimizer``-style config (decay per inner step).
+
+  ``local_sgd``'s workers run ``config.optimizer``; the other local-update
+  schemes' run ``config.local.optimizer`` (``config.optimizer`` is their server's).
+  """
+  source = config.optimizer if config.sync.scheme == "local_sgd" else config.local.optimizer
+  cfg = ml_collections.ConfigDict({k: source[k] for k in default_inner_keys()})
+  cfg.weight_decay_mode = "per_step"   # a worker's own steps: plain optax, decay every step
+  cfg.grad_clip = 0.0                  # optimizer.grad_clip clips each inner gradient (executor)
+  return cfg
+
+
+def default_inner_keys() -> tuple[str, ...]:
+  """The keys of ``config.local.optimizer`` (an inner optimizer reads these)."""
+  return ("name", "learning_rate", "momentum", "nesterov", "weight_decay", "schedule",
+          "warmup_epochs")
+
+
+def inner_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int,
+                    total_steps: int) -> optax.GradientTransformation:
+  """The workers' inner optimizer: ``local.optimizer.*``, its schedule over the worker's own steps."""
+  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top (optim imports sync)
+  return optim.make_optimizer(inner_config(config), steps_per_epoch, total_steps)
+
+
+class DelayedNesterovState(NamedTuple):
+  """``momentum``: the outer momentum; ``window``: the sum of ``g / N`` since its last step; ``count``."""
+  momentum: Any
+  window: Any
+  count: jax.Array
+
+
+def delayed_nesterov(momentum: float, period: int, *, num_workers: int
+                     ) -> optax.GradientTransformation:
+  """Delayed Nesterov (Liu et al. 2024, the ``DelayedNesterovOptimizer`` of ``utnslab/halos``).
+
+  On each push ``g`` (a pseudo-gradient) the server moves ``-lr * g / N``; the
+  momentum ``m`` changes only every ``N`` pushes, to ``beta * m + (sum of the
+  window's g) / N``, and that push also moves ``-lr * beta * m``. A window of
+  ``N`` pushes is then one Nesterov step on their mean, its plain part applied
+  as each push arrives. (The reference's momentum-activation ``c`` is 0, its
+  default.)
+
+  In this framework a push reaches the server scaled by ``1/W`` (the sync
+  transform's scale), so ``u = g / W`` arrives here and ``g / N = u * W / N``.
+  Outputs are descent updates at learning rate 1 (the chain's
+  ``learning_rate`` arg scales them), one replica's: ``transforms.replicated``
+  steps it only at replicas that apply.
+
+  Args:
+    momentum: beta in [0, 1).
+    period: N >= 1, pushes per momentum step.
+    num_workers: W (undoes the sync transform's scale).
+  """
+  if not 0 <= momentum < 1:
+    raise ValueError(f"delayed_nesterov momentum={momentum!r} is invalid; allowed: [0, 1)")
+  if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+    raise ValueError(f"delayed_nesterov period={period!r} is invalid; allowed: an int >= 1")
+  factor = num_workers / period
+
+  def init(params):
+    zeros = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return DelayedNesterovState(zeros(), zeros(), jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None):
+    del params
+    count = state.count + 1
+    step = count % period == 0
+    # The window holds the sum of g / N, so the new momentum is beta m + (sum g) / N.
+    window = jax.tree.map(lambda s, u: s + u * factor, state.window, updates)
+    new_m = jax.tree.map(lambda m, s: jnp.where(step, momentum * m + s, m), state.momentum,
+                         window)
+    out = jax.tree.map(lambda u, m: -(u * factor + jnp.where(step, momentum * m, 0.0)),
+                       updates, new_m)
+    window = jax.tree.map(lambda s: jnp.where(step, 0.0, s), window)
+    return out, DelayedNesterovState(new_m, window, count)
+
+  return optax.GradientTransformation(init, update)
+
+
+def outer_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The server's optimizer config (its schedule too): ``optimizer.*``, or local_sgd's averaging."""
+  if config.sync.scheme == "local_sgd":
+    return ml_collections.ConfigDict(AVERAGING)
+  return config.optimizer
+
+
+def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int):
+  """The sync chain of a local-update scheme: ``optim.make_sync_chain``, or Delayed Nesterov's."""
+  from gssp_jax.sync import transforms  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
+  n = config.local.delayed_nesterov
+  if config.sync.scheme == "halos":   # its transform applies both servers' optimizers itself
+    return transform
+  if not n:
+    return optim.make_sync_chain(outer_config(config), transform, num_replicas)
+  outer = delayed_nesterov(config.optimizer.momentum, n, num_workers=config.num_workers)
+  return optax.chain(transform, transforms.replicated(outer, num_replicas),
+                     optim.scale_by_learning_rate_arg())
+
+
+def _check_halos(h) -> None:
+  """``config.local.halos.*`` in range."""
+  checks = {"merge_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+            "local_learning_rate": (lambda v: v > 0, "a positive number"),
+            "local_momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+            "local_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+            "global_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")}
+  for key, (ok, allowed) in checks.items():
+    value = h[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+      raise ValueError(f"config.local.halos.{key}={value!r} is invalid; allowed: {allowed}")
+
+
+def check_local_config(config: ml_collections.ConfigDict) -> None:
+  """The ``local.*`` keys of a local-update scheme, and the outer optimizer ``local_sgd`` fixes.
+
+  Raises:
+    ValueError: naming the key, its value and what is allowed.
+  """
+  scheme, local = config.sync.scheme, config.local
+  steps = local.steps
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"config.local.steps={steps!r} is invalid; allowed: an integer >= 1")
+  n = local.delayed_nesterov
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ValueError(f"config.local.delayed_nesterov={n!r} is invalid; allowed: an integer >= 0"
+                     " (0 = off)")
+  opt = config.optimizer
+  if scheme == "local_sgd":
+    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    defaults = config_lib.default_config().local.optimizer
+    for key in default_inner_keys():
+      if config_lib.comparable(local.optimizer[key]) != config_lib.comparable(defaults[key]):
+        raise ValueError(
+            f"config.local.optimizer.{key}={local.optimizer[key]!r} cannot apply to "
+            "sync.scheme='local_sgd': its workers run optimizer.* and its server averages their"
+            " models; set optimizer.* instead, or use sync.scheme='diloco' (workers: "
+            "local.optimizer.*, server: optimizer.*)")
+  if scheme == "halos":
+    _check_halos(local.halos)
+  uses_dn = f"local.delayed_nesterov={n}" if n else (
+      "sync.scheme='halos'" if scheme == "halos" else None)
+  if uses_dn and opt.name != "sgd":
+    raise ValueError(f"config.optimizer.name={opt.name!r} cannot apply with {uses_dn}: Delayed "
+                     "Nesterov is the server's optimizer (its momentum is optimizer.momentum); "
+                     "set optimizer.name='sgd'")
+  if uses_dn and (opt.weight_decay or opt.nesterov is not True):
+    key, value = (("weight_decay", opt.weight_decay) if opt.weight_decay
+                  else ("nesterov", opt.nesterov))
+    raise ValueError(f"config.optimizer.{key}={value!r} cannot apply with {uses_dn}: Delayed "
+                     "Nesterov is a Nesterov step without weight decay; set "
+                     "optimizer.nesterov=True and optimizer.weight_decay=0")
+  if not isinstance(local.dylu, bool):
+    raise ValueError(f"config.local.dylu={local.dylu!r} is invalid; allowed: True or False")
+  readers = {"dylu": ("async_local_sgd", "halos"), "delayed_nesterov": ("async_local_sgd",)}
+  for key, value in (("dylu", local.dylu), ("delayed_nesterov", n)):
+    if value and scheme not in readers[key]:
+      raise ValueError(f"config.local.{key}={value!r} cannot apply: sync.scheme={scheme!r} "
+                       f"does not read it (read only by {', '.join(readers[key])})")
+  if scheme != "halos":
+    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+    defaults = config_lib.default_config().local.halos
+    for key in defaults:
+      if config_lib.comparable(local.halos[key]) != config_lib.comparable(defaults[key]):
+        raise ValueError(f"config.local.halos.{key}={local.halos[key]!r} cannot apply: "
+                         f"sync.scheme={scheme!r} does not read it (read only by halos)")
+  if not math.isfinite(float(local.optimizer.learning_rate)) \
+      or local.optimizer.learning_rate <= 0:
+    raise ValueError(f"config.local.optimizer.learning_rate={local.optimizer.learning_rate!r} is "
+                     "invalid; allowed: a positive number")
