@@ -317,7 +317,7 @@ class Simulation:
     elapsed = time.perf_counter() - self._session_start
     rate = (done - self._session_iterations) / max(elapsed, 1e-9)
     end = self.end_pushes if self.local is None else self.total_pushes
-    eta = (end - done) / max(rate, 1e-9)
+    eta = max(end - done, 0) / max(rate, 1e-9)   # a last local-update round may pass the end
     return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"
