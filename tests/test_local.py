@@ -330,3 +330,19 @@ def test_halos_with_one_group_and_no_local_momentum_reduces_to_async_local_sgd(t
     # The workers' losses: the local server's weights. (Evaluation serves the global server,
     # which may lag the last push by its exchange.)
     np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=1e-5)
+
+
+def test_data_staleness_counts_a_local_push_as_its_h_iterations():
+  from gssp_jax import sync  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync import rounds as rounds_lib  # pylint: disable=g-import-not-at-top
+  acct = sync.accounting.Accounting(2, 1, push_iterations=[4, 1])   # DyLU's H_w
+  groups = np.zeros([2], np.int32)
+
+  def push(w):   # an ASP push of worker w, which then pulls
+    rnd = rounds_lib.empty_round(0.0, 2, 1, 1, groups)
+    rnd.arrived[w] = rnd.pulls[w] = rnd.applies[0] = True
+    acct.apply(rnd)
+  push(0)
+  push(0)    # worker 1 read before both: 2 updates, 8 iterations of data
+  push(1)
+  assert acct.summary()["max"] == 2 and acct.data_summary()["max"] == 8

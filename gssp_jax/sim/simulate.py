@@ -218,7 +218,8 @@ class Simulation:
                                              shared=bool(config.cluster.shared_server_links))
     self.engine = engine = links.engine(scheme.make_protocol(), self._job_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
-                                           aggregating=scheme.name == "inhad")
+                                           aggregating=scheme.name == "inhad",
+                                           push_iterations=self.steps)
     self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,

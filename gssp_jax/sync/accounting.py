@@ -21,7 +21,13 @@ application:
   (members last averaged in different groups may share more; that overlap is
   counted twice, an upper bound).
 
-ASP's two figures are equal; BSP's are 0 in both. GSSP's 6.0 updates and
+A local-update push counts its job's ``H_w`` iterations (``push_iterations``).
+HALoS's exchanges are counted as GSSP global's (a delivery adds the forwarded
+pushes' iterations, a merge copies the slot's count): its merge is weighted and
+its progress during an exchange is not forwarded, so there the data figure is
+an approximation.
+
+ASP's two figures are equal (one-step jobs); BSP's are 0 in both. GSSP's 6.0 updates and
 ASP's 15.0 updates are not comparable; their data staleness is.
 """
 
@@ -46,7 +52,7 @@ class Accounting:
   """
 
   def __init__(self, num_workers: int, num_replicas: int, aggregating: bool = False,
-               max_staleness_bin: int = 64):
+               max_staleness_bin: int = 64, push_iterations=None):
     self.version = np.zeros([num_replicas], np.int64)
     self.read = np.zeros([num_workers], np.int64)
     self.pending = [[] for _ in range(num_workers)]   # aggregating: staleness of waiting gradients
@@ -56,6 +62,9 @@ class Accounting:
     self.staleness_sum = 0
     self.staleness_max = 0
     self._data_defaults(num_workers, num_replicas, max_staleness_bin)
+    # Data iterations in one push of each worker: a local-update job's H_w (else 1).
+    self.push_iterations = (np.ones([num_workers], np.int64) if push_iterations is None
+                            else np.asarray(push_iterations, np.int64).copy())
 
   def _data_defaults(self, num_workers: int, num_replicas: int, max_bin: int = 64) -> None:
     """The staleness in data's counters (added with issue 22; absent from older checkpoints)."""
@@ -115,7 +124,8 @@ class Accounting:
     """Adds the round's gradients to each replica's ``data``, in ``apply_round``'s order."""
     R, G = self.version.size, rnd.forward.size
     arrived = np.flatnonzero(rnd.arrived)
-    taken = np.bincount(replicas[arrived], minlength=R) * rnd.applies
+    iters = self.push_iterations[arrived]
+    taken = np.bincount(replicas[arrived], weights=iters, minlength=R).astype(np.int64) * rnd.applies
     if self.group_pending is None:   # GSSP's forwards (other schemes never forward)
       self.group_pending = np.zeros([G], np.int64)
       self.group_outbox = np.zeros([G], np.int64)
@@ -126,7 +136,8 @@ class Accounting:
       else:                # peer: every other group server takes it
         taken[:G] += np.where(rnd.applies[:G], sent.sum() - sent, 0)
     if G > 1 or rnd.forward.any():
-      self.group_pending += np.bincount(np.minimum(replicas[arrived], G - 1), minlength=G)[:G]
+      self.group_pending += np.bincount(np.minimum(replicas[arrived], G - 1), weights=iters,
+                                        minlength=G)[:G].astype(np.int64)
       self.group_outbox = np.where(rnd.deliver, 0, self.group_outbox)
       self.group_outbox = np.where(rnd.forward, self.group_outbox + self.group_pending,
                                    self.group_outbox)
