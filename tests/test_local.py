@@ -346,3 +346,17 @@ def test_data_staleness_counts_a_local_push_as_its_h_iterations():
   push(0)    # worker 1 read before both: 2 updates, 8 iterations of data
   push(1)
   assert acct.summary()["max"] == 2 and acct.data_summary()["max"] == 8
+
+
+def test_a_run_recorded_before_the_local_keys_still_resumes(tmp_path):
+  import json as json_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  config = helpers.cluster_config("gssp")
+  old = json_lib.loads(config.to_json())
+  del old["local"]   # what a run of an earlier version recorded
+  path = tmp_path / "config.json"
+  path.write_text(json_lib.dumps(old))
+  workdir_lib.check_resumable(config, str(path))
+  assert workdir_lib.config_changes(old, config) == []
+  config.local.steps = 2
+  assert [k for k, _, _ in workdir_lib.config_changes(old, config)] == ["local.steps"]

@@ -25,8 +25,13 @@ def _mutable(key: str) -> bool:
 
 
 def _recorded(old: dict) -> dict:
-  """A recorded config's flattened keys, with the defaults of keys added since."""
-  return {**_ADDED_KEYS, **flatten(old)}
+  """A recorded config's flattened keys, with the defaults of keys added since.
+
+  ``local.*`` (the local-update schemes, 2026-11-26) at its defaults is every earlier run.
+  """
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  local = flatten(json.loads(config_lib.default_config().local.to_json()), "local.")
+  return {**_ADDED_KEYS, **local, **flatten(old)}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
