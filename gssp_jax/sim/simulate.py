@@ -174,9 +174,7 @@ class Simulation:
       self.steps = local_lib.local_steps(config.local.steps, self.speeds, config.local.dylu)
       inner = local_lib.inner_optimizer(config, self.spe, round(config.train.num_epochs * self.spe))
       self.local = executor.LocalJob(inner, int(self.steps.max()))
-      tx = local_lib.server_chain(config, scheme.transform, R)
-    else:
-      tx = optim.make_sync_chain(config.optimizer, scheme.transform, R)
+    tx = local_lib.server_chain(config, scheme.transform, R)
     compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     params, model_state = task.init(init_rng)
@@ -385,23 +383,22 @@ class Simulation:
     ks = self.host["jobs"][workers].copy()
     self.host["jobs"][workers] += 1
     pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
-    jobs = executor.Jobs(
-        workers=workers.astype(np.int32),
-        idx=np.stack([self.batches.indices(w, k) for w, k in pairs]).astype(np.int32),
-        iters=ks.astype(np.int32),
-        ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
-        flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool))
-    if self.local is None:
-      return jobs
-    # Job k of worker w: its data iterations k H_w .. k H_w + H_w - 1 (padded to H_max with
-    # the first, skipped by the job).
+    # Job k of worker w: its data iterations k H_w .. k H_w + H_w - 1 (H_w = 1 but for the
+    # local-update schemes, whose jobs are padded to H_max with the last, skipped by the job).
     steps = self.steps[workers]
     firsts = ks * steps
-    idx = np.stack([np.stack([self.batches.indices(w, f + min(j, h - 1))
-                              for j in range(self.local.max_steps)])
-                    for w, f, h in zip(workers.tolist(), firsts.tolist(), steps.tolist())])
-    return jobs._replace(idx=idx.astype(np.int32), iters=firsts.astype(np.int32),
-                         steps=steps.astype(np.int32))
+    if self.local is None:
+      idx = np.stack([self.batches.indices(w, k) for w, k in pairs])
+    else:
+      idx = np.stack([np.stack([self.batches.indices(w, f + min(j, h - 1))
+                                for j in range(self.local.max_steps)])
+                      for w, f, h in zip(workers.tolist(), firsts.tolist(), steps.tolist())])
+    return executor.Jobs(
+        workers=workers.astype(np.int32), idx=idx.astype(np.int32),
+        iters=firsts.astype(np.int32),
+        ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
+        flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool),
+        steps=None if self.local is None else steps.astype(np.int32))
 
   def _job_time(self, w: int, k: int) -> float:
     """Seconds of worker ``w``'s job ``k``: its ``H_w`` iterations' times, each from the cluster.

@@ -155,12 +155,15 @@ def outer_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
 
 def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int):
-  """The sync chain of a local-update scheme: ``optim.make_sync_chain``, or Delayed Nesterov's."""
+  """Any scheme's sync chain: ``optim.make_sync_chain`` of :func:`outer_config`, or Delayed Nesterov's.
+
+  HALoS's transform applies both its servers' optimizers itself: it is the chain.
+  """
   from gssp_jax.sync import transforms  # pylint: disable=g-import-not-at-top
   from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
-  n = config.local.delayed_nesterov
-  if config.sync.scheme == "halos":   # its transform applies both servers' optimizers itself
+  if config.sync.scheme == "halos":
     return transform
+  n = config.local.delayed_nesterov
   if not n:
     return optim.make_sync_chain(outer_config(config), transform, num_replicas)
   outer = delayed_nesterov(config.optimizer.momentum, n, num_workers=config.num_workers)
