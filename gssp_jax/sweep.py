@@ -33,6 +33,7 @@ configuration at its best tuned value (``gssp_jax.report``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import inspect
 import itertools
@@ -55,6 +56,7 @@ from gssp_jax import xla_env
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
 STALE_DIR = "_stale"       # changed trials moved aside by `rerun_changed`
+MAX_NAME = 200             # characters of a trial directory's name (file names: 255 bytes)
 
 
 class ChangedTrialsError(ValueError):
@@ -118,9 +120,19 @@ class Trial:
 
 
 def trial_name(overrides: dict) -> str:
-  """A readable, filesystem-safe name from the overrides, e.g. ``sync.scheme=gssp,seed=1``."""
+  """A readable, filesystem-safe name from the overrides, e.g. ``sync.scheme=gssp,seed=1``.
+
+  A name longer than :data:`MAX_NAME` characters keeps its first characters and ends with a
+  digest of the whole (``...,~<12 hex digits>``).
+  """
   parts = [f"{k}={v}" for k, v in overrides.items()]
-  return re.sub(r"[^A-Za-z0-9_.=,+-]", "", ",".join(parts).replace(" ", "")) or "base"
+  name = re.sub(r"[^A-Za-z0-9_.=,+-]", "", ",".join(parts).replace(" ", "")) or "base"
+  if len(name) <= MAX_NAME:
+    return name
+  # A file name may be at most 255 bytes: keep a readable head, and a digest of the whole name
+  # so that two long names sharing that head stay apart.
+  digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+  return f"{name[:MAX_NAME - len(digest) - 2]},~{digest}"
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:

@@ -74,9 +74,11 @@ class RealRun:
     for mesh in self.meshes:   # a fresh start (meshes may be reused from another run)
       mesh.layout, mesh.seq = None, 0
       mesh.comp_state = jax.device_put(mesh.initial_comp_state)   # its job donates its own
+      mesh._set_inner(jax.device_put(mesh.initial_inner_state))   # pylint: disable=protected-access
     self.weights = [None] * len(self.meshes)
     self.pending = [None] * len(self.meshes)
     self.jobs = [None] * len(self.meshes)
+    self.computed = [0] * len(self.meshes)   # jobs each mesh computed
     for w, mesh in enumerate(self.meshes):
       header, body = self.srv.on_join({"mesh": w, "instance": mesh.instance,
                                        "config": server_lib.config_id(self.config)}, None, "test")
@@ -97,6 +99,23 @@ class RealRun:
       self._released(w, header, body)
     params, model_state = self.weights[w]
     self.pending[w] = mesh._compute(self.jobs[w], params, model_state)   # pylint: disable=protected-access
+    self.computed[w] += 1
+
+  def compute_dispatched(self, dispatched) -> None:
+    """Each mesh computes the jobs the simulator dispatched after its last replayed start.
+
+    The simulator computes a job when it dispatches it (with the round that released its
+    worker), so its final state holds the jobs released by the last rounds; a real mesh is
+    told to stop instead. To compare what lives only in the meshes (a local-update scheme's
+    inner optimizer state), each mesh computes those released jobs too (nothing is pushed).
+    """
+    for w, mesh in enumerate(self.meshes):
+      while self.computed[w] < dispatched[w]:
+        with self.srv.lock:
+          seq, job = self.srv.releases[w]
+        self._released(w, *self.srv._reply_with_weights(w, seq, job))   # pylint: disable=protected-access
+        self.pending[w] = None
+        self.start(w)
 
   def push(self, w: int) -> None:
     """Mesh ``w``'s push reaches the server: slices to the shards, receipts, then the push."""
@@ -159,6 +178,7 @@ def make_meshes(config) -> list[worker_lib.MeshWorker]:
             for w in range(config.num_workers)]
   for mesh in meshes:
     mesh.initial_comp_state = jax.tree.map(np.array, mesh.comp_state)   # a host copy
+    mesh.initial_inner_state = jax.tree.map(np.array, mesh._inner())   # pylint: disable=protected-access
   return meshes
 
 

@@ -635,8 +635,34 @@ params, model_state = test_dist._initial_weights(mesh)
 loss, grad, new_ms, nbytes = mesh._compute({"iteration": 3, "ratio": 1.0, "flush": False},
                                            params, model_state)
 np.savez(out, loss=loss, nbytes=nbytes, *jax.tree.leaves(grad))
+local = worker.MeshWorker(test_dist._config(**test_dist.DILOCO), 1, jax.process_index(), 2,
+                          "127.0.0.1:1", dist_replay.CREDENTIALS)
+np.savez(out.replace(".npz", "_local.npz"), *test_dist._two_local_jobs(local, params, model_state))
 jax.distributed.shutdown()
 """
+
+# DiLoCo with two inner steps per job (worker 1 of the two tiers runs 1 step under DyLU: so no
+# DyLU here) and inner AdamW, whose state carries from one job to the next.
+DILOCO = {"sync.scheme": "diloco", "local.steps": 2, "local.optimizer.name": "adamw",
+          "local.optimizer.learning_rate": 1e-3, "optimizer.learning_rate": 0.7,
+          "optimizer.nesterov": True, "optimizer.weight_decay": 0.0}
+
+
+def _two_local_jobs(mesh, params, model_state) -> list:
+  """The pseudo-gradients of a mesh's jobs 0 and 1 from the same weights, then its inner
+  state's leaves: the second job starts from the inner state the first left."""
+  import jax  # pylint: disable=g-import-not-at-top
+  out = []
+  for k in (0, 1):
+    loss, push, _, _ = mesh._compute({"iteration": k, "ratio": 1.0, "flush": False, "steps": 2},
+                                     params, model_state)
+    out += [np.asarray(loss)] + [np.asarray(x) for x in jax.tree.leaves(push)]
+  inner = mesh._inner()
+  if mesh.mesh is None:   # a one-process mesh keeps it as its one-worker state's row
+    inner = jax.tree.map(lambda x: x[0], inner)
+  else:
+    inner = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), inner)
+  return out + [np.asarray(x) for x in jax.tree.leaves(inner)]
 
 
 def _initial_weights(mesh):
@@ -675,3 +701,14 @@ def test_a_two_process_mesh_computes_the_gradient_of_a_one_process_mesh(tmp_path
     assert int(got["nbytes"]) == nbytes
     for i, leaf in enumerate(jax.tree.leaves(grad)):
       np.testing.assert_allclose(got[f"arr_{i}"], leaf, rtol=1e-4, atol=1e-6)
+  # A local-update job (DiLoCo, 2 inner AdamW steps) splits each inner step's batch the same
+  # way, and its inner state carries over to the mesh's next job as a one-process mesh's does.
+  local = worker.MeshWorker(_config(data_dir=data_dir, **DILOCO), 1, 0, 1, "127.0.0.1:1",
+                            dist_replay.CREDENTIALS)
+  want = _two_local_jobs(local, params, model_state)
+  assert want[-1].dtype.kind == "i" and int(want[-1]) == 4   # AdamW's count: 2 jobs x 2 steps
+  for rank in (0, 1):
+    got = np.load(tmp_path / f"rank{rank}_local.npz")
+    assert len(got.files) == len(want)
+    for i, leaf in enumerate(want):
+      np.testing.assert_allclose(got[f"arr_{i}"], leaf, rtol=1e-4, atol=1e-6, err_msg=str(i))

@@ -206,10 +206,12 @@ def test_bad_local_configs_are_rejected_before_any_compilation(scheme, changes, 
     config_lib.validate_config(config)
 
 
-def test_the_real_runtime_refuses_local_update_schemes():
-  config = helpers.cluster_config("diloco")
-  with pytest.raises(ValueError, match="cannot run on the real runtime yet"):
-    dist.check_real_run(config)
+def test_the_real_runtime_runs_the_local_update_schemes_but_refuses_halos_with_the_reason():
+  for scheme in ("local_sgd", "diloco", "async_local_sgd"):
+    dist.check_real_run(helpers.cluster_config(scheme))   # bit for bit: tests/test_shards.py
+  with pytest.raises(ValueError, match="'halos' cannot run on the real runtime: its protocol "
+                     "cannot drop a lost mesh"):
+    dist.check_real_run(helpers.cluster_config("halos"))
 
 
 # -- HALoS ------------------------------------------------------------------------------------

@@ -168,6 +168,43 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
       sweep.expand(spec + ":huge")
 
 
+def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid():
+  spec = str(REPO / "configs" / "sweeps" / "local_update_mnist.py")
+  for cluster in ("tiers", "straggler"):
+    trials = sweep.expand(f"{spec}:{cluster}")
+    assert len(trials) == 42 and {t.config.seed for t in trials} == {0, 1, 2}
+    assert [t.config.seed for t in trials[:14]] == [0] * 14   # seed by seed
+    assert len({t.name for t in trials}) == 42
+    assert all(len(t.name) <= sweep.MAX_NAME for t in trials)
+    for t in trials:
+      c = t.config
+      assert c.num_workers == 16 and c.train.num_epochs == 3.0 and c.train.eval_every == 0.25
+      if c.sync.scheme in ("diloco", "async_local_sgd", "halos"):
+        assert c.local.steps == 8 and c.local.optimizer.name == "adamw"
+        assert c.local.optimizer.learning_rate in (1e-3, 3e-3)
+        assert t.tuned == ("optimizer.learning_rate", "local.optimizer.learning_rate")
+      else:
+        assert c.local.steps == 1 and c.optimizer.learning_rate in (0.05, 0.1)
+        assert t.tuned == ("optimizer.learning_rate",)
+      if cluster == "straggler":
+        assert c.cluster.profile == "lognormal" and c.cluster.jitter == 0.2
+        assert len(c.cluster.speeds) == 16 and max(c.cluster.speeds) == 8.0
+      else:
+        assert tuple(c.cluster.tiers) == (1.0, 1.5, 2.0, 3.0) and not len(c.cluster.speeds)
+  for bad in ("", "smoke", "tiers,straggler", "huge"):
+    with pytest.raises(ValueError, match="is invalid|unknown config arg"):
+      sweep.expand(f"{spec}:{bad}")
+
+
+def test_long_trial_names_keep_their_head_and_stay_apart():
+  short = {"sync.scheme": "gssp", "seed": 1}
+  assert sweep.trial_name(short) == "sync.scheme=gssp,seed=1"
+  head = {"sync.scheme": "diloco", "seed": 0, **{f"local.key{i}": "x" * 20 for i in range(10)}}
+  a, b = sweep.trial_name({**head, "z": 1}), sweep.trial_name({**head, "z": 2})
+  assert len(a) == len(b) == sweep.MAX_NAME and a != b
+  assert a.startswith("sync.scheme=diloco,seed=0,local.key0=") and ",~" in a
+
+
 def test_failed_trials_are_recorded_and_retried(tmp_path, monkeypatch):
   monkeypatch.delenv("GSSP_DATA_DIR", raising=False)
   path = _sweep_file(tmp_path, 'zipped(sweep("data_dir", ["/nonexistent/data"]), '

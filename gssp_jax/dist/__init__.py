@@ -19,19 +19,15 @@ _UNSUPPORTED_SYNC = {
 def check_real_run(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming what of ``config`` the real runtime cannot run, and why."""
   from gssp_jax import sync  # pylint: disable=g-import-not-at-top
-  if sync.local.is_local(config.sync.scheme):
-    raise ValueError(
-        f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime yet: its "
-        "meshes compute one gradient per push and keep no inner optimizer state (the "
-        "local-update schemes run in the simulator: python -m experiments.main)")
   scheme = sync.scheme_from_config(config, worker_times=None)
   protocol = scheme.make_protocol()
   if not getattr(protocol, "supports_membership", False):
     raise ValueError(
         f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime: its protocol"
         " cannot drop a lost mesh or take a restarted one back (supports_membership is False),"
-        " so one crash would stall every mesh; the real runtime runs bsp, asp, ssp, dssp, gssp and"
-        " inhad. Simulate it with python -m experiments.main instead")
+        " so one crash would stall every mesh; the real runtime runs bsp, asp, ssp, dssp, gssp,"
+        " inhad, local_sgd, diloco and async_local_sgd. Simulate it with python -m"
+        " experiments.main instead")
   if config.sync.get("regroup_every_epoch", False):
     raise ValueError("config.sync.regroup_every_epoch=True cannot run on the real runtime: "
                      + _UNSUPPORTED_SYNC["regroup_every_epoch"] + "; set it False")

@@ -75,6 +75,7 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import records
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.sync import local as local_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import optim
@@ -291,8 +292,13 @@ class DistServer:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulated = config_lib.cluster_is_set(config)
     self.scheme, _ = shard_lib.build_chain(config)
-    self.schedule = optim.learning_rate_schedule(config.optimizer, self.spe,
+    # A local-update scheme's outer optimizer's schedule, and each mesh's H_w (as the simulator).
+    self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
                                                  round(self.total_pushes / self.W))
+    self.local = local_lib.is_local(config.sync.scheme)
+    self.steps = (local_lib.local_steps(config.local.steps, shard_lib.cluster_times(self.cluster),
+                                        config.local.dylu)
+                  if self.local else np.ones([self.W], np.int64))
     float(self.schedule(0))   # eager, as the simulator's (a jitted one rounds differently): its
     #                           ops compile now, not under the lock while meshes wait
     init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -320,12 +326,14 @@ class DistServer:
     W = self.W
     self.protocol = self.scheme.make_protocol()
     self.acct = sync.accounting.Accounting(W, self.scheme.num_replicas,
-                                           aggregating=self.scheme.name == "inhad")
+                                           aggregating=self.scheme.name == "inhad",
+                                           push_iterations=self.steps)
     self.eval_replica = getattr(self.protocol, "global_replica", None)
     self.host = {**records.new_counters(W), "format": HOST_FORMAT,
                  "jobs": np.zeros([W], np.int64), "seq": np.zeros([W], np.int64),
-                 "pushes": 0, "wall_time": 0.0, "next_eval": self.eval_pushes,
-                 "num_evals": 0, "evaluated": 0, "started": np.zeros([W], bool),
+                 "pushes": 0, "iterations": 0, "wall_time": 0.0,
+                 "next_eval": self.eval_pushes, "num_evals": 0, "evaluated": 0,
+                 "evaluated_iterations": 0, "started": np.zeros([W], bool),
                  "pushes_per_worker": np.zeros([W], np.int64),
                  "wire_pushed_per_worker": np.zeros([W], np.int64),
                  "wire_pulled_per_worker": np.zeros([W], np.int64),
@@ -373,6 +381,8 @@ class DistServer:
             "an older real runtime (one server process, no shards); start the run again in a "
             "new workdir")
       self.protocol, self.host = saved["protocol"], saved["host"]
+      for key, old in (("iterations", "pushes"), ("evaluated_iterations", "evaluated")):
+        self.host.setdefault(key, self.host[old])   # a checkpoint from before local updates
       self.acct.load_state_dict(saved["acct"])
       self.core0.restore(latest)
       self.restored_step = latest
@@ -407,10 +417,20 @@ class DistServer:
             jax.tree.unflatten(self.treedefs[1], stats))
 
   def finished(self) -> bool:
-    return self.host["evaluated"] >= self.end_pushes
+    return self._at_end(self.host["evaluated_iterations"], self.host["evaluated"])
 
   def completed(self) -> bool:
-    return self.host["pushes"] >= self.total_pushes
+    return self._iterations() >= self.total_pushes
+
+  def _iterations(self) -> int:
+    """Data iterations applied so far (``simulate.Simulation._iterations``): pushes, but a
+    local-update push counts its job's ``H_w``, once a round applies it."""
+    return int(self.host["iterations"] if self.local else self.host["pushes"])
+
+  def _at_end(self, iterations: int, pushes: int) -> bool:
+    """The run's end: its epochs' iterations, or ``train.stop_after_updates`` pushes."""
+    stop = self.config.train.stop_after_updates
+    return iterations >= self.total_pushes or bool(stop and pushes >= stop)
 
   @property
   def position(self) -> int:
@@ -419,7 +439,7 @@ class DistServer:
   def advance(self) -> bool:
     self._serve()
     with self.changed:
-      while not (self.done or self.host["pushes"] >= self.host["next_eval"]):
+      while not (self.done or self._iterations() >= self.host["next_eval"]):
         self._raise_if_stopped()
         if interrupt.requested():
           return False   # save() snapshots under the lock; close() stops the meshes
@@ -446,8 +466,9 @@ class DistServer:
       blocked = self._blocked_so_far()
       alive = self.protocol.alive.copy()
       wall = self._wall_time()
-      self.host["evaluated"] = host["pushes"]
-      while self.host["next_eval"] <= host["pushes"]:
+      done = self._iterations()
+      self.host["evaluated"], self.host["evaluated_iterations"] = host["pushes"], done
+      while self.host["next_eval"] <= done:
         self.host["next_eval"] += self.eval_pushes
       self.host["num_evals"] += 1
     params, model_state, sums = self._fetch_snapshot(snap_id)
@@ -467,7 +488,7 @@ class DistServer:
             pushes=host["pushes"], num_workers=self.W, spe=self.spe, updates=host["updates"],
             virtual_time=wall, wall_time=wall, loss_sum=sums["loss_sum"],
             loss_count=sums["loss_count"], results=results, host=host,
-            pull_bytes=self.pull_bytes, blocked=blocked, acct=acct),
+            pull_bytes=self.pull_bytes, blocked=blocked, acct=acct, iterations=done),
         "wire_bytes_pushed": int(host["wire_pushed_per_worker"].sum()),
         "wire_bytes_pulled": int(host["wire_pulled_per_worker"].sum()),
         "wire_bytes_pushed_per_worker": host["wire_pushed_per_worker"].tolist(),
@@ -502,6 +523,9 @@ class DistServer:
     elapsed = time.perf_counter() - self._session_start
     rate = (record["pushes"] - self._session_pushes) / max(elapsed, 1e-9)
     eta = (self.end_pushes - record["pushes"]) / max(rate, 1e-9)
+    if self.local:   # the end is in data iterations: H_w per push
+      done = round(record["epoch"] * self.W * self.spe)
+      eta = max(self.total_pushes - done, 0) / max(rate * float(self.steps.mean()), 1e-9)
     return (f"{self.scheme.name} (real, {self.W} meshes, {self.S} shard"
             f"{'s' if self.S > 1 else ''}) epoch {record['epoch']:.2f} | wall"
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
@@ -569,7 +593,10 @@ class DistServer:
           scheme=self.scheme, groups=self.scheme.groups.tolist(),
           cluster={**self.cluster.describe(), "emulated": self.emulated},
           pushes=host["pushes"], batch_size=self.B, virtual_time=wall, wall_time=wall,
-          host=host, pull_bytes=self.pull_bytes, blocked=blocked, acct=self.acct)
+          host=host, pull_bytes=self.pull_bytes, blocked=blocked, acct=self.acct,
+          iterations=int(host["iterations"] if self.local else host["pushes"]))
+    if self.local:
+      fields["scheme"]["local_steps"] = self.steps.tolist()
     fields["runtime"] = "dist"
     fields["meshes"] = {"num": self.W, "lost": host["lost"], "rejoined": host["rejoined"],
                         "alive": self.protocol.alive.tolist()}
@@ -893,9 +920,9 @@ class DistServer:
     self.waiting[w] = True
     self.last_seen[w] = time.monotonic()
     self._react(self.protocol.on_push(w, now), now)
-    if host["pushes"] >= self.end_pushes:
+    if self._at_end(self._iterations(), host["pushes"]):
       self._finish()
-    if host["pushes"] >= host["next_eval"] or self.done:
+    if self._iterations() >= host["next_eval"] or self.done:
       self.changed.notify_all()
 
   def _refuse_nonfinite(self, w: int, seq: int, why: str) -> dict:
@@ -981,10 +1008,12 @@ class DistServer:
   def _react(self, reaction, now: float) -> None:
     """Emits a reaction's rounds, releases its meshes, schedules its messages."""
     for rnd in reaction.rounds:
+      if self.local:   # as the simulator's _apply_round: before the round's learning rate
+        self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
       args = records.account_round(
           rnd, host=self.host, acct=self.acct, protocol=self.protocol, links=self.links,
           iteration=self.host["pushes_per_worker"],
-          learning_rate=self.schedule(self.host["pushes"] // self.W), pull_bytes=self.pull_bytes)
+          learning_rate=self.schedule(self._iterations() // self.W), pull_bytes=self.pull_bytes)
       lr = args.pop("learning_rate")
       self._emit({"k": "round", "args": args, "lr": float(lr)})
     for w in reaction.release:
@@ -1029,8 +1058,11 @@ class DistServer:
   def _next_job(self, w: int) -> dict:
     k = int(self.host["jobs"][w])
     self.host["jobs"][w] += 1
+    # "steps": the job's inner steps H_w (1 but for the local-update schemes), its data
+    # iterations k H_w .. k H_w + H_w - 1.
     return {"iteration": k, "ratio": float(self.ratio_of(w, k)),
-            "flush": bool(self.ratio_of.flush(w, k)), "watermark": self.ops}
+            "flush": bool(self.ratio_of.flush(w, k)), "watermark": self.ops,
+            "steps": int(self.steps[w])}
 
   def _stop(self, w: int) -> dict:
     self.told_stop[w] = True

@@ -49,8 +49,8 @@ from gssp_jax.dist import layout as layout_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
+from gssp_jax.sync import local as local_lib
 from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import optim
 
 ROUND_FIELDS = {"arrived": bool, "pulls": bool, "groups": np.int32, "applies": bool,
                 "forward": bool, "deliver": bool, "aggregate": bool, "adopt": np.int32,
@@ -95,12 +95,17 @@ class ShardError(RuntimeError):
   """A shard cannot go on (an op it cannot apply); the run stops."""
 
 
+def cluster_times(cluster) -> np.ndarray:
+  """``[W]`` mean slowdown of each worker, as the simulator reads them (a trace's mean)."""
+  return cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds
+
+
 def build_chain(config):
-  """The scheme and the sync chain every shard and the control plane build the same way."""
+  """The scheme and the sync chain every shard and the control plane build the same way (the
+  simulator's: ``sync.local.server_chain``, a local-update scheme's outer optimizer included)."""
   cluster = cluster_lib.cluster_from_config(config)
-  speeds = cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds
-  scheme = sync.scheme_from_config(config, worker_times=speeds)
-  return scheme, optim.make_sync_chain(config.optimizer, scheme.transform, scheme.num_replicas)
+  scheme = sync.scheme_from_config(config, worker_times=cluster_times(cluster))
+  return scheme, local_lib.server_chain(config, scheme.transform, scheme.num_replicas)
 
 
 class ShardCore:

@@ -27,10 +27,18 @@ push waits its link time and each pull its transfer time, as the simulator
 charges them (``sim/traffic.Traffic``; InHAD: the node link plus an 8-byte
 iteration number).
 
-A restarted mesh process starts with an empty error-feedback memory: the
-memory is as large as the model and lives only in the mesh, and sending it
-with every push would double the push traffic; a mesh that is dropped and
-rejoins in the same process keeps it.
+A local-update scheme's job (``local_sgd``, ``diloco``, ``async_local_sgd``)
+is the simulator's too: ``H_w`` inner optimizer steps (the job's ``steps``,
+from the server) on the worker's data iterations ``k H_w .. k H_w + H_w - 1``,
+then the pseudo-gradient is pushed; the inner optimizer state is the mesh's own
+and carries over to its next job (``sim/executor.make_local_update``; a
+multi-process mesh splits each inner step's batch, ``make_mesh_local_step``).
+
+A restarted mesh process starts with an empty error-feedback memory and a
+fresh inner optimizer state (its step count, and so its inner schedule, start
+again): both are as large as the model and live only in the mesh, and sending
+them with every push would double or triple the push traffic; a mesh that is
+dropped and rejoins in the same process keeps them.
 """
 
 from __future__ import annotations
@@ -55,11 +63,13 @@ from gssp_jax.data import sharding
 from gssp_jax.dist import auth
 from gssp_jax.dist import layout as layout_lib
 from gssp_jax.dist import server as server_lib
+from gssp_jax.dist import shard as shard_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import transforms
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -101,6 +111,31 @@ def make_mesh_step(loss_fn, compressor, mesh: Mesh | None, dense_bytes: int, *,
   replicated = NamedSharding(mesh, PartitionSpec())
   split = NamedSharding(mesh, PartitionSpec("data"))
   shardings = (replicated,) * 3 + (split,) + (replicated,) * 5
+  return (jax.jit(step, in_shardings=shardings, out_shardings=replicated), replicated, split)
+
+
+def make_mesh_local_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int,
+                         local: sim_executor.LocalJob, *, grad_clip: float = 0.0):
+  """A multi-process mesh's local-update job: ``(params, ms, inner, comp, batches [H_max, B], rng,
+  w, first, steps, ratio, flush) -> (loss, push, ms, inner, comp, bytes)``.
+
+  The simulator's ``make_local_update`` as one SPMD program over ``mesh``: each
+  inner step's batch is split over the ``data`` axis (``batches`` sharded on
+  its second axis), so every inner gradient is the mean over the whole worker
+  batch, clipped to ``grad_clip`` before the inner optimizer; the weights, the
+  inner optimizer state (kept by the mesh across its jobs) and the pushed
+  pseudo-gradient are replicated. The dropout key of step ``i`` is the
+  simulator's ``fold_in(fold_in(rng, w), first + i)``.
+  """
+  update = sim_executor.make_local_update(loss_fn, compressor, dense_bytes, local,
+                                          grad_clip=grad_clip)
+
+  def step(params, model_state, inner, comp, batches, base_rng, w, first, steps, ratio, flush):
+    return update(params, model_state, inner, comp, batches, jax.random.fold_in(base_rng, w),
+                  first, steps, ratio, flush)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  split = NamedSharding(mesh, PartitionSpec(None, "data"))
+  shardings = (replicated,) * 4 + (split,) + (replicated,) * 6
   return (jax.jit(step, in_shardings=shardings, out_shardings=replicated), replicated, split)
 
 
@@ -201,18 +236,26 @@ class MeshWorker:
     self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     dense_bytes = step_lib.tree_bytes(params)
+    self.local = _local_job(config, self.cluster, plan.spe)
+    clip = config.optimizer.grad_clip
+    inner = self.local.inner if self.local is not None else None
     if self.mesh is None:   # one process: the simulator's own job on a one-worker state
       self.job_fn = sim_executor.make_job_fn(self.task.loss, compressor, dense_bytes,
-                                             self.stats_bytes,
-                                             grad_clip=config.optimizer.grad_clip)
+                                             self.stats_bytes, grad_clip=clip, local=self.local)
       self.arrays = jax.device_put(self.task.train)
       self.one = sim_executor.init_state(params, model_state, optax.identity(), None, 1, 1,
-                                         self.train_rng)
+                                         self.train_rng, inner=inner)
       self.replicated = self.split = None
-    else:
+    elif self.local is None:
       self.step, self.replicated, self.split = make_mesh_step(
-          self.task.loss, compressor, self.mesh, dense_bytes,
-          grad_clip=config.optimizer.grad_clip)
+          self.task.loss, compressor, self.mesh, dense_bytes, grad_clip=clip)
+    else:
+      self.step, self.replicated, self.split = make_mesh_local_step(
+          self.task.loss, compressor, self.mesh, dense_bytes, self.local, grad_clip=clip)
+    # A local-update scheme's inner optimizer state: this mesh's own, across its jobs (a
+    # one-process mesh keeps it in its one-worker state, as the simulator's row).
+    self.inner_state = (self._put(inner.init(params), self.replicated)
+                        if inner is not None and self.mesh is not None else ())
     self.comp_state = self._init_compressor(compressor, params)
     self.layout: layout_lib.ShardLayout | None = None
     self.server: wire.Client | None = None
@@ -276,7 +319,8 @@ class MeshWorker:
                        "with the same --config and --config.* flags")
     self._shard0 = body
     return {k: header[k] for k in ("iteration", "ratio", "flush", "watermark")} | {
-        "session": self.session, "shards": header["shards"], "stop": False}
+        "steps": int(header.get("steps", 1)), "session": self.session,
+        "shards": header["shards"], "stop": False}
 
   def _connect_shards(self, addresses) -> None:
     for client in self.shards:
@@ -382,13 +426,12 @@ class MeshWorker:
         loss, grad, new_ms, nbytes = self._compute(job, params, model_state)
         compute.append(time.perf_counter() - started)
         if self.emulate:
-          wait = self.cluster.compute_time(self.w, job["iteration"]) - (time.perf_counter()
-                                                                       - started)
+          wait = self._job_time(job) - (time.perf_counter() - started)
           over += wait < 0
           time.sleep(max(0.0, wait))
+        self.iterations += job_steps(job)   # data iterations (a local job's H_w)
         if self.rank == 0:
           job, shard0 = self._push_and_wait(heart, job, loss, grad, new_ms, nbytes)
-        self.iterations += 1
     finally:
       if heart is not None:
         heart.close()
@@ -422,14 +465,32 @@ class MeshWorker:
     heart.ensure_running()
     return job, self._shard0
 
+  def _job_time(self, job: dict) -> float:
+    """The cluster model's seconds of the job: its ``H_w`` iterations' (``Simulation._job_time``)."""
+    h = job_steps(job)
+    first = job["iteration"] * h
+    return float(sum(self.cluster.compute_time(self.w, first + j) for j in range(h)))
+
+  def _indices(self, job: dict) -> np.ndarray:
+    """The job's batches: ``[B]``, or a local-update job's ``[H_max, B]`` (iterations
+    ``k H_w .. k H_w + H_w - 1``, padded with the last, as ``Simulation._next_jobs``)."""
+    if self.local is None:
+      return self.batches.indices(self.w, job["iteration"])
+    h = job_steps(job)
+    first = job["iteration"] * h
+    return np.stack([self.batches.indices(self.w, first + min(j, h - 1))
+                     for j in range(self.local.max_steps)])
+
   def _compute_one(self, job: dict, idx, params, model_state):
     """A one-process mesh: ``make_job_fn`` on the one-worker state, as the simulator runs it."""
     state = self.one.replace(worker_params=_one_row(params),
                              worker_model_state=_one_row(model_state),
                              comp_state=self.comp_state)
+    h = job_steps(job)
     state = self.job_fn(state, self.arrays, np.zeros([1], np.int32), idx[None].astype(np.int32),
-                        np.array([job["iteration"]], np.int32),
+                        np.array([job["iteration"] * h], np.int32),
                         np.array([job["ratio"]], np.float32), np.array([job["flush"]], bool),
+                        None if self.local is None else np.array([h], np.int32),
                         key_workers=np.array([self.w], np.int32))
     self.one, self.comp_state = state, state.comp_state
     row = lambda tree: jax.tree.map(lambda x: x[0], tree)
@@ -441,28 +502,65 @@ class MeshWorker:
   def warm_up(self) -> None:
     """Compiles the mesh's step before it joins, so the run's clock does not count compilation."""
     params, model_state = self.templates
-    comp_state = jax.tree.map(lambda x: x.copy(), self.comp_state)   # the job donates its own
-    self._compute({"iteration": 0, "ratio": 1.0, "flush": False}, params, model_state)
-    self.comp_state = comp_state   # the warm-up's gradient is not pushed: memory untouched
+    copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)   # the job donates its own
+    comp_state, inner_state = copy(self.comp_state), copy(self._inner())
+    self._compute({"iteration": 0, "ratio": 1.0, "flush": False, "steps": 1}, params,
+                  model_state)
+    # The warm-up's gradient is not pushed: the memory and the inner state are untouched.
+    self.comp_state = comp_state
+    self._set_inner(inner_state)
+
+  def _inner(self):
+    """This mesh's inner optimizer state (``()`` but for the local-update schemes)."""
+    return self.one.inner_state if self.mesh is None else self.inner_state
+
+  def _set_inner(self, inner_state) -> None:
+    if self.mesh is None:
+      self.one = self.one.replace(inner_state=inner_state)
+    else:
+      self.inner_state = inner_state
 
   def _compute(self, job: dict, params, model_state):
     """The mesh's gradient at ``job`` (host arrays, the same on every rank)."""
     k = job["iteration"]
-    idx = self.batches.indices(self.w, k)
+    idx = self._indices(job)
     if self.mesh is None:
       return self._compute_one(job, idx, params, model_state)
     per = self.B // self.P
-    local = idx[self.rank * per:(self.rank + 1) * per]
-    batch = jax.tree.map(lambda a: a[local], self.task.train)
+    mine = idx[..., self.rank * per:(self.rank + 1) * per]   # this rank's slice of each batch
+    batch = jax.tree.map(lambda a: a[mine], self.task.train)
     put = lambda tree: self._put(tree, self.replicated)
-    loss, grad, new_ms, self.comp_state, nbytes = self.step(
-        put(params), put(model_state), self.comp_state, self._put(batch, self.split),
-        put(self.train_rng), put(np.int32(self.w)), put(np.int32(k)),
-        put(np.float32(job["ratio"])), put(np.bool_(job["flush"])))
+    flags = (put(np.float32(job["ratio"])), put(np.bool_(job["flush"])))
+    if self.local is None:
+      loss, grad, new_ms, self.comp_state, nbytes = self.step(
+          put(params), put(model_state), self.comp_state, self._put(batch, self.split),
+          put(self.train_rng), put(np.int32(self.w)), put(np.int32(k)), *flags)
+    else:
+      h = job_steps(job)
+      loss, grad, new_ms, self.inner_state, self.comp_state, nbytes = self.step(
+          put(params), put(model_state), self.inner_state, self.comp_state,
+          self._put(batch, self.split), put(self.train_rng), put(np.int32(self.w)),
+          put(np.int32(k * h)), put(np.int32(h)), *flags)
     if self.mesh is None:
       return jax.device_get((loss, grad, new_ms, nbytes))
     local_copy = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
     return local_copy((loss, grad, new_ms, nbytes))
+
+
+def job_steps(job: dict) -> int:
+  """A job's inner steps ``H_w`` (1 but for the local-update schemes)."""
+  return int(job.get("steps", 1))
+
+
+def _local_job(config, cluster, steps_per_epoch: int) -> sim_executor.LocalJob | None:
+  """The simulator's ``LocalJob`` of a local-update scheme (its inner optimizer, ``H_max``)."""
+  if not local_lib.is_local(config.sync.scheme):
+    return None
+  steps = local_lib.local_steps(config.local.steps, shard_lib.cluster_times(cluster),
+                                config.local.dylu)
+  inner = local_lib.inner_optimizer(config, steps_per_epoch,
+                                    round(config.train.num_epochs * steps_per_epoch))
+  return sim_executor.LocalJob(inner, int(steps.max()))
 
 
 def _one_row(tree):

@@ -1,0 +1,126 @@
+"""SSP, GSSP and the local-update schemes on two heterogeneous MNIST clusters, 3 seeds, tuned rates.
+
+  # the 4-tier cluster, then the continuous one with a straggler: 42 trials each
+  python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:tiers \\
+      --workdir=/tmp/local_update_tiers --parallel=2
+  python -m experiments.report /tmp/local_update_tiers --out=docs/results/local_update_tiers
+  python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:straggler \\
+      --workdir=/tmp/local_update_straggler --parallel=2
+  python -m experiments.report /tmp/local_update_straggler --out=docs/results/local_update_straggler
+  # the same grid on 2,048 examples for 1 epoch: checks the sweep end to end in minutes
+  python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:tiers,smoke \\
+      --workdir=/tmp/local_update_smoke --parallel=2
+
+Model and data: LeNet-5 on MNIST (60,000 / 10,000), batch 32 per worker, 16 workers,
+3 epochs, evaluated every quarter epoch, target 98 % test accuracy.
+
+Clusters (``tiers`` and ``straggler``; 10 ms base iteration, 10 Gb/s links, 0.1 ms latency, the
+server's link shared by the transfers that overlap on it):
+* ``tiers``: the heterogeneity preset, 4 workers each at 1x, 1.5x, 2x and 3x, no jitter.
+* ``straggler``: continuous speeds, 15 workers at the quantiles of a log-normal (sigma 0.3,
+  fastest 1x, slowest 3.0x: :data:`STRAGGLER_SPEEDS`), one persistent straggler at 8x,
+  and per-iteration jitter (log-normal, sigma 0.2) on every worker.
+
+Schemes (:data:`SCHEMES`), each with the settings of its paper where it has one:
+* BSP, SSP (s = 3), GSSP (4 speed groups, s = 3, peer exchange every 4 pushes), GSSP + GDTopK:
+  SGD, momentum 0.9, weight decay 5e-4, half an epoch of linear warm-up then cosine; each
+  gradient scaled by 1/16 at the server. Tuned: ``optimizer.learning_rate`` in {0.05, 0.1}.
+* DiLoCo: H = 8 inner AdamW steps (half an epoch of warm-up then cosine over each worker's own
+  steps, no weight decay); outer SGD with Nesterov momentum 0.9 at rate 0.7, constant (the
+  DiLoCo paper's). Tuned: ``local.optimizer.learning_rate`` in {1e-3, 3e-3}.
+* Asynchronous Local-SGD + DyLU: the same inner steps, H_w = floor(8 x fastest / w's time),
+  Delayed Nesterov with N = 16 (one step per W pushes), outer rate 0.7, momentum 0.9.
+  Tuned as DiLoCo.
+* HALoS: the same inner steps and DyLU; a local server per speed group (4 groups) with the
+  authors' local Delayed Nesterov (rate 3.2, momentum 0.9, N = 16), the global server at rate
+  0.3, momentum 0.5, N = 2, merge weight 0.25 (the authors' settings). Tuned as DiLoCo.
+
+The two grids are different keys because the schemes' rates are different things: an SGD step
+on the mean gradient against an AdamW step inside a worker's job. Each grid brackets its
+family's usual value (0.05 for this SGD recipe, ``docs/REPRODUCTION.md``; 1e-3 for Adam on
+LeNet-5) with one larger step, as a 3-epoch budget favours. Each scheme is reported at its best
+value by the report's criterion (fewest unhealthy seeds, then median time to target, then median
+final accuracy), chosen per cluster.
+
+Cost, measured: see docs/REPRODUCTION.md (a trial is 1.5-3 min on this 2-core CPU).
+"""
+
+import statistics
+
+from configs import mnist_lenet5_hetero
+from gssp_jax.config import default_config, parse_arg
+from gssp_jax.sweep import Grid, product, sweep, tune
+
+SEEDS = (0, 1, 2)
+SGD_RATES = (0.05, 0.1)
+INNER_RATES = (1e-3, 3e-3)
+CLUSTERS = ("tiers", "straggler")
+LOCAL = ("diloco", "async_local_sgd", "halos")
+
+
+def _straggler_speeds() -> tuple[float, ...]:
+  normal = statistics.NormalDist(0.0, 0.3)
+  quantiles = [normal.inv_cdf((i + 0.5) / 15) for i in range(15)]
+  fastest = min(quantiles)
+  return tuple(round(2.718281828459045 ** (q - fastest), 3) for q in quantiles) + (8.0,)
+
+
+STRAGGLER_SPEEDS = _straggler_speeds()
+
+_INNER = {"local.steps": 8, "local.optimizer.name": "adamw", "local.optimizer.schedule": "cosine",
+          "local.optimizer.warmup_epochs": 0.5}
+_OUTER = {"optimizer.learning_rate": 0.7, "optimizer.momentum": 0.9, "optimizer.nesterov": True,
+          "optimizer.weight_decay": 0.0, "optimizer.schedule": "constant",
+          "optimizer.warmup_epochs": 0.0}
+
+# Each row: its overrides of the base config (scheme-specific settings only under their scheme).
+SCHEMES = (
+    {"sync.scheme": "bsp", "compress.name": "none"},
+    {"sync.scheme": "ssp", "compress.name": "none"},
+    {"sync.scheme": "gssp", "compress.name": "none"},
+    {"sync.scheme": "gssp", "compress.name": "gdtopk"},
+    {"sync.scheme": "diloco", "compress.name": "none", **_INNER, **_OUTER},
+    {"sync.scheme": "async_local_sgd", "compress.name": "none", **_INNER, **_OUTER,
+     "local.dylu": True, "local.delayed_nesterov": 16},
+    {"sync.scheme": "halos", "compress.name": "none", **_INNER, **_OUTER,
+     "local.dylu": True, "optimizer.learning_rate": 0.3, "optimizer.momentum": 0.5},
+)
+
+
+def _args(arg) -> tuple[str, bool]:
+  args = parse_arg(arg, CLUSTERS + ("smoke",))
+  clusters = [a for a in CLUSTERS if a in args]
+  if len(clusters) != 1:
+    raise ValueError(f"sweep arg {arg!r} is invalid; allowed: exactly one of {CLUSTERS},"
+                     " optionally with ',smoke' (e.g. 'tiers' or 'straggler,smoke')")
+  return clusters[0], "smoke" in args
+
+
+def get_config(arg=None):
+  cluster, smoke = _args(arg)
+  c = mnist_lenet5_hetero.get_config("smoke" if smoke else None)
+  c.train.num_epochs = 1.0 if smoke else 3.0
+  c.train.eval_every = 0.25
+  c.optimizer.warmup_epochs = 0.5
+  if cluster == "straggler":
+    c.cluster.profile = "lognormal"
+    c.cluster.tiers = default_config().cluster.tiers
+    c.cluster.speeds = STRAGGLER_SPEEDS
+    c.cluster.jitter = 0.2
+  return c
+
+
+def get_sweep(arg=None):
+  _args(arg)
+  grid = []
+  for seed in SEEDS:   # seed by seed: a sweep cut short holds whole seeds of every scheme
+    for scheme in SCHEMES:
+      # The scheme, its tuned rate and the seed first: they head the trial's (directory) name.
+      head = {k: scheme[k] for k in ("sync.scheme", "compress.name")}
+      settings = {k: v for k, v in scheme.items() if k not in head}
+      if scheme["sync.scheme"] in LOCAL:
+        rates = tune("local.optimizer.learning_rate", INNER_RATES)
+      else:
+        rates = tune("optimizer.learning_rate", SGD_RATES)
+      grid += product([head], rates, sweep("seed", [seed]), [settings])
+  return Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"))
