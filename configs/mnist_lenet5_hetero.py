@@ -9,11 +9,13 @@
 The cluster: 4 workers each at 1x, 1.5x, 2x and 3x a base iteration time of
 10 ms (batch 32), 10 Gb/s links with 0.1 ms latency; GSSP groups by speed,
 s = 3, peer exchange every 4 pushes (DS-Sync in groups of 4, as in
-docs/REPRODUCTION.md, needs ``--config.sync.group_size=4``: a sync key the
-scheme does not read is rejected, so this file sets only GSSP's). Every
-scheme uses the same optimizer (SGD 0.05, momentum 0.9, cosine over 8 epochs, each gradient scaled by 1/16).
-Full: 8 epochs, 1.5-4 min per scheme on a 2-core CPU (docs/RESULTS.md; the
-measured tables are in docs/REPRODUCTION.md). `:smoke`: 2,048 examples, 2 epochs, seconds.
+docs/REPRODUCTION.md, needs ``--config.sync.group_size=4``). This file sets GSSP's
+keys (groups, staleness, peer exchange) and InHAD's ``sync.num_nodes``; a key the
+chosen scheme does not read is allowed here because the file sets it for another
+scheme, while one given on the command line that the scheme does not read is rejected.
+Every scheme uses the same optimizer (SGD 0.05, momentum 0.9, cosine over 8 epochs, each
+gradient scaled by 1/16). Full: 8 epochs, 1.5-5 min per scheme on a 2-core CPU (GSSP the
+slowest, 4-4.5 min; docs/RESULTS.md, the measured tables in docs/REPRODUCTION.md). `:smoke`: 2,048 examples, 2 epochs, seconds.
 """
 
 from configs import mnist_lenet5

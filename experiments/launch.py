@@ -105,7 +105,10 @@ def main(argv):
   config_lib.validate_config(check)   # before any process starts
   launcher = launch.LocalLauncher(_config_flags(sys.argv), workdir, topo, config)
   with cli.sigterm_as_interrupt():
-    code = launcher.run()
+    try:
+      code = launcher.run()   # on a signal it waits for the server's checkpoint, then raises
+    except KeyboardInterrupt as e:
+      raise launch.interrupted(e, workdir) from None
   logging.info("the server exited with code %d; every process ended", code)
   if code:
     sys.exit(code)

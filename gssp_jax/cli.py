@@ -52,7 +52,7 @@ def log_to_file(path: str):
 
 def _raise_interrupt(signum, frame):
   del frame
-  raise KeyboardInterrupt(f"signal {signum}")
+  raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
@@ -285,7 +285,43 @@ def run_main(main: Callable[[list[str]], Any],
     return parse_flags(argv)
 
   def guarded(argv):
-    with user_errors(sys.argv):
+    with user_errors(sys.argv), interrupted_in_one_line(sys.argv):
       return main(argv)
 
   app.run(guarded, flags_parser=parser)
+
+
+INTERRUPTED_EXIT = 130   # a shell's code for a process stopped by SIGINT
+
+
+def resume_command(argv: Sequence[str]) -> str:
+  """The command line that ran this process (``python -m <module> ...``): it resumes a run."""
+  import shlex  # pylint: disable=g-import-not-at-top
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  program = f"python -m {spec.name}" if spec is not None and spec.name else shlex.quote(argv[0])
+  return " ".join([program] + [shlex.quote(a) for a in argv[1:]])
+
+
+@contextlib.contextmanager
+def interrupted_in_one_line(argv: Sequence[str]):
+  """Inside, Ctrl-C or SIGTERM ends the process with one line on stderr and code 130.
+
+  The line says where the checkpoint is (a run that saved one raises
+  ``interrupt.Interrupted``) and the command that resumes: the same command
+  again. Under --verbose (or GSSP_VERBOSE=1) the traceback stays.
+  """
+  try:
+    yield
+  except KeyboardInterrupt as e:
+    if _verbose_requested(argv):
+      raise
+    from gssp_jax.train import interrupt  # pylint: disable=g-import-not-at-top
+    if isinstance(e, interrupt.Interrupted):
+      what = str(e)
+    else:   # a second signal stopped it at once, or it came before any run started
+      what = (f"interrupted ({e})" if str(e) else "interrupted") + (
+          "; what its last checkpoint holds is kept")
+    sys.stdout.flush()
+    print(f"{what}. To resume, run the same command: {resume_command(argv)}", file=sys.stderr,
+          flush=True)
+    raise SystemExit(INTERRUPTED_EXIT) from None

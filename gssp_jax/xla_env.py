@@ -27,6 +27,7 @@ starts a backend.
 
 from __future__ import annotations
 
+import logging as py_logging
 import math
 import os
 import sys
@@ -154,3 +155,24 @@ def child_env(environ: Mapping[str, str], processes: int) -> dict[str, str]:
   if user_memory_fraction(env) is None:
     env[MEM_FRACTION_VARS[0]] = f"{share:.3f}"
   return env
+
+
+class _QuietBackendProbe(py_logging.Filter):
+  """Drops jax's INFO "Unable to initialize backend 'tpu'" (or any platform not asked for).
+
+  jax logs it on every machine without that platform while it picks the default
+  backend; nothing is wrong then. A platform asked for explicitly
+  (``JAX_PLATFORMS``) still fails loudly: jax raises instead of logging.
+  """
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return not (record.levelno <= py_logging.INFO
+                and str(record.msg).startswith("Unable to initialize backend"))
+
+
+def quiet_backend_probe() -> None:
+  """Installs :class:`_QuietBackendProbe` on jax's backend logger (once)."""
+  logger = py_logging.getLogger("jax._src.xla_bridge")
+  if not any(isinstance(f, _QuietBackendProbe) for f in logger.filters):
+    logger.addFilter(_QuietBackendProbe())
+

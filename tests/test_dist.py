@@ -499,7 +499,7 @@ def test_two_process_meshes_train_sigterm_stops_within_three_seconds_and_a_rerun
     assert sorted(pids) == ["launcher", "mesh0_rank0", "mesh0_rank1", "mesh1_rank0",
                             "mesh1_rank1", "server"]
     procs[0].send_signal(signal.SIGTERM)
-    procs[0].communicate(timeout=120)
+    out, _ = procs[0].communicate(timeout=120)
     ended = time.time()
     assert not [name for name, pid in pids.items() if _running(pid)]
   finally:
@@ -510,6 +510,11 @@ def test_two_process_meshes_train_sigterm_stops_within_three_seconds_and_a_rerun
   assert first["pushes"] >= 2 * 4 and first["test_accuracy"] > 0.2
   summary = json.load(open(workdir / "summary.json"))
   assert summary["status"] == "interrupted"
+  # The launcher ends with one line, no traceback: the server's checkpoint and the resume command.
+  assert procs[0].returncode == 130 and "Traceback" not in out, out[-3000:]
+  assert out.strip().splitlines()[-1].startswith(
+      f"interrupted by SIGTERM at pushes {summary['totals']['pushes']}; its checkpoint is in "
+      f"{workdir}/checkpoints. To resume, run the same command: python -m experiments.launch"), out
   for name in ("mesh0_rank1", "mesh1_rank1"):
     assert "joined" in (workdir / "logs" / f"{name}.txt").read_text()
   # The rerun (one process per mesh now: the split of a mesh is not part of the run) resumes

@@ -103,3 +103,19 @@ def test_a_simulated_gssp_run_logs_its_cluster_once_and_serves_the_global_model(
   trained, results = _evaluate_loaded(tmp_path)   # the global server's weights
   assert trained.position == summary["final"]["pushes"]
   assert results["test_accuracy"] == summary["final"]["test_accuracy"]
+
+
+def test_the_eta_leaves_compilation_out_and_a_resume_starts_from_the_rate_before():
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  now = [0.0]
+  clock = lambda: now[0]
+  # A resumed run: 2,470 of 3,000 pushes done in 600 s before; this session compiles for 60 s.
+  eta = workdir_lib.Eta(2470, (2470, 600.0), clock=clock)
+  now[0] = 60.0 + 20.0   # the first report, 100 pushes after 20 s of real work
+  assert abs(eta.seconds_left(2570, 3000) - 430 / (2470 / 600.0)) < 1e-6   # not 430 / (100 / 80)
+  now[0] = 100.0         # then 200 more pushes in 20 s: the rate since the first report
+  assert abs(eta.seconds_left(2770, 3000) - 230 / 10.0) < 1e-6
+  # A fresh run has no rate before it: its first report counts from its start.
+  fresh = workdir_lib.Eta(0, (0, 0.0), clock=clock)
+  now[0] = 150.0
+  assert abs(fresh.seconds_left(100, 300) - 200 / (100 / 50.0)) < 1e-6

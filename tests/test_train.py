@@ -234,3 +234,19 @@ def test_bsp_with_dgc_trains_and_pushes_fewer_bytes(data_dir, tmp_path):
   lines = _lines(tmp_path)
   assert lines[-1]["train_loss"] < lines[0]["train_loss"]
   assert 0 < summary["totals"]["bytes_pushed"] < summary["totals"]["bytes_pulled"] / 4
+
+
+def test_the_wrong_workdir_error_lists_every_changed_key_the_scheme_first(tmp_path):
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  old = config_lib.default_config()
+  path = tmp_path / "config.json"
+  path.write_text(old.to_json())
+  changes = {"sync.scheme": "gssp", "sync.num_groups": 2, "batch_size": 16, "num_workers": 8,
+             "optimizer.learning_rate": 0.2, "optimizer.momentum": 0.5, "seed": 3}
+  new = config_lib.override(old, changes)
+  with pytest.raises(ValueError) as err:
+    workdir_lib.check_resumable(new, str(path))
+  message = str(err.value)
+  assert "(sync.scheme: 'bsp' -> 'gssp', " in message
+  for key in changes:
+    assert f"{key}: " in message, key

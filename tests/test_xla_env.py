@@ -174,3 +174,26 @@ def test_child_env_keeps_a_fraction_the_user_set(name):
 def test_child_env_respects_the_opt_out():
   env = xla_env.child_env({xla_env.OPT_OUT_VAR: "0"}, 2)
   assert env == {xla_env.OPT_OUT_VAR: "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
+
+
+_PROBE = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+if sys.argv[1] == "gssp":
+  import gssp_jax
+import jax
+jax.devices()
+"""
+
+
+def test_the_backend_probe_says_nothing_where_nothing_is_wrong():
+  """jax logs "Unable to initialize backend 'tpu'" at INFO on machines without a TPU; a
+  process that imported gssp_jax does not (the same process without it does: the check bites)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  out = {who: subprocess.run([sys.executable, "-c", _PROBE, who], capture_output=True, text=True,
+                             timeout=120, env=env, check=True).stdout
+         for who in ("gssp", "plain")}
+  assert "Unable to initialize backend" in out["plain"]
+  assert "Unable to initialize backend" not in out["gssp"]

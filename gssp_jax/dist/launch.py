@@ -238,6 +238,17 @@ def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
 # -- the one-host launcher ------------------------------------------------------------------------
 
 
+def interrupted(error: KeyboardInterrupt, workdir: str):
+  """The launcher's Ctrl-C or SIGTERM, once every child ended: where the server's checkpoint is
+  (``interrupt.Interrupted``, which ``cli`` prints as one line with the resume command)."""
+  from gssp_jax.train import interrupt  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
+                 if n.isdigit() and os.path.exists(os.path.join(directory, n, "commit_success.txt")))
+  name = str(error) if str(error) in ("SIGINT", "SIGTERM") else "SIGINT"
+  return interrupt.Interrupted(name, directory, f"pushes {steps[-1]}" if steps else "")
+
+
 class LocalLauncher:
   """Starts the server and the meshes' processes on this host; owns and ends them all.
 

@@ -363,7 +363,7 @@ class DistServer:
     self.restored_step = -1
     self._grpc = None
     self._wall_base, self._session_start = 0.0, time.perf_counter()
-    self._session_pushes = 0
+    self._eta = workdir_lib.Eta(0)
     self._clock_started = False
     self._clock = clock
     self._messages = _Scheduler(self._deliver_due, manual=manual_messages)
@@ -394,7 +394,8 @@ class DistServer:
         self._react(self.protocol.drop(int(w), now), now)
     self.core0.start()
     self._wall_base = self.host["wall_time"]
-    self._session_start, self._session_pushes = time.perf_counter(), self.host["pushes"]
+    self._session_start = time.perf_counter()
+    self._eta = workdir_lib.Eta(self.host["pushes"], (self.host["pushes"], self._wall_base))
     return int(self.host["pushes"])
 
   def restore_served(self, step: int):
@@ -520,9 +521,8 @@ class DistServer:
     return self.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
-    elapsed = time.perf_counter() - self._session_start
-    rate = (record["pushes"] - self._session_pushes) / max(elapsed, 1e-9)
-    eta = (self.end_pushes - record["pushes"]) / max(rate, 1e-9)
+    rate = self._eta.rate(record["pushes"])
+    eta = max(self.end_pushes - record["pushes"], 0) / max(rate, 1e-9)
     if self.local:   # the end is in data iterations: H_w per push
       done = round(record["epoch"] * self.W * self.spe)
       eta = max(self.total_pushes - done, 0) / max(rate * float(self.steps.mean()), 1e-9)

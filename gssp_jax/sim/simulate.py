@@ -226,7 +226,8 @@ class Simulation:
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
     self.batches = sharding.WorkerBatches(self.shards, config.seed, self.B)
-    self._session_start, self._session_iterations = time.perf_counter(), 0
+    self._session_start = time.perf_counter()
+    self._eta = workdir_lib.Eta(0)
     self._wall_base = 0.0
 
   # -- the executor interface -----------------------------------------------------------------
@@ -246,8 +247,9 @@ class Simulation:
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
     if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
       self._steps.append(executor.Step(None, self._next_jobs(np.arange(self.W))))
-    self._session_start, self._session_iterations = time.perf_counter(), self._iterations()
+    self._session_start = time.perf_counter()
     self._wall_base = self.host["wall_time"]
+    self._eta = workdir_lib.Eta(self._iterations(), (self._iterations(), self._wall_base))
     return int(self.engine.num_pushes)
 
   @property
@@ -312,11 +314,8 @@ class Simulation:
     return self.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
-    done = self._iterations()
-    elapsed = time.perf_counter() - self._session_start
-    rate = (done - self._session_iterations) / max(elapsed, 1e-9)
     end = self.end_pushes if self.local is None else self.total_pushes
-    eta = max(end - done, 0) / max(rate, 1e-9)   # a last local-update round may pass the end
+    eta = self._eta.seconds_left(self._iterations(), end)   # a local round may pass the end
     return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"

@@ -190,7 +190,8 @@ class FusedBSP:
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self.updates = 0
     self._order_epoch, self._order = -1, None
-    self._session_start, self._session_updates = time.perf_counter(), 0
+    self._session_start = time.perf_counter()
+    self._eta = workdir_lib.Eta(0)
     self._wall_base = 0.0
     self._line = ""
 
@@ -202,6 +203,7 @@ class FusedBSP:
       logging.info("resumed from the checkpoint at update %d", latest)
     self.updates = int(self.state.step)
     self._session_start, self._wall_base = time.perf_counter(), self.meta["wall_time"]
+    self._eta = workdir_lib.Eta(self.updates, (self.updates, self._wall_base))
     return self.updates
 
   def finished(self) -> bool:
@@ -241,14 +243,12 @@ class FusedBSP:
           f" {epoch}); the run stopped. Lower optimizer.learning_rate"
           f" ({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
     self.updates += n
-    self._session_updates += n
     for value in losses:  # one at a time, so the sum does not depend on chunking
       self.meta["loss_sum"] += float(value)
     self.meta["loss_steps"] += n
     self.meta["bytes_pushed"] += int(np.asarray(metrics["push_bytes"], np.int64).sum())
-    elapsed = time.perf_counter() - self._session_start
-    rate = self._session_updates / max(elapsed, 1e-9)
-    eta = (plan.end - self.updates) / max(rate, 1e-9)
+    rate = self._eta.rate(self.updates)
+    eta = max(plan.end - self.updates, 0) / max(rate, 1e-9)
     return (f"update {self.updates}/{plan.total} (epoch {self.updates / plan.steps_per_epoch:.2f})"
             f" loss {float(losses.mean()):.4f}"
             f" | {rate * plan.num_workers * plan.batch_size:.0f} samples/s"

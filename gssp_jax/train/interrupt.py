@@ -18,6 +18,24 @@ import threading
 from absl import logging
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+  """A run stopped by a signal after saving its checkpoint: where it is, to say how to resume.
+
+  Attributes:
+    signal_name: ``SIGINT`` or ``SIGTERM``.
+    checkpoints: the directory of the run's checkpoints.
+    position: e.g. ``"pushes 2470"`` (the checkpoint's step), or ``""`` when not known.
+  """
+
+  def __init__(self, signal_name: str, checkpoints: str, position: str = ""):
+    super().__init__(signal_name)
+    self.signal_name, self.checkpoints, self.position = signal_name, checkpoints, position
+
+  def __str__(self) -> str:
+    at = f" at {self.position}" if self.position else ""
+    return f"interrupted by {self.signal_name}{at}; its checkpoint is in {self.checkpoints}"
 _requested: list[str] = []   # the signal's name once one arrived inside `deferred`
 
 

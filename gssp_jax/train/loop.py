@@ -104,7 +104,8 @@ def _interrupted(executor, workdir: str, signal_name: str) -> None:
   logging.warning("interrupted by %s at %s %d; a checkpoint was saved there. To resume, run the"
                   " same command again with --workdir=%s (train_and_evaluate: the same workdir)",
                   signal_name, executor.position_key, executor.position, workdir)
-  raise KeyboardInterrupt(signal_name)
+  raise interrupt.Interrupted(signal_name, os.path.join(workdir, "checkpoints"),
+                              f"{executor.position_key} {executor.position}")
 
 
 def _append_metrics(path: str, record: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ Shared by the plain training loop and the simulator.
 from __future__ import annotations
 
 import json
+import time
 import os
 from typing import Any
 
@@ -50,10 +51,10 @@ def check_resumable(config: ml_collections.ConfigDict, path: str) -> None:
   with open(path) as f:
     old = _recorded(json.load(f))
   new = flatten(json.loads(config.to_json()))
-  diff = sorted(k for k in set(old) | set(new)
-                if not _mutable(k) and old.get(k) != new.get(k))
+  diff = sorted((k for k in set(old) | set(new) if not _mutable(k) and old.get(k) != new.get(k)),
+                key=lambda k: (k != "sync.scheme", k))   # every key, the scheme first
   if diff:
-    details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:5])
+    details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
     raise ValueError(f"workdir {os.path.dirname(path)} holds a run with a different config"
                      f" ({details}); use a new --workdir or the same config to resume")
 
@@ -89,6 +90,44 @@ def restart_metrics(path: str, up_to: int, key: str = "updates") -> list[dict]:
   with open(path, "w") as f:
     f.writelines(json.dumps(m, sort_keys=True) + "\n" for m in kept)
   return kept
+
+
+class Eta:
+  """A run's time left from its rate of work in this session, compilation left out.
+
+  The session's first report divides by time that includes compiling and loading, which a
+  resumed run's short remainder makes large (13 min predicted, 2.5 min taken). So the first
+  report of a resumed session uses the rate of the sessions before it (their work over their
+  wall time); every later report, the work since the session's first report over the time
+  since. A fresh run's first report has nothing better than its own start.
+
+  Args:
+    done: the work (updates, pushes, iterations) at the session's start.
+    before: ``(work, wall seconds)`` of the sessions before this one (a resume), if any.
+    clock: seconds (tests).
+  """
+
+  def __init__(self, done: int, before: tuple[float, float] | None = None,
+               clock=time.perf_counter):
+    self.clock = clock
+    self.start = (clock(), done)
+    self.before = before if before and before[0] > 0 and before[1] > 0 else None
+    self.first: tuple[float, int] | None = None
+
+  def rate(self, done: int) -> float:
+    """Work per second (see the class docstring)."""
+    now = self.clock()
+    if self.first is None:
+      self.first = (now, done)
+      if self.before is not None:
+        return self.before[0] / self.before[1]
+      t0, d0 = self.start
+    else:
+      t0, d0 = self.first
+    return (done - d0) / max(now - t0, 1e-9)
+
+  def seconds_left(self, done: int, end: int) -> float:
+    return max(end - done, 0) / max(self.rate(done), 1e-9)
 
 
 def format_duration(seconds: float) -> str:
