@@ -419,3 +419,19 @@ def test_a_mesh_that_hung_stops_beating_and_beats_again_once_it_rejoins():
     heart.close()
     client.close()
     grpc_server.stop(0)
+
+
+def test_a_round_op_is_checked_field_by_field_the_merge_weight_included():
+  """A shard applies a ``round`` op only if every field has its dtype, length and range; HALoS's
+  merge weight (``adopt_weight``, [R] float32 in [0, 1]) travels and is checked like the rest."""
+  from gssp_jax.dist import shard as shard_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync import rounds  # pylint: disable=g-import-not-at-top
+  W, R, G = 4, 5, 2
+  rnd = rounds.empty_round(0.0, W, R, G, np.zeros([W], np.int32))
+  rnd.adopt_weight[0] = 0.25
+  args = shard_lib.encode_round(rounds.round_args(rnd))
+  decoded = shard_lib.decode_round(args, W, R, G)
+  assert decoded["adopt_weight"].dtype == np.float32 and decoded["adopt_weight"][0] == 0.25
+  for value in ([1.5] + [1.0] * (R - 1), [float("nan")] * R, [1] * R, [1.0] * (R - 1), None):
+    with pytest.raises(wire.BadMessage, match="round field adopt_weight"):
+      shard_lib.decode_round({**args, "adopt_weight": value}, W, R, G)

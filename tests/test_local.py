@@ -206,12 +206,25 @@ def test_bad_local_configs_are_rejected_before_any_compilation(scheme, changes, 
     config_lib.validate_config(config)
 
 
-def test_the_real_runtime_runs_the_local_update_schemes_but_refuses_halos_with_the_reason():
-  for scheme in ("local_sgd", "diloco", "async_local_sgd"):
+def test_the_real_runtime_runs_every_local_update_scheme():
+  for scheme in ("local_sgd", "diloco", "async_local_sgd", "halos"):
     dist.check_real_run(helpers.cluster_config(scheme))   # bit for bit: tests/test_shards.py
-  with pytest.raises(ValueError, match="'halos' cannot run on the real runtime: its protocol "
-                     "cannot drop a lost mesh"):
-    dist.check_real_run(helpers.cluster_config("halos"))
+
+
+def test_halos_drops_and_takes_back_a_worker_without_holding_anyone():
+  from gssp_jax.sync.protocols.halos import HALoSProtocol  # pylint: disable=g-import-not-at-top
+  p = HALoSProtocol(4, [0, 0, 1, 1], forward_every=2)
+  p.on_push(1, 1.0)
+  dropped = p.drop(1, 2.0)
+  assert not dropped.rounds and not dropped.release and not p.alive[1]
+  assert p.on_push(0, 3.0).release == [0]   # its group's server goes on
+  with pytest.raises(ValueError, match="pushed while dropped"):
+    p.on_push(1, 3.5)
+  back = p.rejoin(1, 4.0)
+  assert back.release == [1] and back.rounds[0].pulls.tolist() == [False, True, False, False]
+  # Its push counted towards its group's exchange (2 updates: the progress is in flight).
+  assert p.clock.tolist() == [1, 1, 0, 0] and p.since_merge.tolist() == [2, 0]
+  assert p.in_flight.tolist() == [True, False]
 
 
 # -- HALoS ------------------------------------------------------------------------------------

@@ -48,6 +48,13 @@ CASES = {
                                    "local.optimizer.momentum": 0.9,
                                    "optimizer.nesterov": True, "optimizer.weight_decay": 0.0,
                                    "compress.name": "gdtopk", "train.num_epochs": 6.0},
+    # HALoS: 2 local servers with their Delayed Nesterov, the global server's exchanges and the
+    # weighted merge (adopt_weight), DyLU.
+    "halos": {"sync.scheme": "halos", "sync.num_groups": 2, "sync.forward_every": 2,
+              "local.steps": 2, "local.dylu": True, "local.halos.local_period": 2,
+              "optimizer.nesterov": True, "optimizer.weight_decay": 0.0,
+              "optimizer.learning_rate": 0.3, "optimizer.momentum": 0.5,
+              "train.num_epochs": 8.0},
 }
 
 

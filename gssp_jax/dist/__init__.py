@@ -26,7 +26,7 @@ def check_real_run(config: ml_collections.ConfigDict) -> None:
         f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime: its protocol"
         " cannot drop a lost mesh or take a restarted one back (supports_membership is False),"
         " so one crash would stall every mesh; the real runtime runs bsp, asp, ssp, dssp, gssp,"
-        " inhad, local_sgd, diloco and async_local_sgd. Simulate it with python -m"
+        " inhad, local_sgd, diloco, async_local_sgd and halos. Simulate it with python -m"
         " experiments.main instead")
   if config.sync.get("regroup_every_epoch", False):
     raise ValueError("config.sync.regroup_every_epoch=True cannot run on the real runtime: "

@@ -54,7 +54,7 @@ from gssp_jax.train import checkpoint as ckpt_lib
 
 ROUND_FIELDS = {"arrived": bool, "pulls": bool, "groups": np.int32, "applies": bool,
                 "forward": bool, "deliver": bool, "aggregate": bool, "adopt": np.int32,
-                "average": np.int32, "stats_mean": np.int32}
+                "average": np.int32, "stats_mean": np.int32, "adopt_weight": np.float32}
 MAX_OPS_PER_CALL = 4096
 PARTS_METHODS = ("PutGrad",)   # methods whose handler takes a body as the messages it came in
 
@@ -372,7 +372,7 @@ def encode_round(args: dict) -> dict:
 def decode_round(args: dict, W: int, R: int, G: int) -> dict:
   """Round args from their wire form, each field's dtype and length checked."""
   sizes = {"arrived": W, "pulls": W, "groups": W, "applies": R, "forward": G, "deliver": G,
-           "aggregate": None, "adopt": R, "average": R, "stats_mean": R}
+           "aggregate": None, "adopt": R, "average": R, "stats_mean": R, "adopt_weight": R}
   out = {}
   for name, dtype in ROUND_FIELDS.items():
     value = args.get(name)
@@ -383,10 +383,13 @@ def decode_round(args: dict, W: int, R: int, G: int) -> dict:
       raise wire.BadMessage(f"round field {name} is invalid") from None
     if (array.shape != (() if size is None else (size,))
         or (dtype is bool and array.dtype != bool)
-        or (dtype is not bool and (array.dtype.kind != "i" or array.size and (
+        or (dtype is np.float32 and (array.dtype.kind != "f" or array.size and not (
+            np.all(np.isfinite(array)) and array.min() >= 0 and array.max() <= 1)))
+        or (dtype is np.int32 and (array.dtype.kind != "i" or array.size and (
             array.min() < -1 or array.max() > 1 << 20)))):
+      allowed = " in [0, 1]" if dtype is np.float32 else ""
       raise wire.BadMessage(f"round field {name} has shape {array.shape} and dtype "
-                            f"{array.dtype}; allowed: {dtype.__name__} of shape "
+                            f"{array.dtype}; allowed: {dtype.__name__}{allowed} of shape "
                             f"{() if size is None else (size,)}")
     out[name] = array.astype(dtype)
   return out

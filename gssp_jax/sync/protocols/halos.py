@@ -44,8 +44,10 @@ class HALoSProtocol(Protocol):
   """
 
   name = "halos"
-  membership_unsupported = ("its local servers' progress since a merge has no rule for a worker "
-                            "that leaves")
+  # Nobody waits on anybody: a worker that leaves holds no one back, and a local server's count
+  # towards its next exchange is of its own updates, whoever sent them. A group whose workers
+  # are all lost stops updating; the global server goes on with the other groups' progress.
+  supports_membership = True
 
   def __init__(self, num_workers: int, groups, *, forward_every: int | None = None,
                merge_weight: float = 0.25):
@@ -99,6 +101,14 @@ class HALoSProtocol(Protocol):
       self.in_flight[g] = True
       reaction.messages.append(Message("deliver", g))
     return reaction
+
+  def _after_drop(self, worker: int, time: float, was_blocked: bool) -> Reaction:
+    del worker, time, was_blocked   # a push is applied and released at once: nothing pending
+    return Reaction()
+
+  def _rejoin_peers(self, worker: int) -> np.ndarray:
+    """No bound to keep: a rejoining worker keeps its own push count."""
+    return np.zeros([self.num_workers], bool)
 
   def on_message(self, message, time):
     g = int(message.group)
