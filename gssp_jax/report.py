@@ -50,6 +50,16 @@ def grid(workdir: str) -> list[str] | None:
     return [t["name"] for t in json.load(f)["trials"]]
 
 
+def tune_seeds(workdir: str) -> tuple[int, ...] | None:
+  """The seeds the sweep declared for choosing tuned values (``sweep.json``), or None: all."""
+  path = os.path.join(workdir, GRID_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    seeds = json.load(f).get("tune_seeds")
+  return None if seeds is None else tuple(int(s) for s in seeds)
+
+
 def orphans(workdir: str) -> list[str]:
   """Trial directories (with a ``summary.json`` or ``trial.json``) not in the current grid."""
   names = grid(workdir)
@@ -285,10 +295,13 @@ def _value_order(value: tuple) -> tuple:
   return tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in loaded)
 
 
-def select_tuned(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+def select_tuned(rows: list[dict],
+                 seeds: tuple[int, ...] | None = None) -> tuple[list[dict], list[dict]]:
   """Each configuration's trials at its best tuned value (criterion: :data:`TUNING_CRITERION`).
 
-  A configuration is every swept value but the tuned keys and the seed.
+  A configuration is every swept value but the tuned keys and the seed. ``seeds``
+  (the sweep's ``tune_seeds``): only these seeds' trials choose the value (the other
+  seeds ran at the chosen value alone); every seed's trials at it are reported.
 
   Returns:
     ``(selected, choices)``: the chosen trials (copies, their speedups and
@@ -307,9 +320,11 @@ def select_tuned(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     value = tuple(json.dumps(r["_overrides"].get(k)) for k in tuned)
     configs.setdefault(cfg, {}).setdefault(value, []).append(r)
   selected, choices = [], []
+  choosers = lambda members: [m for m in members if seeds is None
+                              or m["_overrides"].get("seed") in seeds] or members
   for cfg, by_value in configs.items():
-    best = min(by_value, key=lambda v: (_tuning_score(by_value[v]), _value_order(v)))
-    score = _tuning_score(by_value[best])
+    best = min(by_value, key=lambda v: (_tuning_score(choosers(by_value[v])), _value_order(v)))
+    score = _tuning_score(choosers(by_value[best]))
     selected += [dict(r) for r in by_value[best]]
     choices.append({**{k: json.loads(v) for k, v in cfg},
                     "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},
@@ -363,7 +378,8 @@ def write_report(workdir: str, out_dir: str | None = None,
   swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
   swept = [k for i, k in sorted(enumerate(swept), key=lambda ik: _column_order(ik[1], ik[0]))]
   metric = rows[0]["metric"]
-  selected, choices = select_tuned(rows)
+  seeds = tune_seeds(workdir)
+  selected, choices = select_tuned(rows, seeds)
   chosen_trials = {r["trial"] for r in selected}
   for r in rows:
     r["selected_by_tuning"] = r["trial"] in chosen_trials if choices else None
@@ -386,14 +402,14 @@ def write_report(workdir: str, out_dir: str | None = None,
     paths["summary_all_csv"] = os.path.join(out_dir, "summary_all.csv")
     _write_csv(paths["summary_all_csv"], agg_cols, aggregate(rows))
     paths["tuning_csv"] = os.path.join(out_dir, "tuning.csv")
-    _write_csv(paths["tuning_csv"], list(choices[0]), choices)
+    _write_csv(paths["tuning_csv"], list(dict.fromkeys(k for c in choices for k in c)), choices)
   title = "Mean ± std over seeds" + (", each configuration at its best tuned value"
                                      if choices else "")
   lines = [f"# Sweep report: {workdir}", "", f"## {title}", ""]
   lines += _mean_table(agg, head_cols, metric)
   lines += ["", "## Speedup against BSP, per seed", ""] + speedup_table(agg, head_cols, metric)
   if choices:
-    lines += ["", *tuning_section(rows, choices, metric), "",
+    lines += ["", *tuning_section(rows, choices, metric, seeds), "",
               "## Every tuned value: mean ± std over seeds", ""]
     every = aggregate(rows)
     lines += _mean_table(every, head_cols, metric)
@@ -473,26 +489,32 @@ def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[st
   return lines
 
 
-def tuning_section(rows: list[dict], choices: list[dict], metric: str) -> list[str]:
+def tuning_section(rows: list[dict], choices: list[dict], metric: str,
+                   seeds: tuple[int, ...] | None = None) -> list[str]:
   """Markdown lines disclosing the tuning: the grid, the criterion, each configuration's choice."""
   tuned = list(choices[0]["chosen"])
   grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in rows if k in r["_overrides"]},
                     key=lambda v: _value_order((v,))) for k in tuned}
-  cfg_cols = [k for k in choices[0] if k not in ("chosen", "median_time_to_target",
-                                                 "median_final", "unhealthy_seeds", "candidates")]
+  info = ("chosen", "median_time_to_target", "median_final", "unhealthy_seeds", "candidates")
+  cfg_cols = list(dict.fromkeys(k for c in choices for k in c if k not in info))
   cfg_cols.sort(key=lambda k: _column_order(k, 0))
+  which = ("the same grid for every scheme (BSP included)" if len(tuned) == 1 else
+           "each configuration's own grid (a configuration tunes the keys it sets)")
+  on = ("" if seeds is None else f" The value is chosen on seed(s) {', '.join(map(str, seeds))} "
+        "alone; the other seeds ran at the chosen value only, and the headline tables count "
+        "every seed at it.")
   lines = ["## Tuning (disclosed)", "",
-           "Tuned per configuration, over the same grid for every scheme (BSP included): "
+           f"Tuned per configuration, over {which}: "
            + "; ".join(f"{k} in {{{', '.join(v)}}}" for k, v in grid.items()) + ". "
            "Each configuration (every other swept value but the seed) is reported at the value "
-           f"with {TUNING_CRITERION}. The full per-value table follows.", "",
+           f"with {TUNING_CRITERION}.{on} The full per-value table follows.", "",
            "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
                             + ["unhealthy seeds", "median time_to_target", "median final",
                                "values compared"])
            + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 4)]
   for c in choices:
     lines.append("| " + " | ".join(
-        [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"][k]) for k in tuned]
+        [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"].get(k)) for k in tuned]
         + [str(c["unhealthy_seeds"]), _fmt(c["median_time_to_target"], "time_to_target"),
            _fmt(c["median_final"], "final", metric), str(c["candidates"])]) + " |")
   return lines

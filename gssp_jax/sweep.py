@@ -64,11 +64,22 @@ class ChangedTrialsError(ValueError):
 
 
 class Grid(list):
-  """A list of override dicts that also knows which of its keys are tuned (:func:`tune`)."""
+  """A list of override dicts that also knows which of its keys are tuned (:func:`tune`).
 
-  def __init__(self, items=(), tuned: Sequence[str] = ()):
+  ``tune_seeds``: the seeds whose trials choose each configuration's tuned value (default:
+  every seed); a grid that runs the other seeds only at the chosen value declares it, and
+  the report chooses on those seeds alone (``report.select_tuned``).
+  """
+
+  def __init__(self, items=(), tuned: Sequence[str] = (), tune_seeds: Sequence[int] | None = None):
     super().__init__(items)
     self.tuned = tuple(dict.fromkeys(tuned))
+    self.tune_seeds = None if tune_seeds is None else tuple(int(s) for s in tune_seeds)
+
+
+class Trials(list):
+  """:func:`expand`'s trials, with the grid's ``tune_seeds`` (for ``sweep.json``)."""
+  tune_seeds: tuple[int, ...] | None = None
 
 
 def _tuned(axes) -> tuple[str, ...]:
@@ -216,7 +227,12 @@ def expand(path: str, overrides: dict | None = None) -> list[Trial]:
                      "one trial")
   check_overrides(overrides, grid, path)
   allow_unread = _base_sync_keys(module, arg, grid, overrides)
-  trials, names = [], set()
+  trials, names = Trials(), set()
+  trials.tune_seeds = getattr(grid, "tune_seeds", None)
+  if trials.tune_seeds is not None and not set(trials.tune_seeds) & {
+      o.get("seed") for o in grid}:
+    raise ValueError(f"sweep file {path}: tune_seeds={trials.tune_seeds!r} is invalid; allowed: "
+                     "seeds the grid's trials set")
   for overrides_of_trial in grid:
     config = _call(module.get_config, arg)
     _set(config, overrides, f"sweep {path}, --config.*")
@@ -420,9 +436,10 @@ def write_grid(workdir: str, path: str, trials: Sequence[Trial],
   ``--config.*`` overrides in ``<workdir>/sweep.json``."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned)} for t in trials]
-  workdir_lib.write_json(os.path.join(workdir, GRID_FILE),
-                         {"sweep": path, "overrides": dict(overrides or {}), "trials": grid},
-                         default=str)
+  record = {"sweep": path, "overrides": dict(overrides or {}), "trials": grid}
+  if getattr(trials, "tune_seeds", None) is not None:
+    record["tune_seeds"] = list(trials.tune_seeds)
+  workdir_lib.write_json(os.path.join(workdir, GRID_FILE), record, default=str)
 
 
 def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,

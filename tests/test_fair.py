@@ -292,3 +292,31 @@ def test_speedup_median_and_spread_over_seeds(tmp_path):
   assert "## Speedup against BSP, per seed" in md and "| 2.00× | 1.00×–4.00× | 3/3 |" in md
   assert "Tuning" not in md and "interpolated linear" in md
   assert not math.isnan(float(next(csv.DictReader(open(paths["summary_csv"])))["final"]))
+
+
+def test_tuning_on_declared_seeds_chooses_on_them_alone_and_reports_every_seed(tmp_path):
+  """A grid that tunes on seed 0 and runs seeds 1 and 2 at the choice (``tune_seeds``): the
+  report chooses on seed 0 even where the other seeds, at the chosen value only, would make
+  another value's median look better; it reports all three seeds at the choice."""
+  root = tmp_path / "sweep"
+  mid, fast = [0.9, 0.97, 0.99, 0.99], [0.97, 0.99, 0.99, 0.99]
+  _trial(root, "bsp", 0, 0.05, mid)                         # seed 0: 25.0, the better
+  _trial(root, "bsp", 0, 0.1, [0.9, 0.95, 0.97, 0.985])      # seed 0: 36.67
+  for seed in (1, 2):                                        # the others at the choice, slower
+    _trial(root, "bsp", seed, 0.05, mid, times=(40.0, 80.0, 120.0, 160.0))   # 100.0
+  names = sorted(p.name for p in root.iterdir())
+  (root / sweep.GRID_FILE).write_text(json.dumps({
+      "sweep": "x.py", "overrides": {}, "tune_seeds": [0],
+      "trials": [{"name": n, "overrides": {}, "tuned": ["optimizer.learning_rate"]}
+                 for n in names]}))
+  rows = report.collect(str(root))
+  # Over every seed the medians would be 100.0 (0.05) against 36.67 (0.1): 0.1 would win.
+  assert report.select_tuned(rows)[1][0]["chosen"] == {"optimizer.learning_rate": 0.1}
+  selected, choices = report.select_tuned(rows, (0,))
+  assert choices[0]["chosen"] == {"optimizer.learning_rate": 0.05}
+  assert sorted(r["seed"] for r in selected) == [0, 1, 2]
+  md = open(report.write_report(str(root), str(tmp_path / "out"))["md"]).read()
+  assert "The value is chosen on seed(s) 0 alone" in md
+  with open(tmp_path / "out" / "summary.csv") as f:
+    (bsp,) = list(csv.DictReader(f))
+  assert float(bsp["optimizer.learning_rate"]) == 0.05 and bsp["seeds"] == "3"

@@ -168,13 +168,16 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
       sweep.expand(spec + ":huge")
 
 
-def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid():
+def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid(monkeypatch):
   spec = str(REPO / "configs" / "sweeps" / "local_update_mnist.py")
+  from configs.sweeps import local_update_mnist  # pylint: disable=g-import-not-at-top
   for cluster in ("tiers", "straggler"):
     trials = sweep.expand(f"{spec}:{cluster}")
-    assert len(trials) == 42 and {t.config.seed for t in trials} == {0, 1, 2}
+    chosen = local_update_mnist.CHOSEN[cluster]
+    # Seed 0 over each grid (14 trials), seeds 1 and 2 at each chosen rate.
+    assert len(trials) == 14 + 2 * len(chosen) and trials.tune_seeds == (0,)
     assert [t.config.seed for t in trials[:14]] == [0] * 14   # seed by seed
-    assert len({t.name for t in trials}) == 42
+    assert len({t.name for t in trials}) == len(trials)
     assert all(len(t.name) <= sweep.MAX_NAME for t in trials)
     for t in trials:
       c = t.config
@@ -194,6 +197,11 @@ def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid
   for bad in ("", "smoke", "tiers,straggler", "huge"):
     with pytest.raises(ValueError, match="is invalid|unknown config arg"):
       sweep.expand(f"{spec}:{bad}")
+  # A choice off the grid, or of a scheme the sweep does not have, is refused.
+  for bad in ({"gssp": 0.3}, {"gsp": 0.05}):
+    monkeypatch.setattr(local_update_mnist, "CHOSEN", {"tiers": bad, "straggler": {}})
+    with pytest.raises(ValueError, match=r"CHOSEN\['tiers'\]"):
+      local_update_mnist.get_sweep("tiers")
 
 
 def test_long_trial_names_keep_their_head_and_stay_apart():

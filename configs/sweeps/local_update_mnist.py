@@ -1,6 +1,6 @@
 """SSP, GSSP and the local-update schemes on two heterogeneous MNIST clusters, 3 seeds, tuned rates.
 
-  # the 4-tier cluster, then the continuous one with a straggler: 42 trials each
+  # the 4-tier cluster, then the continuous one with a straggler: 28 trials each
   python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:tiers \\
       --workdir=/tmp/local_update_tiers --parallel=2
   python -m experiments.report /tmp/local_update_tiers --out=docs/results/local_update_tiers
@@ -34,6 +34,12 @@ Schemes (:data:`SCHEMES`), each with the settings of its paper where it has one:
 * HALoS: the same inner steps and DyLU; a local server per speed group (4 groups) with the
   authors' local Delayed Nesterov (rate 3.2, momentum 0.9, N = 16), the global server at rate
   0.3, momentum 0.5, N = 2, merge weight 0.25 (the authors' settings). Tuned as DiLoCo.
+
+Tuning protocol: seed 0 runs every scheme at every rate of its grid; the report picks each
+scheme's rate (fewest unhealthy seeds, then time to target, then final accuracy: gssp_jax.report)
+on seed 0 alone (``tune_seeds``); seeds 1 and 2 run at that rate only (:data:`CHOSEN`, copied
+from the seed-0 report). 14 + 14 trials per cluster instead of 42: on this CPU the full grid
+over 3 seeds did not fit a session.
 
 The two grids are different keys because the schemes' rates are different things: an SGD step
 on the mean gradient against an AdamW step inside a worker's job. Each grid holds its family's
@@ -112,17 +118,47 @@ def get_config(arg=None):
   return c
 
 
+def _label(scheme: dict) -> str:
+  return scheme["sync.scheme"] + ("+" + scheme["compress.name"] if scheme["compress.name"] != "none"
+                                  else "")
+
+
+# Each scheme's rate as the report chose it on seed 0 (the criterion of gssp_jax.report), per
+# cluster: seeds 1 and 2 run at it alone. Filled in from the seed-0 trials' report
+# (docs/results/local_update_<cluster>/report.md, "Tuning"); a scheme missing here runs seed 0
+# only.
+CHOSEN = {
+    "tiers": {},
+    "straggler": {},
+}
+
+
+def _check_chosen() -> None:
+  labels = {_label(s): s["sync.scheme"] in LOCAL for s in SCHEMES}
+  for cluster, chosen in CHOSEN.items():
+    for label, rate in chosen.items():
+      if label not in labels or rate not in (INNER_RATES if labels[label] else SGD_RATES):
+        raise ValueError(f"CHOSEN[{cluster!r}][{label!r}]={rate!r} is invalid; allowed: a scheme "
+                         f"of {sorted(labels)} and a rate of its grid")
+
+
 def get_sweep(arg=None):
-  _args(arg)
+  cluster, _ = _args(arg)
+  _check_chosen()
   grid = []
   for seed in SEEDS:   # seed by seed: a sweep cut short holds whole seeds of every scheme
     for scheme in SCHEMES:
       # The scheme, its tuned rate and the seed first: they head the trial's (directory) name.
       head = {k: scheme[k] for k in ("sync.scheme", "compress.name")}
       settings = {k: v for k, v in scheme.items() if k not in head}
-      if scheme["sync.scheme"] in LOCAL:
-        rates = tune("local.optimizer.learning_rate", INNER_RATES)
-      else:
-        rates = tune("optimizer.learning_rate", SGD_RATES)
-      grid += product([head], rates, sweep("seed", [seed]), [settings])
-  return Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"))
+      key = ("local.optimizer.learning_rate" if scheme["sync.scheme"] in LOCAL
+             else "optimizer.learning_rate")
+      rates = INNER_RATES if key.startswith("local.") else SGD_RATES
+      if seed != SEEDS[0]:   # tuned on the first seed; the others at its choice
+        chosen = CHOSEN[cluster].get(_label(scheme))
+        if chosen is None:
+          continue
+        rates = (chosen,)
+      grid += product([head], tune(key, rates), sweep("seed", [seed]), [settings])
+  return Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"),
+              tune_seeds=SEEDS[:1])
