@@ -92,16 +92,19 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   """Per configuration, what the time-to-target and final-metric panels draw.
 
   The bar is the mean time over the seeds that reached the target (a
-  collapsed or diverged seed never does); ``speedup`` is the matching BSP
-  bar's length divided by this bar's, so a label agrees with the bars it
-  compares (> 1: shorter than BSP's).
+  collapsed or diverged seed never does); ``speedup`` is the statistic of
+  report.md's speedup table: the median over seeds of BSP's time with the same
+  seed divided by this trial's (``speedup_vs_bsp``), over the ``speedup_n``
+  seeds where both reached the target. A ratio of the two bars' means would
+  disagree with that table when the seeds differ (BSP's bar averaging 2 seeds
+  and another's holding 1 once showed "1.07× faster" beside a table's 0.76×).
 
   Returns:
     dicts with ``label``, ``scheme``, ``seeds``, ``times`` (one per seed that
     reached), ``reached``, ``mean``, ``lo``, ``hi`` (None when none reached),
-    ``baseline`` (the BSP label or None), ``speedup`` (None without both
-    bars), ``finals`` (finite final metrics), ``final``, ``final_lo``,
-    ``final_hi``.
+    ``baseline`` (the BSP label or None), ``speedup`` (None without a seed
+    where both reached), ``speedup_n``, ``finals`` (finite final metrics),
+    ``final``, ``final_lo``, ``final_hi``.
   """
   configs = _configs(rows)
   bsp = _baselines(configs)
@@ -110,26 +113,26 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
     times = [r["time_to_target"] for r in members if r["time_to_target"] is not None]
     finals = [r["final"] for r in members if _finite(r["final"])]
     ctx = report_lib._context(members[0], members[0].get("_tuned", ()))  # pylint: disable=protected-access
+    speedups = [r["speedup_vs_bsp"] for r in members if r.get("speedup_vs_bsp") is not None]
     table.append({
+        "speedup": statistics.median(speedups) if speedups else None,
+        "speedup_n": len(speedups),
         "label": lab, "scheme": members[0]["scheme"], "seeds": len(members), "times": times,
         "reached": len(times), "mean": statistics.fmean(times) if times else None,
         "lo": min(times) if times else None, "hi": max(times) if times else None,
         "baseline": bsp.get(ctx), "finals": finals,
         "final": statistics.fmean(finals) if finals else None,
         "final_lo": min(finals) if finals else None, "final_hi": max(finals) if finals else None})
-  means = {t["label"]: t["mean"] for t in table}
-  for t in table:
-    base = means.get(t["baseline"])
-    t["speedup"] = base / t["mean"] if base and t["mean"] else None
   return table
 
 
-def speedup_text(speedup: float, baseline: str = "BSP") -> str:
-  """A bar's label: how much faster (or slower) than ``baseline``, as the ratio of the bar
-  lengths."""
+def speedup_text(speedup: float, baseline: str = "BSP", seeds: int = 1) -> str:
+  """A bar's label: the median per-seed speedup against ``baseline`` (report.md's), over
+  ``seeds`` seeds."""
+  over = f" (median, {seeds} seeds)" if seeds > 1 else ""
   if speedup >= 1:
-    return f"{speedup:.2f}× faster\nthan {baseline}"
-  return f"{1 / speedup:.2f}× slower\nthan {baseline}"
+    return f"{speedup:.2f}× faster\nthan {baseline}{over}"
+  return f"{1 / speedup:.2f}× slower\nthan {baseline}{over}"
 
 
 def staleness_table(rows: list[dict]) -> list[dict]:
@@ -261,12 +264,14 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
         continue
       text = reach
       if t["speedup"] is not None and t["label"] != t["baseline"]:
-        text += "\n" + speedup_text(t["speedup"], t["baseline"] if several else "BSP")
+        text += "\n" + speedup_text(t["speedup"], t["baseline"] if several else "BSP",
+                                     t["speedup_n"])
       ax1.text(x, t["hi"] + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
     ax1.set_ylim(0, top * 1.3)
     ax1.set_ylabel(f"virtual seconds to {_metric_name(metric)} {target}")
     ax1.set_title("Time to target (bar: mean over the seeds that reached it, "
-                  "error bar: min–max)\nspeedup = BSP's bar / this bar", fontsize=9)
+                  "error bar: min–max)\nspeedup: median over seeds of BSP's time / this "
+                  "trial's, same seed (report.md's table)", fontsize=9)
     unreached = [t["label"] for t in table if t["scheme"] == "bsp" and not t["reached"]]
     if unreached:
       ax1.text(0.01, 0.98, f"BSP ({', '.join(unreached)}) did not reach the target: no "

@@ -173,7 +173,7 @@ def test_staleness_figure_has_every_scheme_even_at_zero_staleness(tmp_path):
   assert table["asp"]["mean"] == 3.0
 
 
-def test_time_to_target_labels_are_bsp_bar_over_bar_and_count_seeds(tmp_path):
+def test_time_to_target_labels_are_the_tables_median_speedup_and_count_seeds(tmp_path):
   # Target 0.5: BSP reaches it at 2.5 s (both seeds), GSSP at 1.25 s and 2.5 s, ASP never.
   for seed in (0, 1):
     _write_timed_run(tmp_path / f"bsp{seed}", "bsp", seed=seed)
@@ -186,13 +186,34 @@ def test_time_to_target_labels_are_bsp_bar_over_bar_and_count_seeds(tmp_path):
   assert (table["gssp"]["reached"], table["gssp"]["seeds"]) == (2, 2)
   assert table["gssp"]["mean"] == pytest.approx(2.0)   # (1.5 + 2.5) / 2
   assert (table["gssp"]["lo"], table["gssp"]["hi"]) == (pytest.approx(1.5), 2.5)
-  # Speedup: BSP's bar over this bar, > 1 for the shorter bar, and its label says so.
-  assert table["gssp"]["speedup"] == pytest.approx(2.5 / 2.0)
-  assert report_figures.speedup_text(table["gssp"]["speedup"]) == "1.25× faster\nthan BSP"
+  # Speedup: the median over seeds of BSP's time / this trial's (same seed), report.md's
+  # statistic, not the ratio of the bars (2.5 / 2.0 = 1.25).
+  assert table["gssp"]["speedup"] == pytest.approx((2.5 / 1.5 + 1.0) / 2)
+  agg = {a["sync.scheme"]: a for a in report.aggregate(report.collect(str(tmp_path)))}
+  assert table["gssp"]["speedup"] == pytest.approx(agg["gssp"]["speedup_vs_bsp_median"])
+  assert report_figures.speedup_text(table["gssp"]["speedup"], seeds=2) == (
+      "1.33× faster\nthan BSP (median, 2 seeds)")
   assert report_figures.speedup_text(0.8) == "1.25× slower\nthan BSP"
   assert (table["asp"]["reached"], table["asp"]["mean"], table["asp"]["speedup"]) == (0, None,
                                                                                      None)
   assert table["bsp"]["baseline"] == table["gssp"]["baseline"] == "bsp"
+
+
+def test_a_speedup_label_agrees_with_the_table_when_the_seeds_differ(tmp_path):
+  """BSP with 2 seeds (2.5 s and 5.0 s), GSSP with 1 (seed 0, 3.0 s): the bars' ratio would say
+  1.25× faster (3.75 / 3.0); per seed it is 2.5 / 3.0, slower, and the label says what the table
+  says."""
+  _write_timed_run(tmp_path / "bsp0", "bsp", seed=0)
+  _write_timed_run(tmp_path / "bsp1", "bsp", seed=1, step=2.0)
+  _write_timed_run(tmp_path / "gssp0", "gssp", seed=0, step=1.2)
+  rows = report.collect(str(tmp_path))
+  table = {t["label"]: t for t in report_figures.time_to_target_table(rows)}
+  agg = {a["sync.scheme"]: a for a in report.aggregate(rows)}
+  assert table["bsp"]["mean"] / table["gssp"]["mean"] == pytest.approx(1.25)
+  assert table["gssp"]["speedup"] == agg["gssp"]["speedup_vs_bsp_median"] == pytest.approx(
+      2.5 / 3.0)
+  assert report_figures.speedup_text(table["gssp"]["speedup"], seeds=table["gssp"][
+      "speedup_n"]) == "1.20× slower\nthan BSP"
 
 
 def test_metric_curves_are_the_mean_over_seeds_with_a_min_max_band(tmp_path):
