@@ -109,6 +109,11 @@ def test_smoke_configs_train_end_to_end(name, data_dir, tmp_path):
   assert summary["status"] == "done" and summary["final"] == lines[-1]
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["final"] == lines[-1]
+  # What it ran on: the versions behind the figures and the machine, in the summary and the log.
+  env = summary["environment"]
+  assert env["packages"]["jax"] == jax.__version__ and env["backend"] == jax.default_backend()
+  assert env["cpu"] and env["devices"] and env["python"].count(".") == 2
+  assert f"jax {jax.__version__}" in (tmp_path / "log.txt").read_text()
   if name == "mnist_lenet5":
     assert lines[-1]["test_accuracy"] > 0.5  # chance is 0.1
 

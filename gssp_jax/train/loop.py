@@ -18,6 +18,7 @@ from absl import logging
 import ml_collections
 
 from gssp_jax import config as config_lib
+from gssp_jax.train import environment
 from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import health
 from gssp_jax.train import interrupt
@@ -64,6 +65,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
 
 def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
+  env = environment.describe()
+  logging.info(environment.one_line(env))
   executor = build_run(config, workdir, allow_unread=allow_unread)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   position = executor.restore()
@@ -94,7 +97,7 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
   finally:
     executor.close()
     board.close()
-    summary = summarize(config, history, status, executor)
+    summary = {**summarize(config, history, status, executor), "environment": env}
     workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
   return summary
 

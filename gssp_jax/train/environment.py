@@ -1,0 +1,80 @@
+"""What a run ran on: package versions, the CPU and accelerator models, the code's commit.
+
+Logged when a run starts and kept in ``summary.json`` (``environment``), so two
+results can be told apart by machine and versions. A run is bit-identical on the
+same machine type with the same versions (``requirements-lock.txt``); XLA's CPU
+code generation depends on the CPU model, so another CPU type may differ in
+the last digits (docs/RESULTS.md, "Reproducible to the digit").
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Any
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml-collections",
+            "grpcio", "msgpack", "sacrebleu")
+
+
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def cpu_model() -> str:
+  """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _commit() -> str | None:
+  """The git commit of the code (with ``+dirty`` for uncommitted changes), if it is a checkout."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if not os.path.isdir(os.path.join(root, ".git")):
+    return None
+  try:
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
+                          capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head + ("+dirty" if dirty else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _static() -> dict[str, Any]:
+  import gssp_jax  # pylint: disable=g-import-not-at-top
+  return {"gssp_jax": gssp_jax.__version__, "commit": _commit(),
+          "python": platform.python_version(), "os": platform.platform(),
+          "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+          "packages": {p: _version(p) for p in PACKAGES}}
+
+
+def describe() -> dict[str, Any]:
+  """Versions, machine and the devices jax runs on (``summary.json``'s ``environment``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  return {**_static(), "backend": jax.default_backend(),
+          "devices": sorted({d.device_kind for d in devices}), "num_devices": len(devices)}
+
+
+def one_line(env: dict[str, Any]) -> str:
+  """The environment as the log's opening line."""
+  pkgs = env["packages"]
+  return (f"environment: gssp_jax {env['gssp_jax']} ({env['commit'] or 'no git checkout'}), "
+          f"python {env['python']}, jax {pkgs['jax']}, jaxlib {pkgs['jaxlib']}, flax "
+          f"{pkgs['flax']}, optax {pkgs['optax']}; {env['backend']}: {env['num_devices']} x "
+          f"{', '.join(env['devices'])}; CPU {env['cpu']} ({env['cpu_count']} cores)")
