@@ -57,11 +57,12 @@ def test_broken_sweep_files_name_the_key(tmp_path, grid, match):
 def test_tiny_sweep_resumes_without_redoing_finished_trials(tmp_path, data_dir, monkeypatch):
   monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
   workdir = str(tmp_path / "sweep")
-  first = sweep.run_sweep(TINY, workdir, max_trials=2)     # "interrupted" after two trials
+  short = {"train.num_epochs": 1.0, "train.eval_every": 0.5}   # the machinery, not the tour
+  first = sweep.run_sweep(TINY, workdir, max_trials=2, overrides=short)   # stops after two
   assert list(first.values()) == ["done", "done", None, None]
   stamps = {n: os.path.getmtime(os.path.join(workdir, n, "summary.json"))
             for n, s in first.items() if s == "done"}
-  second = sweep.run_sweep(TINY, workdir)
+  second = sweep.run_sweep(TINY, workdir, overrides=short)
   assert set(second.values()) == {"done"} and len(second) == 4
   for name, stamp in stamps.items():   # finished trials were not run again
     assert os.path.getmtime(os.path.join(workdir, name, "summary.json")) == stamp
