@@ -64,7 +64,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.batch_size = 32      # per worker
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "sgd"
+  c.optimizer.name = "sgd"   # sgd | adam | adamw | any optax optimizer's name | "module:function"
+  c.optimizer.args = ""      # other optimizers' keyword arguments: "b1=0.95,b2=0.98"
   c.optimizer.learning_rate = 0.05
   c.optimizer.momentum = 0.9
   c.optimizer.nesterov = False
@@ -107,7 +108,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.local.delayed_nesterov = 0        # async_local_sgd: N > 0 = Delayed Nesterov, the momentum
   #                                     stepped every N pushes (optimizer.momentum is its beta)
   c.local.optimizer = ml_collections.ConfigDict()
-  c.local.optimizer.name = "sgd"      # sgd | adam | adamw
+  c.local.optimizer.name = "sgd"      # as optimizer.name (any optax optimizer too)
+  c.local.optimizer.args = ""
   c.local.optimizer.learning_rate = 0.05
   c.local.optimizer.momentum = 0.0
   c.local.optimizer.nesterov = False
@@ -217,6 +219,16 @@ def _fail(key: str, value, allowed: str) -> None:
   raise ValueError(f"config.{key}={value!r} is invalid; allowed: {allowed}")
 
 
+def _check_optimizer(config, where: str) -> None:
+  """``{where}.name`` built in (no ``args``), or an optax/user optimizer whose args it takes."""
+  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top (optim imports sync)
+  cfg = _get(config, where)
+  args = cfg.get("args", "")
+  if cfg.name in OPTIMIZERS and args == "":
+    return
+  optim.optimizer_constructor(cfg.name, args, where)
+
+
 def _choice(config, key: str, allowed) -> None:
   value = _get(config, key)
   if value not in allowed:
@@ -269,7 +281,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
     value = _get(config, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
       _fail(key, value, "a number in (0, 1]")
-  _choice(config, "optimizer.name", OPTIMIZERS)
+  _check_optimizer(config, "optimizer")
   _choice(config, "optimizer.schedule", SCHEDULES)
   _choice(config, "optimizer.weight_decay_mode", WEIGHT_DECAY_MODES)
   if not isinstance(config.seed, int) or isinstance(config.seed, bool):
@@ -331,7 +343,7 @@ def validate_local(config: ml_collections.ConfigDict) -> None:
   if "local" not in config:   # a config recorded before the local-update schemes
     return
   from gssp_jax.sync import local as local_lib  # pylint: disable=g-import-not-at-top
-  _choice(config, "local.optimizer.name", OPTIMIZERS)
+  _check_optimizer(config, "local.optimizer")
   _choice(config, "local.optimizer.schedule", SCHEDULES)
   _positive(config, "local.optimizer.learning_rate")
   for key in ("local.optimizer.momentum", "local.optimizer.weight_decay",

@@ -255,3 +255,70 @@ def test_the_wrong_workdir_error_lists_every_changed_key_the_scheme_first(tmp_pa
   assert "(sync.scheme: 'bsp' -> 'gssp', " in message
   for key in changes:
     assert f"{key}: " in message, key
+
+
+def sign_descent(learning_rate, scale=1.0):
+  """A user's optimizer (``optimizer.name='test_train:sign_descent'``): signSGD."""
+  return optax.chain(optax.scale_by_sign(), optax.scale(-scale * learning_rate)
+                     if not callable(learning_rate) else optax.scale_by_schedule(
+                         lambda n: -scale * learning_rate(n)))
+
+
+def test_any_optax_optimizer_by_name_or_a_users_function_with_its_arguments():
+  """``optimizer.name`` an optax constructor (its ``args`` as keyword arguments) or
+  ``module:function``; the run keeps the learning rate (schedule) and weight decay (progress)."""
+  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
+  params = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array([0.5])}
+  grads = {"w": jnp.array([0.1, 0.2, -0.3]), "b": jnp.array([1.0])}
+  cfg = config_lib.override(config_lib.default_config(), {
+      "optimizer.name": "lion", "optimizer.args": "b1=0.95, b2=0.98",
+      "optimizer.learning_rate": 0.01, "optimizer.weight_decay": 0.0}).optimizer
+  config_lib.validate_config(config_lib.override(config_lib.default_config(), {
+      "optimizer.name": "lion", "optimizer.args": "b1=0.95, b2=0.98"}))
+  ours = optim.make_optimizer(cfg, 10, 100)
+  theirs = optax.lion(0.01, b1=0.95, b2=0.98)
+  for _ in range(3):   # the same steps, bit for bit
+    u1, s1 = ours.update(grads, ours.init(params) if _ == 0 else s1, params)
+    u2, s2 = theirs.update(grads, theirs.init(params) if _ == 0 else s2, params)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      np.testing.assert_array_equal(a, b)
+  # Weight decay: the run's L2 (added to the gradient), not the constructor's own.
+  cfg.weight_decay = 0.1
+  decayed, _ = optim.make_optimizer(cfg, 10, 100).update(grads, optim.make_optimizer(
+      cfg, 10, 100).init(params), params)
+  want, _ = theirs.update(jax.tree.map(lambda g, p: g + 0.1 * p, grads, params),
+                          theirs.init(params), params)
+  for a, b in zip(jax.tree.leaves(decayed), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  user = config_lib.override(config_lib.default_config(), {
+      "optimizer.name": f"{__name__}:sign_descent", "optimizer.args": "scale=2.0"})
+  config_lib.validate_config(user)
+  user.optimizer.weight_decay = 0.0
+  step, _ = optim.make_optimizer(user.optimizer, 10, 100, unit_learning_rate=True).update(
+      grads, optim.make_optimizer(user.optimizer, 10, 100, unit_learning_rate=True).init(params))
+  np.testing.assert_array_equal(step["w"], [-2.0, -2.0, 2.0])
+  for changes, match in (({"optimizer.name": "lion", "optimizer.args": "beta=1"},
+                          r"'beta', which lion does not take; allowed: b1, b2"),
+                         ({"optimizer.name": "lion", "optimizer.args": "weight_decay=0.1"},
+                          r"sets 'weight_decay'; allowed: not learning_rate or weight_decay"),
+                         ({"optimizer.name": "adamz"}, r"optimizer.name='adamz' is not an optax"),
+                         ({"optimizer.name": "sgd", "optimizer.args": "momentum=0.5"},
+                          r"'sgd' is built in: it takes no optimizer.args"),
+                         ({"local.optimizer.name": "lion", "local.optimizer.args": "b1=x"},
+                          r"local.optimizer.args='b1=x' is invalid at 'b1=x'")):
+    with pytest.raises(ValueError, match=match):
+      config_lib.validate_config(config_lib.override(config_lib.default_config(), changes))
+
+
+def test_an_optax_optimizer_by_name_trains_in_the_simulator_and_the_bsp_loop(data_dir, tmp_path):
+  import helpers  # pylint: disable=g-import-not-at-top
+  for name, config in (
+      ("gssp", helpers.cluster_config("gssp", data_dir, **{
+          "optimizer.name": "nadam", "optimizer.args": "b2=0.99",
+          "optimizer.learning_rate": 1e-3})),
+      ("bsp", helpers.mnist_smoke(data_dir, **{"optimizer.name": "nadam",
+                                               "optimizer.learning_rate": 1e-3}))):
+    summary = loop.train_and_evaluate(config, str(tmp_path / name), progress=False)
+    assert summary["status"] == "done", name
+    assert summary["config"]["optimizer"]["name"] == "nadam"
+    assert summary["final"]["test_accuracy"] > 0.2, (name, summary["final"]["test_accuracy"])

@@ -81,7 +81,7 @@ def inner_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
 def default_inner_keys() -> tuple[str, ...]:
   """The keys of ``config.local.optimizer`` (an inner optimizer reads these)."""
-  return ("name", "learning_rate", "momentum", "nesterov", "weight_decay", "schedule",
+  return ("name", "args", "learning_rate", "momentum", "nesterov", "weight_decay", "schedule",
           "warmup_epochs")
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import math
 import numbers
+from typing import Any, Callable
 
 import ml_collections
 import optax
@@ -62,10 +66,94 @@ def clip_gradient(grads, max_norm: float):
   return clipped
 
 
+BUILTIN = ("sgd", "adam", "adamw")
+# Arguments a constructor may not take from ``optimizer.args``: the run sets them (the learning
+# rate follows the schedule, weight decay follows progress through ``optimizer.weight_decay``).
+RESERVED_ARGS = ("learning_rate", "weight_decay")
+
+
+def parse_args(text: str, where: str = "optimizer.args") -> dict[str, Any]:
+  """``"b1=0.95,b2=0.98"`` -> ``{"b1": 0.95, "b2": 0.98}`` (values are Python literals)."""
+  if not isinstance(text, str):
+    raise ValueError(f"{where}={text!r} is invalid; allowed: a string 'key=value,...' of the "
+                     "optimizer's keyword arguments (values as Python literals), or ''")
+  out = {}
+  for item in filter(None, (part.strip() for part in text.split(","))):
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    try:
+      if not sep or not key.isidentifier():
+        raise ValueError
+      out[key] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      raise ValueError(f"{where}={text!r} is invalid at {item!r}; allowed: key=value pairs "
+                       "separated by commas, each value a Python literal (e.g. "
+                       "'b1=0.95,eps=1e-8')") from None
+  return out
+
+
+def optimizer_constructor(name: str, args: str = "", where: str = "optimizer"
+                          ) -> tuple[Callable[..., Any], dict[str, Any]]:
+  """The constructor named by ``{where}.name`` and its checked keyword arguments.
+
+  ``name``: an optax optimizer taking ``learning_rate`` (``"lion"``, ``"rmsprop"``,
+  ``"adafactor"``, ...), or a user function ``"package.module:function"`` that takes
+  ``learning_rate`` and returns an optax ``GradientTransformation``. ``args``: its other
+  keyword arguments (:func:`parse_args`); ``learning_rate`` and ``weight_decay`` are the
+  run's own (``{where}.learning_rate`` with its schedule, ``{where}.weight_decay``).
+
+  Raises:
+    ValueError: an unknown name, a function without ``learning_rate``, an argument it does
+      not take or a reserved one, naming the value and what is allowed.
+  """
+  if name in BUILTIN:
+    raise ValueError(f"{where}.name={name!r} is built in: it takes no {where}.args (got "
+                     f"{args!r}; its settings are {where}.momentum, .nesterov and "
+                     f".weight_decay); allowed: '' with it, or another optax optimizer by name "
+                     "(e.g. 'nadam', 'lion') with its arguments")
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"{where}.name={name!r} is invalid; allowed: {', '.join(BUILTIN)}, an optax "
+                     "optimizer's name (e.g. 'lion') or 'module:function'")
+  if ":" in name:
+    module_name, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"{where}.name={name!r}: cannot import it ({e}); allowed: "
+                       "'package.module:function' importable here") from None
+  else:
+    fn = getattr(optax, name, None)
+    if fn is None or not callable(fn):
+      raise ValueError(f"{where}.name={name!r} is not an optax optimizer; allowed: "
+                       f"{', '.join(BUILTIN)}, an optax function taking learning_rate (e.g. "
+                       "'lion', 'rmsprop', 'adafactor', 'nadam') or 'module:function'")
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    params = {}
+  if "learning_rate" not in params:
+    raise ValueError(f"{where}.name={name!r} takes no learning_rate argument; allowed: an "
+                     "optimizer constructor whose learning rate the run's schedule sets")
+  kwargs = parse_args(args, f"{where}.args")
+  for key in kwargs:
+    if key in RESERVED_ARGS:
+      raise ValueError(f"{where}.args sets {key!r}; allowed: not {' or '.join(RESERVED_ARGS)} "
+                       f"(set {where}.{key}: the run schedules it for every scheme alike)")
+    if key not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+      allowed = [p for p in params if p not in RESERVED_ARGS]
+      raise ValueError(f"{where}.args sets {key!r}, which {name} does not take; allowed: "
+                       f"{', '.join(allowed) or 'none'}")
+  return fn, kwargs
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
                    total_steps: int, *, unit_learning_rate: bool = False
                    ) -> optax.GradientTransformation:
-  """SGD with momentum and PyTorch-style L2 weight decay, or Adam / AdamW.
+  """SGD with momentum and PyTorch-style L2 weight decay, Adam / AdamW, or any optax optimizer.
+
+  ``cfg.name`` other than the built-ins is an optax constructor or a user
+  function (:func:`optimizer_constructor`) called with the schedule's learning
+  rate and ``cfg.args``; ``cfg.weight_decay`` is added to its gradient as L2.
 
   It does not clip: ``cfg.grad_clip`` is applied to each worker's gradient
   before the server sees it (:func:`clip_gradient`, called by
@@ -102,7 +190,12 @@ def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
     parts.append(optax.chain(optax.scale_by_adam(), decay, optax.scale_by_learning_rate(lr))
                  if progress else optax.adamw(lr, weight_decay=cfg.weight_decay))
   else:
-    raise ValueError(f"optimizer.name={cfg.name!r}; allowed: sgd, adam, adamw")
+    # Any optax optimizer (or a user's): weight decay as L2 added to the gradient, scaled by
+    # progress like sgd's and adam's, the learning rate from the schedule, no clipping here.
+    fn, kwargs = optimizer_constructor(cfg.name, cfg.get("args", ""))
+    if cfg.weight_decay > 0:
+      parts.append(decay)
+    parts.append(fn(learning_rate=lr, **kwargs))
   return optax.chain(*parts)
 
 

@@ -17,7 +17,7 @@ _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "dat
                    "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
 # Keys added after runs were recorded: a recorded config without one ran as its default does,
 # so it still resumes and a sweep does not count its trials as changed.
-_ADDED_KEYS = {"executor": "auto"}
+_ADDED_KEYS = {"executor": "auto", "optimizer.args": ""}   # keys added since older runs
 
 
 def _mutable(key: str) -> bool:
