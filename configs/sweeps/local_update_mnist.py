@@ -128,7 +128,7 @@ def _label(scheme: dict) -> str:
 # (docs/results/local_update_<cluster>/report.md, "Tuning"); a scheme missing here runs seed 0
 # only.
 CHOSEN = {
-    "tiers": {},
+    "tiers": {"bsp": 0.05, "ssp": 0.05, "gssp": 0.02, "gssp+gdtopk": 0.02, "diloco": 0.003, "async_local_sgd": 0.001, "halos": 0.003},
     "straggler": {},
 }
 
