@@ -226,7 +226,7 @@ def _check_optimizer(config, where: str) -> None:
   args = cfg.get("args", "")
   if cfg.name in OPTIMIZERS and args == "":
     return
-  optim.optimizer_constructor(cfg.name, args, where)
+  optim.optimizer_constructor(cfg.name, args, f"config.{where}")
 
 
 def _choice(config, key: str, allowed) -> None:

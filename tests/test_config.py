@@ -30,7 +30,8 @@ def test_unknown_config_arg_is_rejected():
     ("compress.ratio", 1.5, r"config.compress.ratio=1.5.*\(0, 1\]"),
     ("compress.ratio", 0.0, r"config.compress.ratio=0.0.*\(0, 1\]"),
     ("compress.scope", "layer", "config.compress.scope='layer'.*tensor, global"),
-    ("optimizer.name", "lamb", "config.optimizer.name='lamb'.*sgd, adam, adamw"),
+    ("optimizer.name", "lamdba", "config.optimizer.name='lamdba' is not an optax optimizer.*sgd, "
+                                 "adam, adamw, an optax function"),
     ("num_workers", 0, "config.num_workers=0.*positive integer"),
     ("num_workers", -3, "config.num_workers=-3"),
     ("batch_size", -1, "config.batch_size=-1.*positive integer"),

@@ -303,7 +303,7 @@ def test_any_optax_optimizer_by_name_or_a_users_function_with_its_arguments():
                           r"sets 'weight_decay'; allowed: not learning_rate or weight_decay"),
                          ({"optimizer.name": "adamz"}, r"optimizer.name='adamz' is not an optax"),
                          ({"optimizer.name": "sgd", "optimizer.args": "momentum=0.5"},
-                          r"'sgd' is built in: it takes no optimizer.args"),
+                          r"'sgd' is built in: it takes no config.optimizer.args"),
                          ({"local.optimizer.name": "lion", "local.optimizer.args": "b1=x"},
                           r"local.optimizer.args='b1=x' is invalid at 'b1=x'")):
     with pytest.raises(ValueError, match=match):
