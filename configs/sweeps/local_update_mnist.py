@@ -129,7 +129,7 @@ def _label(scheme: dict) -> str:
 # only.
 CHOSEN = {
     "tiers": {"bsp": 0.05, "ssp": 0.05, "gssp": 0.02, "gssp+gdtopk": 0.02, "diloco": 0.003, "async_local_sgd": 0.001, "halos": 0.003},
-    "straggler": {},
+    "straggler": {"bsp": 0.05, "ssp": 0.05, "gssp": 0.02, "gssp+gdtopk": 0.02, "diloco": 0.003, "async_local_sgd": 0.001, "halos": 0.003},
 }
 
 
