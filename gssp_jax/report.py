@@ -60,6 +60,23 @@ def tune_seeds(workdir: str) -> tuple[int, ...] | None:
   return None if seeds is None else tuple(int(s) for s in seeds)
 
 
+UNFINISHED = ("interrupted", "failed", "running")   # a summary of part of a run
+
+
+def unfinished(workdir: str) -> list[str]:
+  """The grid's trials whose summary says they did not end (left out of the report)."""
+  names = grid(workdir)
+  names = sorted(os.listdir(workdir)) if names is None else names
+  out = []
+  for name in names:
+    path = os.path.join(workdir, name, "summary.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        if json.load(f).get("status") in UNFINISHED:
+          out.append(name)
+  return out
+
+
 def orphans(workdir: str) -> list[str]:
   """Trial directories (with a ``summary.json`` or ``trial.json``) not in the current grid."""
   names = grid(workdir)
@@ -137,7 +154,9 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
   """One row per trial that wrote a summary: swept values and the recorded figures.
 
   With a ``sweep.json`` (the runner's current grid) only that grid's trials count
-  (see :func:`orphans`).
+  (see :func:`orphans`). A trial that did not end (``interrupted``, ``failed``: its
+  summary is of the epochs it ran) is left out (:func:`unfinished` names them): its
+  figures are not the configuration's.
 
   Args:
     workdir: the sweep's directory.
@@ -151,7 +170,8 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
     raise ValueError(f"sweep directory {workdir!r} does not exist")
   names = grid(workdir)
   names = sorted(os.listdir(workdir)) if names is None else names
-  trials = [t for t in (_load(os.path.join(workdir, name)) for name in names) if t is not None]
+  trials = [t for t in (_load(os.path.join(workdir, name)) for name in names) if t is not None
+            and t["summary"].get("status") not in UNFINISHED]
   _derive_overrides(trials)
   rows = []
   for trial in trials:
@@ -420,6 +440,10 @@ def write_report(workdir: str, out_dir: str | None = None,
   reasons = [f"- {r['trial']}: {r['collapse_reason']}" for r in rows if r.get("collapse_reason")]
   if reasons:
     lines += ["", "Collapsed trials (finished, but learned nothing after the warm-up):", *reasons]
+  cut = unfinished(workdir)
+  if cut:
+    lines += ["", "Unfinished trials (interrupted or failed; a rerun of the sweep resumes them), "
+              f"left out of this report: {', '.join(cut)}"]
   left_out = orphans(workdir)
   if left_out:
     lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "

@@ -258,3 +258,21 @@ def test_report_figures_for_a_sweep_with_a_never_reached_target(tmp_path, capsys
                            check=True).stdout
   for kind in ("csv", "summary_csv", "md", *(f"figure_{n}" for n in names)):
     assert f"{kind}: {paths[kind]}" in printed
+
+
+def test_an_interrupted_trial_is_left_out_of_the_report_and_named(tmp_path):
+  """A trial stopped part-way has a summary of the epochs it ran: averaging it with finished
+  seeds would mix a shorter run into the configuration's figures."""
+  for seed in (0, 1):
+    _write_timed_run(tmp_path / f"bsp{seed}", "bsp", seed=seed)
+  _write_timed_run(tmp_path / "gssp0", "gssp", seed=0)
+  _write_timed_run(tmp_path / "gssp1", "gssp", seed=1, accuracies=(0.1,))
+  path = tmp_path / "gssp1" / "summary.json"
+  summary = json.loads(path.read_text())
+  summary["status"] = "interrupted"
+  path.write_text(json.dumps(summary))
+  rows = report.collect(str(tmp_path))
+  assert sorted((r["scheme"], r["seed"]) for r in rows) == [("bsp", 0), ("bsp", 1), ("gssp", 0)]
+  assert report.unfinished(str(tmp_path)) == ["gssp1"]
+  md = open(report.write_report(str(tmp_path), str(tmp_path / "out"))["md"]).read()
+  assert "Unfinished trials (interrupted or failed" in md and "gssp1" in md
