@@ -198,7 +198,7 @@ def test_async_local_sgd_levels_equal_rounds_and_a_resume_is_exact(tmp_path, dat
      r"optimizer.name='adam' cannot apply with local.delayed_nesterov=4"),
     ("async_local_sgd", {"local.delayed_nesterov": 4, "optimizer.weight_decay": 0.0},
      r"optimizer.nesterov=False cannot apply"),
-    ("diloco", {"local.optimizer.name": "lion"}, r"local.optimizer.name='lion' is invalid"),
+    ("diloco", {"local.optimizer.name": "lyon"}, r"local.optimizer.name='lyon' is not an optax"),
 ])
 def test_bad_local_configs_are_rejected_before_any_compilation(scheme, changes, match):
   config = helpers.cluster_config(scheme, **changes)
