@@ -41,22 +41,24 @@ _BOOKKEEPING_KEYS = ("data_dir", "data_download", "data_url", "train.checkpoint_
                      "train.max_checkpoints", "train.log_every", "train.stop_after_updates")
 
 
-def grid(workdir: str) -> list[str] | None:
-  """The trial names of the sweep's current grid (``sweep.json``), or None without one."""
+def _grid_record(workdir: str) -> dict | None:
+  """The sweep's ``sweep.json`` (its current grid), or None without one."""
   path = os.path.join(workdir, GRID_FILE)
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return [t["name"] for t in json.load(f)["trials"]]
+    return json.load(f)
+
+
+def grid(workdir: str) -> list[str] | None:
+  """The trial names of the sweep's current grid (``sweep.json``), or None without one."""
+  record = _grid_record(workdir)
+  return None if record is None else [t["name"] for t in record["trials"]]
 
 
 def tune_seeds(workdir: str) -> tuple[int, ...] | None:
   """The seeds the sweep declared for choosing tuned values (``sweep.json``), or None: all."""
-  path = os.path.join(workdir, GRID_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    seeds = json.load(f).get("tune_seeds")
+  seeds = (_grid_record(workdir) or {}).get("tune_seeds")
   return None if seeds is None else tuple(int(s) for s in seeds)
 
 

@@ -296,9 +296,7 @@ class DistServer:
     self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
                                                  round(self.total_pushes / self.W))
     self.local = local_lib.is_local(config.sync.scheme)
-    self.steps = (local_lib.local_steps(config.local.steps, shard_lib.cluster_times(self.cluster),
-                                        config.local.dylu)
-                  if self.local else np.ones([self.W], np.int64))
+    self.steps, _ = simulate.local_plan(config, self.cluster.mean_times, self.spe)
     float(self.schedule(0))   # eager, as the simulator's (a jitted one rounds differently): its
     #                           ops compile now, not under the lock while meshes wait
     init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))

@@ -95,16 +95,11 @@ class ShardError(RuntimeError):
   """A shard cannot go on (an op it cannot apply); the run stops."""
 
 
-def cluster_times(cluster) -> np.ndarray:
-  """``[W]`` mean slowdown of each worker, as the simulator reads them (a trace's mean)."""
-  return cluster.trace.mean(0) if cluster.trace is not None else cluster.speeds
-
-
 def build_chain(config):
   """The scheme and the sync chain every shard and the control plane build the same way (the
   simulator's: ``sync.local.server_chain``, a local-update scheme's outer optimizer included)."""
   cluster = cluster_lib.cluster_from_config(config)
-  scheme = sync.scheme_from_config(config, worker_times=cluster_times(cluster))
+  scheme = sync.scheme_from_config(config, worker_times=cluster.mean_times)
   return scheme, local_lib.server_chain(config, scheme.transform, scheme.num_replicas)
 
 

@@ -63,13 +63,11 @@ from gssp_jax.data import sharding
 from gssp_jax.dist import auth
 from gssp_jax.dist import layout as layout_lib
 from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import shard as shard_lib
 from gssp_jax.dist import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
-from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import transforms
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -236,7 +234,7 @@ class MeshWorker:
     self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))
     dense_bytes = step_lib.tree_bytes(params)
-    self.local = _local_job(config, self.cluster, plan.spe)
+    _, self.local = simulate.local_plan(config, self.cluster.mean_times, plan.spe)
     clip = config.optimizer.grad_clip
     inner = self.local.inner if self.local is not None else None
     if self.mesh is None:   # one process: the simulator's own job on a one-worker state
@@ -426,7 +424,8 @@ class MeshWorker:
         loss, grad, new_ms, nbytes = self._compute(job, params, model_state)
         compute.append(time.perf_counter() - started)
         if self.emulate:
-          wait = self._job_time(job) - (time.perf_counter() - started)
+          wait = simulate.job_time(self.cluster, self.w, job["iteration"], job_steps(job)) - (
+              time.perf_counter() - started)
           over += wait < 0
           time.sleep(max(0.0, wait))
         self.iterations += job_steps(job)   # data iterations (a local job's H_w)
@@ -464,22 +463,6 @@ class MeshWorker:
     heart.session = self.session
     heart.ensure_running()
     return job, self._shard0
-
-  def _job_time(self, job: dict) -> float:
-    """The cluster model's seconds of the job: its ``H_w`` iterations' (``Simulation._job_time``)."""
-    h = job_steps(job)
-    first = job["iteration"] * h
-    return float(sum(self.cluster.compute_time(self.w, first + j) for j in range(h)))
-
-  def _indices(self, job: dict) -> np.ndarray:
-    """The job's batches: ``[B]``, or a local-update job's ``[H_max, B]`` (iterations
-    ``k H_w .. k H_w + H_w - 1``, padded with the last, as ``Simulation._next_jobs``)."""
-    if self.local is None:
-      return self.batches.indices(self.w, job["iteration"])
-    h = job_steps(job)
-    first = job["iteration"] * h
-    return np.stack([self.batches.indices(self.w, first + min(j, h - 1))
-                     for j in range(self.local.max_steps)])
 
   def _compute_one(self, job: dict, idx, params, model_state):
     """A one-process mesh: ``make_job_fn`` on the one-worker state, as the simulator runs it."""
@@ -523,7 +506,7 @@ class MeshWorker:
   def _compute(self, job: dict, params, model_state):
     """The mesh's gradient at ``job`` (host arrays, the same on every rank)."""
     k = job["iteration"]
-    idx = self._indices(job)
+    idx = simulate.job_indices(self.batches, self.w, k, job_steps(job), self.local)
     if self.mesh is None:
       return self._compute_one(job, idx, params, model_state)
     per = self.B // self.P
@@ -550,17 +533,6 @@ class MeshWorker:
 def job_steps(job: dict) -> int:
   """A job's inner steps ``H_w`` (1 but for the local-update schemes)."""
   return int(job.get("steps", 1))
-
-
-def _local_job(config, cluster, steps_per_epoch: int) -> sim_executor.LocalJob | None:
-  """The simulator's ``LocalJob`` of a local-update scheme (its inner optimizer, ``H_max``)."""
-  if not local_lib.is_local(config.sync.scheme):
-    return None
-  steps = local_lib.local_steps(config.local.steps, shard_lib.cluster_times(cluster),
-                                config.local.dylu)
-  inner = local_lib.inner_optimizer(config, steps_per_epoch,
-                                    round(config.train.num_epochs * steps_per_epoch))
-  return sim_executor.LocalJob(inner, int(steps.max()))
 
 
 def _one_row(tree):

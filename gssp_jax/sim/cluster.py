@@ -108,6 +108,12 @@ class Cluster:
   def num_workers(self) -> int:
     return self.speeds.size
 
+  @property
+  def mean_times(self) -> np.ndarray:
+    """``[W]`` each worker's mean slowdown: its speed factor, or its trace's mean iteration time
+    (what grouping by speed, DyLU and the compression ratios read)."""
+    return self.trace.mean(0) if self.trace is not None else self.speeds
+
   @functools.lru_cache(maxsize=4096)
   def _block(self, worker: int, block: int) -> np.ndarray:
     """Multiplicative noise of iterations ``[block*B, (block+1)*B)`` of ``worker``."""

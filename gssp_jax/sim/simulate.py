@@ -123,6 +123,39 @@ def plan_pushes(config: ml_collections.ConfigDict, num_train: int) -> PushPlan:
                   min(total_pushes, stop) if stop else total_pushes)
 
 
+def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
+               ) -> tuple[np.ndarray, executor.LocalJob | None]:
+  """``([W] inner steps per job, LocalJob)`` of a local-update scheme; ``(ones, None)`` else.
+
+  ``times``: the workers' mean iteration times (``Cluster.mean_times``; DyLU reads them).
+  The simulator, the real runtime's server and its meshes all build it here.
+  """
+  if not local_lib.is_local(config.sync.scheme):
+    return np.ones([config.num_workers], np.int64), None
+  steps = local_lib.local_steps(config.local.steps, times, config.local.dylu)
+  inner = local_lib.inner_optimizer(config, steps_per_epoch,
+                                    round(config.train.num_epochs * steps_per_epoch))
+  return steps, executor.LocalJob(inner, int(steps.max()))
+
+
+def job_indices(batches: sharding.WorkerBatches, w: int, k: int, h: int,
+                local: executor.LocalJob | None) -> np.ndarray:
+  """Worker ``w``'s job ``k``: its batch ``[B]``; a local-update job of ``h`` steps, ``[H_max, B]``:
+  data iterations ``k h .. k h + h - 1``, padded to ``H_max`` with the last (the job skips them)."""
+  if local is None:
+    return batches.indices(w, k)
+  first = k * h
+  return np.stack([batches.indices(w, first + min(j, h - 1)) for j in range(local.max_steps)])
+
+
+def job_time(cluster: cluster_lib.Cluster, w: int, k: int, h: int) -> float:
+  """Seconds of worker ``w``'s job ``k`` of ``h`` steps: its data iterations ``k h .. k h + h - 1``,
+  each timed by the cluster model, so jitter and stragglers stay per iteration."""
+  if h == 1:
+    return cluster.compute_time(w, k)
+  return float(sum(cluster.compute_time(w, k * h + j) for j in range(h)))
+
+
 class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
@@ -162,18 +195,13 @@ class Simulation:
     """The scheme, the sync chain, the device state and the runner of its steps."""
     config, task, W, B = self.config, self.task, self.W, self.B
     self.cluster = cluster_lib.cluster_from_config(config)
-    self.speeds = (self.cluster.trace.mean(0) if self.cluster.trace is not None
-                   else self.cluster.speeds)
+    self.speeds = self.cluster.mean_times
     self.scheme = scheme = sync.scheme_from_config(config, worker_times=self.speeds)
     R = scheme.num_replicas
     self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
                                                  round(self.total_pushes / W))
-    self.steps = np.ones([W], np.int64)   # inner steps per job (data iterations per push)
-    self.local = None
-    if local_lib.is_local(scheme.name):
-      self.steps = local_lib.local_steps(config.local.steps, self.speeds, config.local.dylu)
-      inner = local_lib.inner_optimizer(config, self.spe, round(config.train.num_epochs * self.spe))
-      self.local = executor.LocalJob(inner, int(self.steps.max()))
+    # Inner steps per job (data iterations per push) and the local-update job (None for others).
+    self.steps, self.local = local_plan(config, self.speeds, self.spe)
     tx = local_lib.server_chain(config, scheme.transform, R)
     compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
     init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -386,12 +414,8 @@ class Simulation:
     # local-update schemes, whose jobs are padded to H_max with the last, skipped by the job).
     steps = self.steps[workers]
     firsts = ks * steps
-    if self.local is None:
-      idx = np.stack([self.batches.indices(w, k) for w, k in pairs])
-    else:
-      idx = np.stack([np.stack([self.batches.indices(w, f + min(j, h - 1))
-                                for j in range(self.local.max_steps)])
-                      for w, f, h in zip(workers.tolist(), firsts.tolist(), steps.tolist())])
+    idx = np.stack([job_indices(self.batches, w, k, int(h), self.local)
+                    for (w, k), h in zip(pairs, steps.tolist())])
     return executor.Jobs(
         workers=workers.astype(np.int32), idx=idx.astype(np.int32),
         iters=firsts.astype(np.int32),
@@ -400,15 +424,8 @@ class Simulation:
         steps=None if self.local is None else steps.astype(np.int32))
 
   def _job_time(self, w: int, k: int) -> float:
-    """Seconds of worker ``w``'s job ``k``: its ``H_w`` iterations' times, each from the cluster.
-
-    Job ``k`` of a worker taking ``H_w`` steps per job is its data iterations
-    ``k H_w .. k H_w + H_w - 1``, so jitter and stragglers stay per iteration.
-    """
-    h = int(self.steps[w])
-    if h == 1:
-      return self.cluster.compute_time(w, k)
-    return float(sum(self.cluster.compute_time(w, k * h + j) for j in range(h)))
+    """Seconds of worker ``w``'s job ``k`` (:func:`job_time`)."""
+    return job_time(self.cluster, w, k, int(self.steps[w]))
 
   def _iterations(self) -> int:
     """Data iterations that reached a server so far (a local-update push: its job's ``H_w``).

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import ml_collections
 import optax
 
+from gssp_jax import config as config_lib
 from gssp_jax.sync import decay as decay_lib
 from gssp_jax.sync import transforms
 
@@ -66,7 +67,7 @@ def clip_gradient(grads, max_norm: float):
   return clipped
 
 
-BUILTIN = ("sgd", "adam", "adamw")
+BUILTIN = config_lib.OPTIMIZERS   # sgd, adam, adamw: built in below
 # Arguments a constructor may not take from ``optimizer.args``: the run sets them (the learning
 # rate follows the schedule, weight decay follows progress through ``optimizer.weight_decay``).
 RESERVED_ARGS = ("learning_rate", "weight_decay")
