@@ -1,7 +1,8 @@
 r"""Simulation efficiency: simulated worker-samples/s over the model's plain batched step's samples/s.
 
     python -m benchmarks.sim_efficiency [--model=lenet5|resnet18|vgg19] [--width=1.0] \
-        [--workers=16,64,256] [--schemes=bsp,asp,ssp,gssp] [--epochs=1] [--executor=NAME]
+        [--workers=16,64,256] [--schemes=bsp,asp,ssp,gssp] [--epochs=1] [--executor=NAME] \
+        [--levels_per_call=1,8]
 
 For each worker count W the baseline is one jitted training step of the model
 (``value_and_grad`` + SGD momentum, BatchNorm statistics updated) on a batch of
@@ -9,14 +10,21 @@ W x 32 random inputs of its dataset's shape (MNIST 32x32x1 for LeNet-5, CIFAR-10
 32x32x3 for the CNNs). Each scheme runs through ``experiments.main``'s code path
 with the model's config (``configs/mnist_lenet5.py``, ``configs/cifar10_resnet18.py``,
 ``configs/cifar10_vgg19.py``; ``--width`` sets ``model_args.width``, ``--executor``
-the ``executor`` key), on a simulated ``tiers`` cluster (1, 1.5, 2, 3); its rate
+the ``executor`` key, ``--levels_per_call`` the ``levels_per_call`` key, one run per
+value), on a simulated ``tiers`` cluster (1, 1.5, 2, 3); its rate
 is taken between its first and last evaluation, so compilation is excluded; the
 test split is cut to 500 examples so evaluation is a small part of that span.
 
 Printed per run: simulated samples/s, the baseline's, their ratio (efficiency),
 the cost per simulated sample in microseconds (flat across worker counts when the
 simulator scales) and the time from the call to the first evaluation (data
-loading, tracing and compilation; the compile cost a user waits for). The header
+loading, tracing and compilation; the compile cost a user waits for). Executors
+compile some programs lazily (a ``levels`` bucket, a sparse round's id size, the
+first time one occurs), so compilations can fall inside the measured span: the
+compilations in it (tracing, lowering, XLA) are counted and timed
+(``jax.monitoring``), and the rate is printed twice, as run and without that time
+("steady"). A short run (small
+``--epochs``) with many compilations in its span measures mostly compilation. The header
 names the backend, the device and whether XLA's deterministic-ops flag is set.
 Peak memory is the process's maximum resident set size.
 """
@@ -51,6 +59,8 @@ _EXECUTOR = flags.DEFINE_string("executor", None, "the config's `executor` (defa
 _WORKERS = flags.DEFINE_list("workers", ["16", "64", "256"], "worker counts")
 _SCHEMES = flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "gssp"], "schemes")
 _EPOCHS = flags.DEFINE_float("epochs", 1.0, "epochs simulated per run")
+_LEVELS_PER_CALL = flags.DEFINE_list("levels_per_call", ["1"], "the config's `levels_per_call`, "
+                                     "one run per value (other than 1 needs --executor=levels)")
 
 
 def baseline(name: str, width: float, total_batch: int) -> float:
@@ -85,7 +95,7 @@ def baseline(name: str, width: float, total_batch: int) -> float:
 
 
 def run_config(name: str, width: float, executor: str | None, scheme: str, workers: int,
-               epochs: float):
+               epochs: float, levels_per_call: int = 1):
   """The config a simulated run uses: the model's config file with the benchmark's changes.
 
   Raises:
@@ -110,26 +120,69 @@ def run_config(name: str, width: float, executor: str | None, scheme: str, worke
     except KeyError as e:
       raise ValueError(f"--executor={executor!r}: this version's config has no `executor` "
                        "key; leave --executor out") from e
+  if levels_per_call != 1:
+    config.levels_per_call = levels_per_call
+    config_lib.validate_levels_per_call(config)
   return config
 
 
-def _watch_first_line(path: str, start: float, done: threading.Event, out: dict) -> None:
-  """Records in ``out["first"]`` the seconds from ``start`` until ``path`` has a line."""
+class CompileClock:
+  """Time spent compiling, from ``jax.monitoring``: tracing, lowering and XLA's compilation.
+
+  Each event is an interval ending when it is reported; nested ones (a jit traced
+  inside another's trace) overlap, so time is the union of the intervals.
+  """
+
+  def __init__(self):
+    self.intervals: list[tuple[float, float]] = []   # (start, end) in perf_counter seconds
+    self.backend_ends: list[float] = []
+
+  def __call__(self, event: str, duration: float, **_) -> None:
+    if event.startswith(COMPILE_EVENT_PREFIX):
+      end = time.perf_counter()
+      self.intervals.append((end - duration, end))
+      if event == BACKEND_COMPILE_EVENT:
+        self.backend_ends.append(end)
+
+  def between(self, start: float, end: float) -> tuple[int, float]:
+    """(XLA compilations that ended in [start, end], seconds of compile work inside it)."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in self.intervals
+                     if b > start and a < end)
+    total, reach = 0.0, start
+    for a, b in clipped:
+      total += max(0.0, b - max(a, reach))
+      reach = max(reach, b)
+    return sum(start <= t <= end for t in self.backend_ends), total
+
+
+# jax/_src/dispatch.py: trace, lower to MLIR, XLA compile.
+COMPILE_EVENT_PREFIX = "/jax/core/compile/"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _eval_times(path: str, start: float, done: threading.Event, out: list) -> None:
+  """Appends to ``out`` the perf_counter at which ``path`` gained each line."""
+  seen = 0
   while not done.is_set():
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-      out["first"] = time.perf_counter() - start
-      return
-    time.sleep(0.02)
+    if os.path.exists(path):
+      with open(path) as f:
+        n = sum(1 for line in f if line.endswith("\n"))
+      out.extend([time.perf_counter()] * (n - seen))
+      seen = max(seen, n)
+    time.sleep(0.01)
 
 
-def simulated(config) -> tuple[float, float]:
-  """Runs ``config``; returns (simulated samples/s between first and last evaluation,
-  seconds from the call to the first evaluation)."""
+def simulated(config, clock: CompileClock) -> dict:
+  """Runs ``config``; returns its rates between its first and last evaluation.
+
+  Keys: ``rate`` (simulated samples/s as run), ``steady`` (the same without the XLA
+  compilations that ended inside that span), ``compiles`` and ``compile_s`` (those
+  compilations), ``first`` (seconds from the call to the first evaluation).
+  """
   with tempfile.TemporaryDirectory() as workdir:
-    path, seen, done = os.path.join(workdir, "metrics.jsonl"), {}, threading.Event()
+    path, times, done = os.path.join(workdir, "metrics.jsonl"), [], threading.Event()
     start = time.perf_counter()
-    watcher = threading.Thread(target=_watch_first_line, args=(path, start, done, seen),
-                               daemon=True)
+    watcher = threading.Thread(target=_eval_times, args=(path, start, done, times), daemon=True)
     watcher.start()
     try:
       loop.train_and_evaluate(config, workdir)
@@ -138,31 +191,40 @@ def simulated(config) -> tuple[float, float]:
       watcher.join()
     lines = [json.loads(l) for l in open(path)]
   first, last = lines[0], lines[-1]
-  rate = (last["pushes"] - first["pushes"]) * config.batch_size / (
-      last["wall_time"] - first["wall_time"])
-  return rate, seen.get("first", float("nan"))
+  samples = (last["pushes"] - first["pushes"]) * config.batch_size
+  span = last["wall_time"] - first["wall_time"]
+  compiles, compile_s = clock.between(times[0], times[-1]) if times else (0, 0.0)
+  return {"rate": samples / span, "steady": samples / max(span - compile_s, 1e-9),
+          "compiles": compiles, "compile_s": compile_s,
+          "first": times[0] - start if times else float("nan")}
 
 
 def main(argv):
   del argv
   name, width = _MODEL.value, _WIDTH.value
   try:
-    configs = {(w, s): run_config(name, width, _EXECUTOR.value, s, w, _EPOCHS.value)
-               for w in map(int, _WORKERS.value) for s in _SCHEMES.value}
+    per_call = [int(v) for v in _LEVELS_PER_CALL.value]
+    configs = {(w, k, s): run_config(name, width, _EXECUTOR.value, s, w, _EPOCHS.value, k)
+               for w in map(int, _WORKERS.value) for k in per_call for s in _SCHEMES.value}
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   print(common.describe_backend())
   print(f"model {name}" + (f" width {width}" if name in common.CNNS else "")
         + f", executor {_EXECUTOR.value or 'the config default'}, {_EPOCHS.value} epochs per run")
-  print("| workers | scheme | simulated samples/s | batched step samples/s | efficiency |"
-        " µs per simulated sample | to first evaluation (s) |")
-  print("|---|---|---|---|---|---|---|")
+  clock = CompileClock()
+  jax.monitoring.register_event_duration_secs_listener(clock)
+  print("| workers | levels per call | scheme | simulated samples/s | batched step samples/s |"
+        " efficiency | µs per simulated sample | compilations in the span (s) |"
+        " steady samples/s | steady efficiency | to first evaluation (s) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for w in map(int, _WORKERS.value):
     base = baseline(name, width, w * 32)
-    for scheme in _SCHEMES.value:
-      rate, first = simulated(configs[(w, scheme)])
-      print(f"| {w} | {scheme} | {rate:,.0f} | {base:,.0f} | {rate / base:.2f} |"
-            f" {1e6 / rate:,.1f} | {first:.1f} |", flush=True)
+    for k in per_call:
+      for scheme in _SCHEMES.value:
+        r = simulated(configs[(w, k, scheme)], clock)
+        print(f"| {w} | {k} | {scheme} | {r['rate']:,.0f} | {base:,.0f} | {r['rate'] / base:.2f} |"
+              f" {1e6 / r['rate']:,.1f} | {r['compiles']} ({r['compile_s']:.1f}) |"
+              f" {r['steady']:,.0f} | {r['steady'] / base:.2f} | {r['first']:.1f} |", flush=True)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"peak resident memory: {peak:,.0f} MiB")
 

@@ -26,6 +26,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from gssp_jax import cli
+from gssp_jax import xla_env
 from gssp_jax.dist import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -71,6 +72,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   cli.setup_logging()
+  xla_env.use_compilation_cache()   # restarted meshes and resumed runs skip compilation
   config = _CONFIG.value
   topo = launch.Topology.from_env(role=_ROLE.value, mesh=_MESH.value, rank=_RANK.value,
                                   server_address=_SERVER.value,

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import train
+from gssp_jax import xla_env
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)
@@ -31,6 +32,7 @@ def main(argv):
   # Checked before log.txt is created: a mistake leaves no empty workdir behind.
   cli.check_workdir(_WORKDIR.value)
   config_lib.validate_config(_CONFIG.value)
+  xla_env.use_compilation_cache()   # a rerun or a resumed run skips compilation
   with (cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")),   # appended on resume
         cli.sigterm_as_interrupt()):   # `kill` records an interrupted run like Ctrl-C
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

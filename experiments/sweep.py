@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from gssp_jax import cli
 from gssp_jax import sweep
+from gssp_jax import xla_env
 
 _SWEEP = flags.DEFINE_string("sweep", None, "sweep file (configs/sweeps/<name>.py)", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "the sweep's directory", required=True)
@@ -68,6 +69,7 @@ def main(argv):
   del argv
   cli.check_workdir(_WORKDIR.value)
   cli.setup_logging()
+  xla_env.use_compilation_cache()   # trials (and --parallel's processes) share compilations
   with cli.sigterm_as_interrupt():   # `kill` stops the trials like Ctrl-C; a rerun resumes
     _main()
 

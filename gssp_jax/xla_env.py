@@ -18,6 +18,17 @@ starts a backend.
   flags on other backends, and it aborts on a flag it does not know, so any
   backend start validates the name. ``GSSP_DETERMINISTIC=0`` opts out; a value
   the user gave ``--xla_gpu_deterministic_ops`` in ``XLA_FLAGS`` is kept.
+* **Compilation cache.** The entry points (``experiments.main``, ``sweep``,
+  ``launch``) keep compiled programs in jax's persistent cache under
+  ``$GSSP_CACHE_DIR/xla`` (:func:`use_compilation_cache`), so a rerun, a resumed
+  run and every trial of a sweep after the first skip the compilations of the
+  programs they share (the simulator's executors compile one program per shape
+  bucket, lazily). A hit is the executable a fresh compile gives (jax keys it by
+  the program, the compile options and the backend), so results are unchanged.
+  The size cap (4 GiB, least recently used out) also turns on jax's file lock,
+  which processes sharing the directory need. ``GSSP_COMPILATION_CACHE=0`` opts
+  out; ``JAX_COMPILATION_CACHE_DIR`` and the other two variables, if the user set
+  them, are kept.
 * **Memory share.** A GPU process preallocates 75 % of the card at start-up, so
   a third process on one card dies out of memory. :func:`child_env` gives each
   of ``n`` processes ``0.9 / n`` of it (``XLA_PYTHON_CLIENT_MEM_FRACTION``,
@@ -115,6 +126,63 @@ def apply_deterministic_env(environ: MutableMapping[str, str] | None = None) -> 
         "a GPU backend started before gssp_jax set XLA_FLAGS=--%s=true: this process may not be "
         "run-to-run deterministic; import gssp_jax (or set XLA_FLAGS) before using jax",
         DETERMINISTIC_FLAG)
+  return changes
+
+
+CACHE_OPT_OUT_VAR = "GSSP_COMPILATION_CACHE"
+CACHE_MAX_BYTES = 4 << 30
+# Environment variable -> (jax config option, its type).
+_CACHE_OPTIONS = {
+    "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": ("jax_persistent_cache_min_compile_time_secs",
+                                                   float),
+    "JAX_COMPILATION_CACHE_MAX_SIZE": ("jax_compilation_cache_max_size", int),
+}
+
+
+def compilation_cache_env(environ: Mapping[str, str], cache_dir: str) -> dict[str, str]:
+  """The environment changes that give jax a persistent compilation cache in ``cache_dir``.
+
+  Pure. Every program is cached, however quick to compile (the simulator's are many and
+  small); a variable the user set is kept; ``{}`` if ``GSSP_COMPILATION_CACHE`` opts out.
+
+  Raises:
+    ValueError: ``GSSP_COMPILATION_CACHE`` is not one of the allowed spellings.
+  """
+  value = environ.get(CACHE_OPT_OUT_VAR, "").strip().lower()
+  if value not in _TRUE + _FALSE:
+    raise ValueError(f"{CACHE_OPT_OUT_VAR}={environ[CACHE_OPT_OUT_VAR]!r} is invalid; allowed: "
+                     f"1/true/yes/on (default) or 0/false/no/off")
+  if value in _FALSE:
+    return {}
+  wanted = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_BYTES)}
+  return {k: v for k, v in wanted.items() if not environ.get(k)}
+
+
+def use_compilation_cache(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+  """Applies :func:`compilation_cache_env` (``$GSSP_CACHE_DIR/xla``) here and for children.
+
+  Writes the variables to ``environ`` (default ``os.environ``: child processes inherit
+  them) and, as jax read its environment when it was imported, sets the same options in
+  this process's jax config. Call it before the first compilation: jax opens its cache
+  once per process. Nothing changes if this process's jax already has a cache directory
+  (set in its config, e.g. by a notebook or a test session). Returns the changes.
+  """
+  from gssp_jax.data import paths  # pylint: disable=g-import-not-at-top (keeps import light)
+  environ = os.environ if environ is None else environ
+  if environ is os.environ and "jax" in sys.modules:
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.config.jax_compilation_cache_dir:
+      return {}
+  changes = compilation_cache_env(environ, str(paths.resolve_cache_dir(None) / "xla"))
+  environ.update(changes)
+  if changes and environ is os.environ:
+    import jax  # pylint: disable=g-import-not-at-top
+    for name, value in changes.items():
+      option, kind = _CACHE_OPTIONS[name]
+      jax.config.update(option, kind(value))
   return changes
 
 

@@ -197,3 +197,56 @@ def test_the_backend_probe_says_nothing_where_nothing_is_wrong():
          for who in ("gssp", "plain")}
   assert "Unable to initialize backend" in out["plain"]
   assert "Unable to initialize backend" not in out["gssp"]
+
+
+# ---------------------------------------------------------------- compilation cache
+
+_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+               "JAX_COMPILATION_CACHE_MAX_SIZE")
+
+
+def test_compilation_cache_env_caches_every_program_under_a_size_cap():
+  env = xla_env.compilation_cache_env({}, "/c/xla")
+  assert env == {"JAX_COMPILATION_CACHE_DIR": "/c/xla",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                 "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}   # the cap turns on jax's lock
+
+
+def test_compilation_cache_env_keeps_what_the_user_set():
+  user = {"JAX_COMPILATION_CACHE_DIR": "/mine", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
+  assert xla_env.compilation_cache_env(user, "/c/xla") == {
+      "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30)}
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_compilation_cache_opt_out(value):
+  assert xla_env.compilation_cache_env({"GSSP_COMPILATION_CACHE": value}, "/c") == {}
+
+
+def test_compilation_cache_rejects_a_bad_opt_out_value():
+  with pytest.raises(ValueError, match=r"GSSP_COMPILATION_CACHE='maybe' is invalid; allowed"):
+    xla_env.compilation_cache_env({"GSSP_COMPILATION_CACHE": "maybe"}, "/c")
+
+
+def test_a_rerun_of_the_main_job_compiles_nothing_new(tmp_path):
+  """experiments.main's second run of the same config reads its programs from the cache."""
+  env = _clean_env(GSSP_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1",
+                   GSSP_DATA_DIR=os.environ.get("GSSP_DATA_DIR",
+                                                os.path.join(REPO, "..", "shared", "data")))
+  for name in _CACHE_VARS:
+    env.pop(name, None)
+  logs = []
+  for run in range(2):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.main", "--config=configs/mnist_lenet5.py:smoke",
+         "--config.train.num_epochs=0.5", f"--workdir={tmp_path / f'run{run}'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs.append(result.stderr)
+  assert any((tmp_path / "cache" / "xla").iterdir())
+  # jax logs "Finished XLA compilation" for every program it needs, a cache hit too.
+  programs = [log.count("Finished XLA compilation of") for log in logs]
+  hits = [log.count("Persistent compilation cache hit") for log in logs]
+  assert hits[0] == 0 and programs[0] > 10, (hits, programs)
+  # The rerun needs the same programs and reads (nearly) all of them from the cache.
+  assert programs[1] == programs[0] and hits[1] >= 0.9 * programs[1], (hits, programs)

@@ -29,6 +29,7 @@ from absl import logging
 import ml_collections
 
 from gssp_jax import cli
+from gssp_jax import xla_env
 from gssp_jax.data import paths
 from gssp_jax.dist import wire
 
@@ -303,12 +304,9 @@ class LocalLauncher:
     if gpu is not None:
       env["CUDA_VISIBLE_DEVICES"] = gpu   # this process's own device
     # Every mesh compiles the same programs: a shared persistent cache lets restarted meshes
-    # and resumed runs skip compilation (the cached executables are the same programs). A size
-    # cap turns on jax's file lock around reads and writes (filelock), which processes sharing
-    # the directory need: without it an entry is written in place and may be read half-written.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(paths.resolve_cache_dir(None) / "xla"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+    # and resumed runs skip compilation (xla_env.compilation_cache_env: its size cap turns on
+    # jax's file lock, which processes sharing the directory need).
+    env.update(xla_env.compilation_cache_env(env, str(paths.resolve_cache_dir(None) / "xla")))
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
     # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
     # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and

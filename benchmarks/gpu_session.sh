@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/PERFORMANCE.md ("On a GPU") as one bounded script, for a lent GPU host
+# with no package registry. Once, here: bash ../shared/tools/gpu-bundle.sh tensorboardX
+# (builds .gpu/: data and the wheels the host lacks). There, from the project root:
+#   OUT=/some/dir BUDGET=540 bash benchmarks/gpu_session.sh     # SERVER=0 skips the server part
+# Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
+# stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
+# the tails of their stderr to $OUT/errs.txt. The parameter server's throughput (CPU only) runs
+# beside the GPU stages on other cores (taskset 8-15 against 0-7).
+set -u
+T0=$(date +%s); END=$((T0 + ${BUDGET:-540}))
+left() { echo $((END - $(date +%s))); }
+stage() {  # stage NAME SECONDS CMD...   stdout -> $OUT/NAME.txt, stderr -> /tmp/err_NAME.txt
+  local name=$1 want=$2; shift 2
+  local l=$(left); local t=$(( want < l - 5 ? want : l - 5 ))
+  if (( t < 15 )); then echo "SKIPPED (no time left)" >> $OUT/$name.txt; return; fi
+  echo "== $name (timeout $t s) $(date +%T)" | tee -a $OUT/log.txt
+  local s=$(date +%s)
+  timeout -k 5 $t "$@" >> $OUT/$name.txt 2> /tmp/err_$name.txt; local rc=$?
+  echo "== $name rc=$rc in $(( $(date +%s) - s )) s" | tee -a $OUT/log.txt $OUT/$name.txt
+}
+source .gpu/env.sh > /tmp/env.log 2>&1; cat /tmp/env.log >> $OUT/log.txt
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> $OUT/log.txt
+nproc >> $OUT/log.txt
+# CPU-only, in the background on cores 8-15: the parameter server's throughput (grpc, numpy).
+[ "${SERVER:-1}" = 1 ] && ( taskset -c 8-15 env JAX_PLATFORMS=cpu timeout -k 5 150 python3 -m benchmarks.dist_transport \
+    --parts=server,shards --models=resnet18 --seconds=8 --repeats=1 \
+    > $OUT/server.txt 2> /tmp/err_server.txt; echo "rc=$?" >> $OUT/server.txt ) &
+BG=$!; [ "${SERVER:-1}" = 1 ] || BG=
+P="taskset -c 0-7 python3 -m"
+stage determinism 70 $P benchmarks.determinism --config=configs/mnist_lenet5.py:smoke --config.executor=levels
+stage lenet 150 $P benchmarks.sim_efficiency --executor=levels --workers=16,64,256 --schemes=bsp,ssp,gssp --epochs=0.5
+stage resnet 120 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels --workers=16,64 --schemes=gssp --epochs=0.1
+stage full 110 $P experiments.main --config=configs/sweeps/paper_cifar10_resnet18.py:full --workdir=/tmp/full \
+    --config.sync.scheme=gssp --config.train.num_epochs=0.5
+cat /tmp/full/metrics.jsonl >> $OUT/full.txt 2>/dev/null
+stage meshes 70 python3 -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke --workdir=/tmp/real \
+    --config.num_workers=2 --config.sync.num_groups=2 "--config.cluster.tiers=(1.0,3.0)" \
+    --config.cluster.base_time=0.05 --num_meshes=2 --processes_per_mesh=1 --num_servers=1
+cat /tmp/real/summary.json >> $OUT/meshes.txt 2>&1; nvidia-smi >> $OUT/meshes.txt 2>&1
+stage lenet 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 --schemes=gssp --levels_per_call=4,16 --epochs=0.25
+[ -n "$BG" ] && wait $BG
+for f in /tmp/err_*.txt; do echo "##### $f"; grep -v -E "^I[0-9]{4}|checkpoint|^\s*$" $f | tail -25; done > $OUT/errs.txt 2>&1
+echo "total $(( $(date +%s) - T0 )) s" >> $OUT/log.txt

@@ -1,0 +1,42 @@
+"""The benchmarks' own arithmetic: compile-time accounting and the determinism check's diffs."""
+
+import numpy as np
+
+from benchmarks import determinism
+from benchmarks import sim_efficiency
+
+
+def test_compile_clock_counts_union_of_nested_intervals_inside_the_span():
+  clock = sim_efficiency.CompileClock()
+  clock.intervals = [(0.0, 2.0), (1.0, 1.5), (4.0, 6.0), (9.0, 12.0), (20.0, 21.0)]
+  clock.backend_ends = [1.5, 6.0, 12.0, 21.0]
+  # Span [1, 10]: [1, 2] (the nested one adds nothing), [4, 6], [9, 10] -> 1 + 2 + 1 seconds.
+  count, seconds = clock.between(1.0, 10.0)
+  assert count == 2 and abs(seconds - 4.0) < 1e-12
+
+
+def test_compile_clock_keeps_only_compile_events():
+  clock = sim_efficiency.CompileClock()
+  clock("/jax/compilation_cache/cache_retrieval_time_sec", 5.0)
+  clock(sim_efficiency.BACKEND_COMPILE_EVENT, 0.5)
+  clock("/jax/core/compile/jaxpr_trace_duration", 0.25)
+  assert len(clock.intervals) == 2 and len(clock.backend_ends) == 1
+
+
+def test_first_difference_names_the_array_and_its_gap():
+  a = {"w": np.zeros(3, np.float32), "b": np.ones(2, np.float32)}
+  assert determinism.first_difference(a, {k: v.copy() for k, v in a.items()}) is None
+  b = {"w": np.array([0, 0, 1e-7], np.float32), "b": np.ones(2, np.float32)}
+  assert determinism.first_difference(a, b) == "w: differs, largest difference 1e-07"
+  assert "shape/dtype" in determinism.first_difference(a, {"w": np.zeros(4, np.float32),
+                                                          "b": a["b"]})
+  assert determinism.digest(a) == determinism.digest(dict(reversed(list(a.items()))))
+  assert determinism.digest(a) != determinism.digest(b)
+
+
+def test_metrics_difference_ignores_nothing_but_what_it_was_given():
+  run = [{"epoch": 1.0, "test_accuracy": 0.5}]
+  assert determinism.metrics_difference(run, [dict(run[0])]) is None
+  assert "test_accuracy" in determinism.metrics_difference(run, [{"epoch": 1.0,
+                                                                  "test_accuracy": 0.51}])
+  assert determinism.metrics_difference(run, run * 2) == "1 metrics lines vs 2"
