@@ -219,6 +219,36 @@ def _fail(key: str, value, allowed: str) -> None:
   raise ValueError(f"config.{key}={value!r} is invalid; allowed: {allowed}")
 
 
+def _check_model_and_dataset(config) -> None:
+  """Built-in model and dataset (a pair that fits), or user ones (resolved, i.e. imported, now)."""
+  from gssp_jax import models  # pylint: disable=g-import-not-at-top (flax: keep config light)
+  from gssp_jax.data import user  # pylint: disable=g-import-not-at-top
+  model, dataset = config.model, config.dataset
+  user_model, user_data = models.is_user_model(model), user.is_user_dataset(dataset)
+  try:
+    if user_model:
+      models.resolve_user_model(model)
+    if user_data:
+      user.check_name(dataset)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+  if not user_model:
+    _choice(config, "model", tuple(MODEL_DATASETS) + (
+        "a name given to gssp_jax.models.register_model",
+        "'package.module:Name' or 'path/file.py:Name' (a Flax module)"))
+  if not user_data:
+    _choice(config, "dataset", DATASETS + (
+        "'tfds:<builder>'", "a name given to gssp_jax.data.register_dataset",
+        "'package.module:load' or 'path/file.py:load'"))
+  if user_model and dataset == "multi30k":
+    _fail("dataset", dataset, f"an image-classification dataset for the user model {model!r} "
+          "(mnist, cifar10 or a user dataset); multi30k trains model='seq2seq'")
+  if not user_model and user_data and model == "seq2seq":
+    _fail("dataset", dataset, "multi30k for model 'seq2seq' (user datasets are classification)")
+  if not user_model and not user_data and dataset not in MODEL_DATASETS[model]:
+    _fail("dataset", dataset, f"{', '.join(MODEL_DATASETS[model])} for model {model!r}")
+
+
 def _check_optimizer(config, where: str) -> None:
   """``{where}.name`` built in (no ``args``), or an optax/user optimizer whose args it takes."""
   from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top (optim imports sync)
@@ -264,11 +294,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
       although the scheme does not read them: what a sweep's base config sets
       for its other trials (``sweep.expand``). Their range checks still run.
   """
-  _choice(config, "model", tuple(MODEL_DATASETS))
-  _choice(config, "dataset", DATASETS)
-  if config.dataset not in MODEL_DATASETS[config.model]:
-    _fail("dataset", config.dataset,
-          f"{', '.join(MODEL_DATASETS[config.model])} for model {config.model!r}")
+  _check_model_and_dataset(config)
   width = config.model_args.get("width", 1.0)
   if config.model in ("resnet18", "vgg19") and (
       isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0):

@@ -37,7 +37,7 @@ def test_registry():
 
 
 def test_unknown_model_raises():
-  with pytest.raises(ValueError, match="unknown model 'foo'; allowed: lenet5, resnet18, vgg19, seq2seq"):
+  with pytest.raises(ValueError, match="model='foo' is unknown; allowed: lenet5, resnet18, vgg19, seq2seq, a name given"):
     create_model("foo")
 
 

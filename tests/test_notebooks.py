@@ -30,7 +30,8 @@ def _execute(name: str, tmp_path, data_dir, monkeypatch):
 
 def _summaries(tmp_path) -> dict:
   runs = tmp_path / "runs"
-  return {d: json.loads((runs / d / "summary.json").read_text()) for d in os.listdir(runs)}
+  return {d: json.loads((runs / d / "summary.json").read_text()) for d in os.listdir(runs)
+          if (runs / d / "summary.json").is_file()}   # not the notebook's own files
 
 
 def test_notebooks_are_committed_without_outputs():
@@ -64,3 +65,19 @@ def test_custom_scheme_notebook_registers_and_compares_kasync(tmp_path, data_dir
   assert summaries["kasync"]["final"]["staleness"]["mean"] > 0
   assert "24 pushes take 10.0 s with K-async (K=2), 18.0 s with BSP" in text
   assert images == 2
+
+
+@pytest.mark.slow
+def test_custom_model_notebook_trains_restores_and_names_by_file(tmp_path, data_dir, monkeypatch):
+  text, _ = _execute("custom_model", tmp_path, data_dir, monkeypatch)
+  summaries = _summaries(tmp_path)
+  assert sorted(summaries) == ["bsp", "gssp", "gssp_by_file"]
+  assert all(s["status"] == "done" for s in summaries.values())
+  assert summaries["gssp"]["totals"]["virtual_time"] < summaries["bsp"]["totals"]["virtual_time"]
+  by_file = summaries["gssp_by_file"]
+  assert by_file["config"]["model"].endswith("my_model.py:SmallCNN")
+  # Same model, data and seed, imported from files: the same run as the registered one.
+  assert by_file["final"]["test_accuracy"] == summaries["gssp"]["final"]["test_accuracy"]
+  accuracy = by_file["final"]["test_accuracy"]
+  assert f"final accuracy {accuracy} | restored {accuracy}" in text
+  assert "collections: ['batch_stats', 'params']" in text

@@ -9,6 +9,7 @@ import numpy as np
 from absl import logging
 
 from gssp_jax.data import cache, cifar10, download, images, mnist, multi30k, paths, tfds_source
+from gssp_jax.data import user
 from gssp_jax.data.types import DATASETS, DataError, ImageDataset, TranslationDataset
 
 _TFDS_SHAPES = {"mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
@@ -108,7 +109,9 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
   ``<cache_dir>/datasets`` and memory-mapped from there, so the returned arrays are read-only.
 
   Args:
-    name: ``"mnist"``, ``"cifar10"`` or ``"multi30k"``.
+    name: ``"mnist"``, ``"cifar10"`` or ``"multi30k"``; or a user dataset
+      (:mod:`gssp_jax.data.user`: ``"tfds:<builder>"``, ``"module:load"``, a registered name),
+      which ignores the other arguments.
     data_dir: data directory; None or ``""`` means ``$GSSP_DATA_DIR``.
     max_len: translation only: cut sentences to at most this many tokens before BOS/EOS are
       added; None or 0 keeps them whole.
@@ -127,7 +130,7 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
     DataError: no source has the data, or the data found is missing files or corrupt.
   """
   if name not in DATASETS:
-    raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")
+    return user.load_user_dataset(name)   # raises, naming what is allowed, if it is none
   if max_len is not None and not (_is_int(max_len) and max_len >= 0):
     raise ValueError(f"max_len must be None or a non-negative integer, got {max_len!r}")
   if not (_is_int(min_freq) and min_freq >= 1):

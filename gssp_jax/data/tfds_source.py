@@ -34,9 +34,10 @@ def _version_key(path: pathlib.Path) -> tuple[int, ...]:
     return (-1,)
 
 
-def find_prepared(name: str) -> pathlib.Path | None:
-  """The newest prepared array_record directory of ``name``, or None. Does not import tfds."""
-  tfds_name, root = TFDS_NAMES.get(name), tfds_data_dir()
+def find_prepared(name: str, tfds_name: str | None = None) -> pathlib.Path | None:
+  """The newest prepared array_record directory of ``name`` (TFDS builder ``tfds_name``, by
+  default ``TFDS_NAMES[name]``), or None. Does not import tfds."""
+  tfds_name, root = tfds_name or TFDS_NAMES.get(name), tfds_data_dir()
   if tfds_name is None or root is None or not (root / tfds_name).is_dir():
     return None
   candidates = [info.parent for pattern in ("*/dataset_info.json", "*/*/dataset_info.json")
@@ -47,14 +48,15 @@ def find_prepared(name: str) -> pathlib.Path | None:
   return max(candidates, key=_version_key) if candidates else None
 
 
-def describe(name: str) -> str:
-  """Where TFDS data for ``name`` was looked for, for error messages."""
-  if name not in TFDS_NAMES:
+def describe(name: str, tfds_name: str | None = None) -> str:
+  """Where TFDS data for ``name`` (builder ``tfds_name``) was looked for, for error messages."""
+  tfds_name = tfds_name or TFDS_NAMES.get(name)
+  if tfds_name is None:
     return f"TensorFlow Datasets: not used (TFDS has no {name!r} dataset)"
   root = tfds_data_dir()
   if root is None:
     return "TensorFlow Datasets: $TFDS_DATA_DIR is remote; not probed offline"
-  return (f"TensorFlow Datasets: no prepared {TFDS_NAMES[name]!r} (array_record) under {root} "
+  return (f"TensorFlow Datasets: no prepared {tfds_name!r} (array_record) under {root} "
           "(set TFDS_DATA_DIR to change)")
 
 
@@ -68,9 +70,9 @@ def _read_split(builder, split: str) -> tuple[np.ndarray, np.ndarray]:
   return np.stack(images), np.asarray(labels, np.int32)
 
 
-def load_tfds_arrays(name: str) -> dict[str, np.ndarray] | None:
+def load_tfds_arrays(name: str, tfds_name: str | None = None) -> dict[str, np.ndarray] | None:
   """train/test images and labels of a prepared TFDS dataset, or None if unavailable."""
-  directory = find_prepared(name)
+  directory = find_prepared(name, tfds_name)
   if directory is None:
     return None
   try:

@@ -26,8 +26,9 @@ class DataError(Exception):
 
 
 def _check_labels(what: str, images: np.ndarray, labels: np.ndarray) -> None:
-  if images.ndim != 4 or images.dtype != np.uint8:
-    raise ValueError(f"{what} images must be uint8 [N,H,W,C], got {images.dtype} {images.shape}")
+  if images.ndim < 2 or images.dtype not in (np.uint8, np.float32):
+    raise ValueError(f"{what} images must be uint8 or float32 [N,...,C] (images [N,H,W,C]), got "
+                     f"{images.dtype} {images.shape}")
   if labels.shape != (images.shape[0],) or labels.dtype != np.int32:
     raise ValueError(
         f"{what} labels must be int32 [{images.shape[0]}], got {labels.dtype} {labels.shape}")
@@ -40,7 +41,8 @@ class ImageDataset:
   Attributes:
     name: dataset name, e.g. ``"mnist"``.
     train_images: ``[N, 32, 32, C]`` uint8. MNIST's 28x28 digits are zero-padded by 2 pixels on
-      each side (the LeNet-5 input size), C=1; CIFAR-10 has C=3.
+      each side (the LeNet-5 input size), C=1; CIFAR-10 has C=3. A user dataset
+      (:func:`gssp_jax.data.from_arrays`) may hold any ``[N, ..., C]`` uint8 or float32 inputs.
     train_labels: ``[N]`` int32 in ``[0, num_classes)``.
     test_images: like ``train_images``.
     test_labels: like ``train_labels``.
@@ -64,6 +66,9 @@ class ImageDataset:
     _check_labels("train", self.train_images, self.train_labels)
     _check_labels("test", self.test_images, self.test_labels)
     channels = self.train_images.shape[-1]
+    if self.test_images.shape[1:] != self.train_images.shape[1:]:
+      raise ValueError(f"test images are {self.test_images.shape[1:]}, train images "
+                       f"{self.train_images.shape[1:]}: they must match")
     if len(self.mean) != channels or len(self.std) != channels:
       raise ValueError(f"mean/std need {channels} entries, got {self.mean} / {self.std}")
 

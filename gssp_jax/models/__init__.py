@@ -8,12 +8,23 @@ Classification models share one call convention::
 
 `new_state` is empty for LeNet-5, which has no BatchNorm. See `Seq2Seq` for the
 sequence model's conventions.
+
+Your own classifier: any Flax module with that call convention (``train`` as a keyword,
+BatchNorm statistics, if any, in a collection updated under ``mutable``). Name it in the
+config as ``model="package.module:Name"`` or ``"path/to/file.py:Name"`` (every process of a
+run can import it: sweeps, the real runtime, ``load_trained``), or, in one process (a
+notebook), ``register_model("name", Name)`` and ``model="name"``. It is called with
+``num_classes`` (from the dataset) and ``config.model_args`` as keyword arguments.
 """
 
 import math
+import re
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
+
+from gssp_jax import plugins
 
 from gssp_jax.models.lenet import LeNet5
 from gssp_jax.models.resnet import ResNet18
@@ -28,28 +39,87 @@ _REGISTRY = {
     "vgg19": VGG19,
     "seq2seq": Seq2Seq,
 }
+_USER: dict[str, Callable[..., nn.Module]] = {}   # register_model, this process only
 
 __all__ = [
     "MODELS", "LeNet5", "ResNet18", "VGG19", "Seq2Seq",
-    "create_model", "param_count", "has_batch_stats",
+    "create_model", "param_count", "has_batch_stats", "register_model", "is_user_model",
+    "resolve_user_model",
 ]
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def register_model(name: str, factory: Callable[..., nn.Module]) -> None:
+  """Makes ``config.model=name`` build ``factory(num_classes=..., **config.model_args)``.
+
+  In this process only: a run of several processes (``sweep --parallel``, the real runtime)
+  needs the spec form, ``"package.module:Name"`` or ``"path/file.py:Name"``. Registering a
+  name again replaces it.
+
+  Raises:
+    ValueError: a name that is not lower-case letters, digits and ``_``, or a built-in's, or a
+      factory that is not callable.
+  """
+  if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _REGISTRY:
+    raise ValueError(f"register_model: name {name!r} is invalid; allowed: lower-case letters, "
+                     f"digits and '_', starting with a letter, other than {', '.join(MODELS)}")
+  if not callable(factory):
+    raise ValueError(f"register_model({name!r}): {factory!r} is not callable; allowed: a Flax "
+                     "module class or a function returning a module")
+  _USER[name] = factory
+
+
+def is_user_model(name: Any) -> bool:
+  """Whether ``name`` is a registered name or a spec (not one of the built-in models)."""
+  return name in _USER or plugins.is_spec(name)
+
+
+def resolve_user_model(name: str) -> Callable[..., nn.Module]:
+  """The factory of a registered name or a spec.
+
+  Raises:
+    ValueError: an unknown name or a spec that does not resolve to something callable.
+  """
+  if name in _USER:
+    return _USER[name]
+  if not plugins.is_spec(name):
+    raise ValueError(f"model={name!r} is unknown; allowed: {', '.join(MODELS)}, a name given to "
+                     f"register_model ({', '.join(sorted(_USER)) or 'none yet'}) or "
+                     f"{plugins.SPEC_HELP}")
+  factory = plugins.resolve(name, "model")
+  if not callable(factory):
+    raise ValueError(f"model={name!r} is {type(factory).__name__}, not callable; allowed: a Flax "
+                     "module class or a function returning a module")
+  return factory
 
 
 def create_model(name: str, **kwargs) -> nn.Module:
   """Builds a model by name.
 
   Args:
-    name: one of `MODELS`.
+    name: one of `MODELS`, a name given to `register_model`, or a spec
+      ("package.module:Name", "path/file.py:Name").
     **kwargs: constructor arguments, e.g. `num_classes`, `dtype` for the
       classifiers; `src_vocab_size`, `tgt_vocab_size`, `emb_dim`,
       `hidden_dim`, `dropout` for "seq2seq".
 
   Raises:
-    ValueError: for an unknown name.
+    ValueError: for an unknown name, or a user factory that rejects the arguments or
+      returns something other than a Flax module.
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
-  return _REGISTRY[name](**kwargs)
+  if name in _REGISTRY:
+    return _REGISTRY[name](**kwargs)
+  factory = resolve_user_model(name)
+  try:
+    model = factory(**kwargs)
+  except TypeError as e:
+    raise ValueError(f"model={name!r} cannot be built with {sorted(kwargs)} ({e}); a user model "
+                     "takes num_classes and the keys of config.model_args") from None
+  if not isinstance(model, nn.Module):
+    raise ValueError(f"model={name!r} returned {type(model).__name__}; allowed: a flax.linen "
+                     "Module")
+  return model
 
 
 def param_count(params) -> int:

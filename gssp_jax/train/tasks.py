@@ -38,7 +38,11 @@ def _pad_to_batches(arrays: dict[str, np.ndarray], batch_size: int):
 
 @dataclasses.dataclass
 class ClassificationTask:
-  """Image classification (LeNet-5, ResNet-18, VGG-19 on MNIST / CIFAR-10)."""
+  """Classification: LeNet-5, ResNet-18, VGG-19 on MNIST / CIFAR-10, or a user model and data.
+
+  The loss is the mean softmax cross-entropy of the model's logits, the metrics test accuracy
+  and loss, for every model alike.
+  """
   model: Any
   dataset: data_lib.ImageDataset
   augment: bool
@@ -185,6 +189,10 @@ def make_task(config: ml_collections.ConfigDict):
                                     tgt_vocab_size=len(ds.tgt_vocab), **model_args)
     return TranslationTask(model, ds, config.data.eval_batch_size, config.data.train_size,
                            config.data.test_size)
+  if config.data.augment and ds.train_images.ndim != 4:
+    raise ValueError(f"config.data.augment=True needs images [N, H, W, C]; dataset "
+                     f"{config.dataset!r} has inputs {ds.train_images.shape}; allowed: "
+                     "data.augment=False for it")
   model = models_lib.create_model(config.model, num_classes=ds.num_classes, **model_args)
   return ClassificationTask(model, ds, config.data.augment, config.data.eval_batch_size,
                             config.data.train_size, config.data.test_size)
