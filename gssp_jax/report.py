@@ -218,6 +218,38 @@ def label(row: dict) -> str:
   return " ".join(parts) or row["trial"]
 
 
+def short_labels(rows: list[dict]) -> list[str]:
+  """Figure legends: the scheme (and compressor), then only what differs within that scheme.
+
+  A swept setting every trial of a scheme shares (a local-update scheme's inner optimizer,
+  its steps, ...) is left out: ``report.md``'s tables give every value. Two configurations
+  that would read the same keep their full :func:`label`.
+  """
+  def head(r):
+    o = r["_overrides"]
+    return " ".join(str(o[k]) for k in ("sync.scheme", "compress.name")
+                    if k in o and o[k] != "none") or label(r)
+
+  def varying(members):
+    keys = {k for r in members for k in r["_overrides"]
+            if k not in ("sync.scheme", "compress.name", "seed")}
+    return sorted(k for k in keys if len({json.dumps(r["_overrides"].get(k)) for r in members}) > 1)
+
+  groups: dict[str, list[dict]] = {}
+  for r in rows:
+    groups.setdefault(head(r), []).append(r)
+  out = []
+  for r in rows:
+    if r.get("_named"):
+      out.append(label(r))
+      continue
+    keys = varying(groups[head(r)])
+    out.append(" ".join([head(r)] + [f"{k}={r['_overrides'].get(k, '–')}" for k in keys]))
+  full = [label(r) for r in rows]
+  clash = {s for s in out if len({f for f, o in zip(full, out) if o == s}) > 1}
+  return [f if o in clash else o for f, o in zip(full, out)]
+
+
 def _context(row: dict, ignore=()) -> tuple:
   """What a trial shares with its BSP baseline: every swept value but the scheme's own keys
   (and the ``ignore``d ones, e.g. tuned keys: each side at its own best value)."""

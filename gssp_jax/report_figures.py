@@ -32,8 +32,8 @@ _MAX_TIER_LEGEND = 8
 def _configs(rows: list[dict]) -> dict[str, list[dict]]:
   """The trials of each configuration (legend label), in the rows' order."""
   out: dict[str, list[dict]] = {}
-  for r in rows:
-    out.setdefault(report_lib.label(r), []).append(r)
+  for r, lab in zip(rows, report_lib.short_labels(rows)):
+    out.setdefault(lab, []).append(r)
   return out
 
 
@@ -257,6 +257,7 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
     top = max(t["hi"] for t in table if t["reached"])
     # Several BSP configurations (e.g. a learning-rate sweep): name the one compared with.
     several = len({t["baseline"] for t in table if t["baseline"]}) > 1
+    lines = 1
     for x, t in zip(xs, table):
       reach = f"{t['reached']}/{t['seeds']} seeds"
       if not t["reached"]:
@@ -266,8 +267,9 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
       if t["speedup"] is not None and t["label"] != t["baseline"]:
         text += "\n" + speedup_text(t["speedup"], t["baseline"] if several else "BSP",
                                      t["speedup_n"])
+      lines = max(lines, text.count("\n") + 1)
       ax1.text(x, t["hi"] + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
-    ax1.set_ylim(0, top * 1.3)
+    ax1.set_ylim(0, top * (1.15 + 0.12 * lines))   # room for each bar's lines of text
     ax1.set_ylabel(f"virtual seconds to {_metric_name(metric)} {target}")
     ax1.set_title("Time to target (bar: mean over the seeds that reached it, "
                   "error bar: min–max)\nspeedup: median over seeds of BSP's time / this "

@@ -276,3 +276,21 @@ def test_an_interrupted_trial_is_left_out_of_the_report_and_named(tmp_path):
   assert report.unfinished(str(tmp_path)) == ["gssp1"]
   md = open(report.write_report(str(tmp_path), str(tmp_path / "out"))["md"]).read()
   assert "Unfinished trials (interrupted or failed" in md and "gssp1" in md
+
+
+def test_figure_labels_show_only_what_differs_within_a_scheme():
+  def row(**o):
+    return {"_overrides": {k.replace("__", "."): v for k, v in o.items()}, "trial": str(o)}
+  local = {"local__steps": 8, "local__optimizer__name": "adamw"}
+  rows = [row(sync__scheme="bsp", compress__name="none", seed=0),
+          row(sync__scheme="bsp", compress__name="none", seed=1),
+          row(sync__scheme="gssp", compress__name="gdtopk", seed=0),
+          row(sync__scheme="diloco", compress__name="none", **local, seed=0),
+          row(sync__scheme="halos", compress__name="none", **local, local__dylu=True, seed=0),
+          row(sync__scheme="ssp", compress__name="none", sync__staleness=1, seed=0),
+          row(sync__scheme="ssp", compress__name="none", sync__staleness=3, seed=0)]
+  assert report.short_labels(rows) == [
+      "bsp", "bsp", "gssp gdtopk", "diloco", "halos", "ssp sync.staleness=1",
+      "ssp sync.staleness=3"]
+  # Each configuration keeps one label of its own (what the figures group by).
+  assert len(set(report.short_labels(rows))) == len({report.label(r) for r in rows})
