@@ -227,7 +227,7 @@ def _check_model_and_dataset(config) -> None:
   user_model, user_data = models.is_user_model(model), user.is_user_dataset(dataset)
   try:
     if user_model:
-      models.resolve_user_model(model)
+      models.check_user_model_args(model, dict(config.model_args))
     if user_data:
       user.check_name(dataset)
   except ValueError as e:

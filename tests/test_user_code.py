@@ -145,6 +145,8 @@ def test_two_meshes_of_the_real_runtime_train_the_user_code(tmp_path):
     ({"dataset": "/nope/data.py:load"}, r"cannot import '/nope/data.py' \(ImportError: no file"),
     ({"dataset": "multi30k"}, r"an image-classification dataset for the user model"),
     ({"model": "seq2seq"}, r"config.dataset=.* multi30k for model 'seq2seq'"),
+    ({"model_args": {"hidden": 8, "depth": 2}},
+     r"config.model='.*:TinyMLP' takes no depth; allowed: .* model_args among \['hidden'\]"),
 ])
 def test_bad_user_code_is_refused_before_anything_runs(tmp_path, changes, message):
   config = user_config(**changes)

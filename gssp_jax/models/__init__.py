@@ -44,7 +44,7 @@ _USER: dict[str, Callable[..., nn.Module]] = {}   # register_model, this process
 __all__ = [
     "MODELS", "LeNet5", "ResNet18", "VGG19", "Seq2Seq",
     "create_model", "param_count", "has_batch_stats", "register_model", "is_user_model",
-    "resolve_user_model",
+    "resolve_user_model", "check_user_model_args",
 ]
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -92,6 +92,27 @@ def resolve_user_model(name: str) -> Callable[..., nn.Module]:
     raise ValueError(f"model={name!r} is {type(factory).__name__}, not callable; allowed: a Flax "
                      "module class or a function returning a module")
   return factory
+
+
+def check_user_model_args(name: str, model_args: dict) -> None:
+  """Raises ValueError if the user model ``name`` cannot take ``num_classes`` and ``model_args``.
+
+  Reads the factory's signature (a Flax module's fields); a factory taking ``**kwargs``, or
+  one whose signature cannot be read, is left to fail when it is built.
+  """
+  import inspect  # pylint: disable=g-import-not-at-top
+  factory = resolve_user_model(name)
+  try:
+    params = inspect.signature(factory).parameters
+  except (TypeError, ValueError):
+    return
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return
+  missing = [k for k in ("num_classes", *model_args) if k not in params]
+  if missing:
+    allowed = sorted(k for k in params if k not in ("num_classes", "parent", "name"))
+    raise ValueError(f"model={name!r} takes no {', '.join(missing)}; allowed: a model with a "
+                     f"num_classes argument, and model_args among {allowed or 'none'}")
 
 
 def create_model(name: str, **kwargs) -> nn.Module:
