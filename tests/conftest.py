@@ -41,6 +41,10 @@ def _use_a_session_compilation_cache() -> None:
 
 
 _use_a_session_compilation_cache()
+# The entry points' own persistent cache (xla_env.use_compilation_cache) stays off in the
+# suite's subprocesses: sharing a locked file cache between them measured slower (29 min 13 s
+# against 27 min 06 s, docs/PERFORMANCE.md), and a test of the cache turns it on itself.
+os.environ.setdefault("GSSP_COMPILATION_CACHE", "0")
 
 
 def _use_a_session_data_cache() -> None:
