@@ -160,7 +160,7 @@ COMPILE_EVENT_PREFIX = "/jax/core/compile/"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
-def _eval_times(path: str, start: float, done: threading.Event, out: list) -> None:
+def _eval_times(path: str, done: threading.Event, out: list) -> None:
   """Appends to ``out`` the perf_counter at which ``path`` gained each line."""
   seen = 0
   while not done.is_set():
@@ -182,7 +182,7 @@ def simulated(config, clock: CompileClock) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     path, times, done = os.path.join(workdir, "metrics.jsonl"), [], threading.Event()
     start = time.perf_counter()
-    watcher = threading.Thread(target=_eval_times, args=(path, start, done, times), daemon=True)
+    watcher = threading.Thread(target=_eval_times, args=(path, done, times), daemon=True)
     watcher.start()
     try:
       loop.train_and_evaluate(config, workdir)

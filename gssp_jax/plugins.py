@@ -14,10 +14,22 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import re
 import sys
-from typing import Any
+from typing import Any, Collection
 
 SPEC_HELP = "'package.module:name' (importable) or 'path/to/file.py:name'"
+
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def check_registered_name(where: str, name: Any, builtins: Collection[str]) -> None:
+  """Raises ValueError unless ``name`` may be registered: lower-case letters, digits and ``_``,
+  starting with a letter (so never a spec), and not one of ``builtins``."""
+  if not isinstance(name, str) or not _NAME.fullmatch(name) or name in builtins:
+    raise ValueError(f"{where}: name {name!r} is invalid; allowed: lower-case letters, digits "
+                     f"and '_', starting with a letter, other than {', '.join(builtins)}")
 
 
 def is_spec(value: Any) -> bool:

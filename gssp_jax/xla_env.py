@@ -63,9 +63,18 @@ def deterministic_enabled(environ: Mapping[str, str]) -> bool:
   Raises:
     ValueError: ``GSSP_DETERMINISTIC`` is not one of the allowed spellings.
   """
-  value = environ.get(OPT_OUT_VAR, "").strip().lower()
+  return _switch(environ, OPT_OUT_VAR)
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool:
+  """An on/off variable of the project, on when unset.
+
+  Raises:
+    ValueError: a value that is not one of the allowed spellings, naming the variable.
+  """
+  value = environ.get(name, "").strip().lower()
   if value not in _TRUE + _FALSE:
-    raise ValueError(f"{OPT_OUT_VAR}={environ[OPT_OUT_VAR]!r} is invalid; allowed: "
+    raise ValueError(f"{name}={environ[name]!r} is invalid; allowed: "
                      f"1/true/yes/on (default) or 0/false/no/off")
   return value in _TRUE
 
@@ -140,6 +149,12 @@ _CACHE_OPTIONS = {
 }
 
 
+def default_cache_dir() -> str:
+  """Where the entry points keep compiled programs: ``$GSSP_CACHE_DIR/xla``."""
+  from gssp_jax.data import paths  # pylint: disable=g-import-not-at-top (keeps import light)
+  return str(paths.resolve_cache_dir(None) / "xla")
+
+
 def compilation_cache_env(environ: Mapping[str, str], cache_dir: str) -> dict[str, str]:
   """The environment changes that give jax a persistent compilation cache in ``cache_dir``.
 
@@ -149,11 +164,7 @@ def compilation_cache_env(environ: Mapping[str, str], cache_dir: str) -> dict[st
   Raises:
     ValueError: ``GSSP_COMPILATION_CACHE`` is not one of the allowed spellings.
   """
-  value = environ.get(CACHE_OPT_OUT_VAR, "").strip().lower()
-  if value not in _TRUE + _FALSE:
-    raise ValueError(f"{CACHE_OPT_OUT_VAR}={environ[CACHE_OPT_OUT_VAR]!r} is invalid; allowed: "
-                     f"1/true/yes/on (default) or 0/false/no/off")
-  if value in _FALSE:
+  if not _switch(environ, CACHE_OPT_OUT_VAR):
     return {}
   wanted = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -170,13 +181,12 @@ def use_compilation_cache(environ: MutableMapping[str, str] | None = None) -> di
   once per process. Nothing changes if this process's jax already has a cache directory
   (set in its config, e.g. by a notebook or a test session). Returns the changes.
   """
-  from gssp_jax.data import paths  # pylint: disable=g-import-not-at-top (keeps import light)
   environ = os.environ if environ is None else environ
   if environ is os.environ and "jax" in sys.modules:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.config.jax_compilation_cache_dir:
       return {}
-  changes = compilation_cache_env(environ, str(paths.resolve_cache_dir(None) / "xla"))
+  changes = compilation_cache_env(environ, default_cache_dir())
   environ.update(changes)
   if changes and environ is os.environ:
     import jax  # pylint: disable=g-import-not-at-top

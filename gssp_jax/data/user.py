@@ -17,7 +17,6 @@ standardised. ``data.augment`` (random crop and flip) needs ``[N, H, W, C]`` ima
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import numpy as np
@@ -28,7 +27,6 @@ from gssp_jax.data.types import DATASETS, DataError, ImageDataset
 
 TFDS_PREFIX = "tfds:"
 _USER: dict[str, Callable[[], ImageDataset]] = {}
-_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _HELP = (f"{', '.join(DATASETS)}, 'tfds:<builder>' (prepared locally), a name given to "
          f"register_dataset, or {plugins.SPEC_HELP} (a function returning an ImageDataset)")
 
@@ -43,9 +41,7 @@ def register_dataset(name: str, loader: Callable[[], ImageDataset] | ImageDatase
     ValueError: a name that is not lower-case letters, digits and ``_``, or a built-in's, or a
       loader that is neither callable nor an :class:`ImageDataset`.
   """
-  if not isinstance(name, str) or not _NAME.fullmatch(name) or name in DATASETS:
-    raise ValueError(f"register_dataset: name {name!r} is invalid; allowed: lower-case letters, "
-                     f"digits and '_', starting with a letter, other than {', '.join(DATASETS)}")
+  plugins.check_registered_name("register_dataset", name, DATASETS)
   if not (callable(loader) or isinstance(loader, ImageDataset)):
     raise ValueError(f"register_dataset({name!r}): {loader!r} is invalid; allowed: an "
                      "ImageDataset or a function of no arguments returning one")
@@ -57,17 +53,30 @@ def is_user_dataset(name: Any) -> bool:
   return name in _USER or plugins.is_spec(name)
 
 
+def _is_tfds(name: Any) -> bool:
+  return isinstance(name, str) and name.startswith(TFDS_PREFIX) and name not in _USER
+
+
+def _source(name: Any) -> Any:
+  """What a registered name or a spec names (a spec is imported).
+
+  Raises:
+    ValueError: neither, naming what is allowed.
+  """
+  if name in _USER:
+    return _USER[name]
+  if not plugins.is_spec(name):
+    raise ValueError(f"dataset={name!r} is unknown; allowed: {_HELP}")
+  return plugins.resolve(name, "dataset")
+
+
 def check_name(name: Any) -> None:
   """Raises ValueError unless ``name`` can name a user dataset; resolves a spec (imports it)."""
-  if name in _USER:
-    return
-  if isinstance(name, str) and name.startswith(TFDS_PREFIX):
+  if _is_tfds(name):
     if not name[len(TFDS_PREFIX):].strip():
       raise ValueError(f"dataset={name!r} names no TFDS builder; allowed: {_HELP}")
     return
-  if not plugins.is_spec(name):
-    raise ValueError(f"dataset={name!r} is unknown; allowed: {_HELP}")
-  plugins.resolve(name, "dataset")
+  _source(name)
 
 
 def _stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -142,10 +151,10 @@ def load_user_dataset(name: str) -> ImageDataset:
     ValueError: an unknown name or spec, or a loader that returns something else.
     DataError: a TFDS dataset that is not prepared locally.
   """
-  if isinstance(name, str) and name.startswith(TFDS_PREFIX) and name not in _USER:
+  if _is_tfds(name):
+    check_name(name)
     return _from_tfds(name[len(TFDS_PREFIX):].strip())
-  check_name(name)
-  source = _USER[name] if name in _USER else plugins.resolve(name, "dataset")
+  source = _source(name)
   dataset = source() if callable(source) and not isinstance(source, ImageDataset) else source
   if not isinstance(dataset, ImageDataset):
     raise ValueError(f"dataset={name!r} gave {type(dataset).__name__}; allowed: an ImageDataset "

@@ -30,7 +30,6 @@ import ml_collections
 
 from gssp_jax import cli
 from gssp_jax import xla_env
-from gssp_jax.data import paths
 from gssp_jax.dist import wire
 
 ROLES = ("local", "server", "shard", "worker")
@@ -306,7 +305,7 @@ class LocalLauncher:
     # Every mesh compiles the same programs: a shared persistent cache lets restarted meshes
     # and resumed runs skip compilation (xla_env.compilation_cache_env: its size cap turns on
     # jax's file lock, which processes sharing the directory need).
-    env.update(xla_env.compilation_cache_env(env, str(paths.resolve_cache_dir(None) / "xla")))
+    env.update(xla_env.compilation_cache_env(env, xla_env.default_cache_dir()))
     log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
     # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
     # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and

@@ -18,7 +18,6 @@ notebook), ``register_model("name", Name)`` and ``model="name"``. It is called w
 """
 
 import math
-import re
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -47,9 +46,6 @@ __all__ = [
     "resolve_user_model", "check_user_model_args",
 ]
 
-_NAME = re.compile(r"[a-z][a-z0-9_]*")
-
-
 def register_model(name: str, factory: Callable[..., nn.Module]) -> None:
   """Makes ``config.model=name`` build ``factory(num_classes=..., **config.model_args)``.
 
@@ -61,9 +57,7 @@ def register_model(name: str, factory: Callable[..., nn.Module]) -> None:
     ValueError: a name that is not lower-case letters, digits and ``_``, or a built-in's, or a
       factory that is not callable.
   """
-  if not isinstance(name, str) or not _NAME.fullmatch(name) or name in _REGISTRY:
-    raise ValueError(f"register_model: name {name!r} is invalid; allowed: lower-case letters, "
-                     f"digits and '_', starting with a letter, other than {', '.join(MODELS)}")
+  plugins.check_registered_name("register_model", name, MODELS)
   if not callable(factory):
     raise ValueError(f"register_model({name!r}): {factory!r} is not callable; allowed: a Flax "
                      "module class or a function returning a module")
