@@ -3,11 +3,20 @@
 # with no package registry. Once, here: bash ../shared/tools/gpu-bundle.sh tensorboardX
 # (builds .gpu/: data and the wheels the host lacks). There, from the project root:
 #   OUT=/some/dir BUDGET=540 bash benchmarks/gpu_session.sh     # SERVER=0 skips the server part
+#   OUT=/some/dir BUDGET=560 STAGES="suite steady transport" bash benchmarks/gpu_session.sh
+# STAGES picks stages by name (default: the first session's set, "determinism lenet resnet full
+# meshes lenet_calls" with the CPU server beside them). "suite": the test suite on the GPU (8
+# xdist workers, stopped with SIGINT at its limit so pytest still prints what failed so far);
+# "steady": LeNet-5 `levels` rates with compilation counted apart, for two levels_per_call;
+# "transport": benchmarks.dist_transport's ratio, server and shards parts with jax on the GPU
+# (the server's apply on the GPU). SUITE_S sets the suite's seconds (default 270), SUITE_N its xdist workers (8), FIRST test files to start with.
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
 # the tails of their stderr to $OUT/errs.txt. The parameter server's throughput (CPU only) runs
 # beside the GPU stages on other cores (taskset 8-15 against 0-7).
 set -u
+STAGES=" ${STAGES:-determinism lenet resnet full meshes lenet_calls} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 T0=$(date +%s); END=$((T0 + ${BUDGET:-540}))
 left() { echo $((END - $(date +%s))); }
 stage() {  # stage NAME SECONDS CMD...   stdout -> $OUT/NAME.txt, stderr -> /tmp/err_NAME.txt
@@ -23,22 +32,40 @@ source .gpu/env.sh > /tmp/env.log 2>&1; cat /tmp/env.log >> $OUT/log.txt
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> $OUT/log.txt
 nproc >> $OUT/log.txt
 # CPU-only, in the background on cores 8-15: the parameter server's throughput (grpc, numpy).
-[ "${SERVER:-1}" = 1 ] && ( taskset -c 8-15 env JAX_PLATFORMS=cpu timeout -k 5 150 python3 -m benchmarks.dist_transport \
+want lenet && [ "${SERVER:-1}" = 1 ] && ( taskset -c 8-15 env JAX_PLATFORMS=cpu timeout -k 5 150 python3 -m benchmarks.dist_transport \
     --parts=server,shards --models=resnet18 --seconds=8 --repeats=1 \
     > $OUT/server.txt 2> /tmp/err_server.txt; echo "rc=$?" >> $OUT/server.txt ) &
-BG=$!; [ "${SERVER:-1}" = 1 ] || BG=
+BG=$!; want lenet && [ "${SERVER:-1}" = 1 ] || BG=
 P="taskset -c 0-7 python3 -m"
-stage determinism 70 $P benchmarks.determinism --config=configs/mnist_lenet5.py:smoke --config.executor=levels
-stage lenet 150 $P benchmarks.sim_efficiency --executor=levels --workers=16,64,256 --schemes=bsp,ssp,gssp --epochs=0.5
-stage resnet 120 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels --workers=16,64 --schemes=gssp --epochs=0.1
-stage full 110 $P experiments.main --config=configs/sweeps/paper_cifar10_resnet18.py:full --workdir=/tmp/full \
-    --config.sync.scheme=gssp --config.train.num_epochs=0.5
-cat /tmp/full/metrics.jsonl >> $OUT/full.txt 2>/dev/null
-stage meshes 70 python3 -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke --workdir=/tmp/real \
-    --config.num_workers=2 --config.sync.num_groups=2 "--config.cluster.tiers=(1.0,3.0)" \
-    --config.cluster.base_time=0.05 --num_meshes=2 --processes_per_mesh=1 --num_servers=1
-cat /tmp/real/summary.json >> $OUT/meshes.txt 2>&1; nvidia-smi >> $OUT/meshes.txt 2>&1
-stage lenet 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 --schemes=gssp --levels_per_call=4,16 --epochs=0.25
+want determinism && stage determinism 70 $P benchmarks.determinism --config=configs/mnist_lenet5.py:smoke --config.executor=levels
+want lenet && stage lenet 150 $P benchmarks.sim_efficiency --executor=levels --workers=16,64,256 --schemes=bsp,ssp,gssp --epochs=0.5
+want resnet && stage resnet 120 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels --workers=16,64 --schemes=gssp --epochs=0.1
+if want full; then
+  stage full 110 $P experiments.main --config=configs/sweeps/paper_cifar10_resnet18.py:full --workdir=/tmp/full \
+      --config.sync.scheme=gssp --config.train.num_epochs=0.5
+  cat /tmp/full/metrics.jsonl >> $OUT/full.txt 2>/dev/null
+fi
+if want meshes; then
+  stage meshes 70 python3 -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke --workdir=/tmp/real \
+      --config.num_workers=2 --config.sync.num_groups=2 "--config.cluster.tiers=(1.0,3.0)" \
+      --config.cluster.base_time=0.05 --num_meshes=2 --processes_per_mesh=1 --num_servers=1
+  cat /tmp/real/summary.json >> $OUT/meshes.txt 2>&1; nvidia-smi >> $OUT/meshes.txt 2>&1
+fi
+want lenet_calls && stage lenet 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 --schemes=gssp --levels_per_call=4,16 --epochs=0.25
+# SIGINT a minute before the limit, so pytest (12 workers took over 20 s to stop) prints its summary.
+# The package and the bundled wheels go into the interpreter's own site-packages first: the
+# README examples' test runs them with only what is installed. FIRST (test files) run first.
+if want suite; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation .gpu/whl/*.whl -e . \
+      >> $OUT/log.txt 2>&1
+  stage suite ${SUITE_S:-270} timeout -s INT -k 40 $(( ${SUITE_S:-270} - 60 )) python3 -m pytest \
+      -v -n ${SUITE_N:-8} ${FIRST:-} tests --ignore=tests/test_notebooks.py -p no:cacheprovider \
+      --timeout=240 -rfE --tb=short --durations=15
+fi
+want steady && stage steady 130 $P benchmarks.sim_efficiency --executor=levels --workers=16,256 --schemes=ssp,gssp \
+    --levels_per_call=1,8 --epochs=0.25
+want transport && stage transport 150 python3 -m benchmarks.dist_transport --parts=ratio,server,shards \
+    --models=resnet18 --rounds=3 --seconds=6 --repeats=1 --num_servers=1,4
 [ -n "$BG" ] && wait $BG
 for f in /tmp/err_*.txt; do echo "##### $f"; grep -v -E "^I[0-9]{4}|checkpoint|^\s*$" $f | tail -25; done > $OUT/errs.txt 2>&1
 echo "total $(( $(date +%s) - T0 )) s" >> $OUT/log.txt

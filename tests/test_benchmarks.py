@@ -1,9 +1,16 @@
 """The benchmarks' own arithmetic: compile-time accounting and the determinism check's diffs."""
 
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 from benchmarks import determinism
 from benchmarks import sim_efficiency
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_compile_clock_counts_union_of_nested_intervals_inside_the_span():
@@ -40,3 +47,16 @@ def test_metrics_difference_ignores_nothing_but_what_it_was_given():
   assert "test_accuracy" in determinism.metrics_difference(run, [{"epoch": 1.0,
                                                                   "test_accuracy": 0.51}])
   assert determinism.metrics_difference(run, run * 2) == "1 metrics lines vs 2"
+
+
+def test_flight_probe_moves_the_bytes_all_three_ways(tmp_path):
+  """The Arrow Flight probe runs and prints one row per variant (a transport check, no timing)."""
+  pytest.importorskip("pyarrow.flight")
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.flight_probe", "--mb=0.5",
+                         "--rounds=1", "--reps=2"], cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line for line in proc.stdout.splitlines()
+          if line.startswith("| ") and not line.startswith("| variant")]
+  assert [row.split("|")[1].strip() for row in rows] == ["raw stream", "grpc copy", "flight"]
+  assert rows[0].rstrip().endswith("| 1.00 |")

@@ -75,7 +75,8 @@ def _venv_without_gssp_jax(path: pathlib.Path) -> pathlib.Path:
   purelib = pathlib.Path(subprocess.check_output(
       [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
       text=True).strip())
-  for packages in site.getsitepackages():
+  # Some Pythons (Debian's) list site directories that do not exist.
+  for packages in filter(os.path.isdir, site.getsitepackages()):
     for entry in pathlib.Path(packages).iterdir():
       if "gssp_jax" in entry.name or (purelib / entry.name).exists():
         continue

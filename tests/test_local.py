@@ -45,7 +45,8 @@ def _assert_same_run(got, want, rtol):
     for key in ("epoch", "virtual_time", "bytes_pushed", "bytes_pulled", "updates"):
       assert a[key] == b[key], key
     np.testing.assert_allclose(a["train_loss"], b["train_loss"], rtol=rtol)
-    assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.005   # one example of 200
+    # At most one example of 200 (counted: 0.49 - 0.485 is 0.0050000000000000044 in floats).
+    assert round(abs(a["test_accuracy"] - b["test_accuracy"]) * 200) <= 1
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ def test_delayed_nesterov_follows_the_reference_algorithm():
 # -- the reductions (end to end, through the configs) ------------------------------------------
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_local_sgd_with_one_sgd_step_equals_bsp_and_h_steps_cost_h_iterations(tmp_path,
                                                                              data_dir):
   _, bsp = _run(_config("bsp", data_dir, **_SGD), tmp_path / "bsp")
@@ -140,6 +142,7 @@ def test_diloco_with_outer_sgd_at_rate_one_equals_local_sgd(tmp_path, data_dir):
   assert outer == local   # the same program: bit for bit
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_async_local_sgd_with_one_step_equals_asp(tmp_path, data_dir):
   _, asp = _run(_config("asp", data_dir, **_SGD), tmp_path / "asp")
   _, local = _run(_config("async_local_sgd", data_dir, **_AVERAGING, **_INNER_SGD),

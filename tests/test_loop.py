@@ -27,7 +27,9 @@ def test_bsp_with_cluster_speeds_runs_simulated_and_reports_virtual_time(tmp_pat
   # Worker 3 is 4x slower: BSP waits for it every round, so a round takes 4 base iterations.
   config = _small(data_dir, **{"cluster.speeds": (1.0, 1.0, 1.0, 4.0), "cluster.base_time": 0.1,
                                "train.target_accuracy": 0.1})
-  assert executors.executor_name(config) == "rounds"
+  # The simulator: rounds on a CPU, levels on an accelerator (the suite runs on either).
+  assert executors.executor_name(config, backend="cpu") == "rounds"
+  assert executors.executor_name(config, backend="gpu") == "levels"
   summary = loop.train_and_evaluate(config, str(tmp_path))
   lines = _metrics(tmp_path)
   assert len(lines) == 2 and all(line["virtual_time"] > 0 for line in lines)
@@ -46,8 +48,10 @@ def test_the_executor_key_picks_what_it_says(tmp_path, data_dir):
   assert executors.executor_name(config) == "fused"                 # auto: BSP, no cluster
   for changes in ({"sync.scheme": "ssp"}, {"cluster.profile": "homogeneous"},
                   {"cluster.jitter": 0.1}, {"cluster.bandwidth": 1e6}, {"executor": "rounds"}):
-    assert executors.executor_name(config_lib.override(
-        config_lib.default_config(), changes)) == "rounds", changes
+    changed = config_lib.override(config_lib.default_config(), changes)
+    assert executors.executor_name(changed, backend="cpu") == "rounds", changes
+    assert executors.executor_name(changed, backend="gpu") == (
+        "rounds" if "executor" in changes else "levels"), changes
   # executor='rounds' on the default BSP config: the simulator on a homogeneous cluster, with
   # virtual time (one base iteration plus a push and a pull per round) and the simulator's keys.
   fused = loop.train_and_evaluate(_small(data_dir), str(tmp_path / "fused"))
@@ -163,6 +167,7 @@ def test_the_simulator_does_not_import_the_loop():
   assert out.returncode == 0, out.stderr[-2000:]
 
 
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 def test_buffered_device_steps_equal_one_call_per_round(tmp_path, data_dir, monkeypatch):
   """The simulator runs its steps in batches (flushed before DGC's byte reads, evaluations and
   checkpoints, and at MAX_BUFFERED_ROUNDS); the result is bit-identical to one call per round."""

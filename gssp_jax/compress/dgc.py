@@ -11,41 +11,64 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gssp_jax.compress import topk as topk_lib
 
 
-def _threshold(mag: jax.Array, ratio: jax.Array, key: jax.Array, sample_size: int) -> jax.Array:
-  """The ``ceil(ratio * s)``-th largest of ``s`` uniform samples of 1-D ``mag``.
+def _sample_size(n: int, sample_ratio: float) -> int:
+  return min(n, max(1, math.ceil(sample_ratio * n)))
 
-  A full-size sample is the leaf itself, so ``sample_ratio=1`` gives the exact
-  k-th largest; smaller samples are drawn with replacement, which is cheap and
-  what makes the threshold an estimate.
+
+def _kth_largest(sample: jax.Array, ratio: jax.Array) -> jax.Array:
+  """The ``ceil(ratio * s)``-th largest of the ``s`` values of 1-D ``sample``."""
+  size = sample.shape[0]
+  kk = jnp.clip(topk_lib.num_kept(ratio, size), 1, size)
+  return jnp.sort(sample)[size - kk]
+
+
+def _sample_indices(keys: jax.Array, leaf_sizes: list[int], sample_sizes: list[int]):
+  """``[W, sum s]`` uniform indices, with replacement: each sampled leaf's ``s`` in ``[0, n)``.
+
+  One draw per worker for all the leaves that are sampled (not those whose
+  sample is the whole leaf): the random-bits program is compiled once rather
+  than once per leaf, which made DGC's programs about 3x slower to compile
+  (4.6 s against 1.3 s for LeNet-5's 10 leaves on a 2-core CPU).
   """
-  n = mag.shape[0]
-  if sample_size == n:
-    sample = mag
-  else:
-    sample = mag[jax.random.randint(key, (sample_size,), 0, n)]
-  kk = jnp.clip(topk_lib.num_kept(ratio, sample_size), 1, sample_size)
-  return jnp.sort(sample)[sample_size - kk]
+  sampled = [(n, s) for n, s in zip(leaf_sizes, sample_sizes) if s < n]
+  if not sampled:
+    return None
+  total = sum(s for _, s in sampled)
+  # Each index's bound, built on the device (not a [sum s] constant in the program).
+  high = jnp.repeat(jnp.asarray([n for n, _ in sampled], jnp.int32),
+                    np.asarray([s for _, s in sampled]), total_repeat_length=total)
+  return jax.vmap(lambda k: jax.random.randint(k, (total,), 0, high))(keys)
 
 
 def dgc_selector(sample_ratio: float, value_bytes: int, index_bytes: int) -> topk_lib.Selector:
-  """Per-leaf, per-worker sampled-threshold selection."""
+  """Per-leaf, per-worker sampled-threshold selection.
+
+  A worker's samples of every leaf come from one key, folded from the state
+  key, the update count and the worker index; a full-size sample is the leaf
+  itself, so ``sample_ratio=1`` gives the exact k-th largest.
+  """
 
   def select(flats, ratios, flush, rng, count):
     base = jax.random.fold_in(jax.random.wrap_key_data(rng, impl="threefry2x32"), count)
-    workers = jnp.arange(ratios.shape[0])
-    masks, total = [], jnp.zeros(ratios.shape, jnp.int32)
-    for leaf_index, flat in enumerate(flats):
-      n = flat.shape[1]
-      s = min(n, max(1, math.ceil(sample_ratio * n)))
-      leaf_key = jax.random.fold_in(base, leaf_index)
-      keys = jax.vmap(lambda w, k=leaf_key: jax.random.fold_in(k, w))(workers)
+    keys = jax.vmap(lambda w: jax.random.fold_in(base, w))(jnp.arange(ratios.shape[0]))
+    leaf_sizes = [flat.shape[1] for flat in flats]
+    sample_sizes = [_sample_size(n, sample_ratio) for n in leaf_sizes]
+    indices = _sample_indices(keys, leaf_sizes, sample_sizes)
+    masks, total, offset = [], jnp.zeros(ratios.shape, jnp.int32), 0
+    for flat, n, s in zip(flats, leaf_sizes, sample_sizes):
       mag = jnp.abs(flat)
-      thr = jax.vmap(lambda m, r, k, s=s: _threshold(m, r, k, s))(mag, ratios, keys)
+      if s == n:
+        sample = mag
+      else:
+        sample = jnp.take_along_axis(mag, indices[:, offset:offset + s], axis=1)
+        offset += s
+      thr = jax.vmap(_kth_largest)(sample, ratios)
       # Zeros carry nothing, so they are never counted as sent.
       mask = (mag >= thr[:, None]) & (mag > 0)
       mask = jnp.where(flush, True, mask)
@@ -62,8 +85,8 @@ def dgc(num_workers: int, ratio: float = 0.001, *, sample_ratio: float = 0.01,
   """DGC-style sampled-threshold top-k per leaf per worker, with error feedback.
 
   For each leaf and worker, ``s = max(1, ceil(sample_ratio * n))`` entries are
-  sampled uniformly (key folded from the state key, update count, leaf index
-  and worker index); the threshold is the ``ceil(ratio * s)``-th largest
+  sampled uniformly with replacement (one key per worker and update, folded
+  from the state key, the update count and the worker index); the threshold is the ``ceil(ratio * s)``-th largest
   sampled magnitude and every nonzero entry at least that large is sent.
 
   Args:

@@ -167,7 +167,7 @@ def average_replicas(tree, average: jax.Array, replica_ids=None):
   def one(x):
     rows_in = x[safe]
     flat = rows_in.reshape(ids.shape[0], -1).astype(jnp.float32)
-    means = ((onehot @ flat) / counts[:, None]).reshape(rows_in.shape).astype(x.dtype)
+    means = (transforms.exact_matmul(onehot, flat) / counts[:, None]).reshape(rows_in.shape).astype(x.dtype)
     return x.at[ids].set(jnp.where(transforms.rows(member, rows_in), means, rows_in), mode="drop")
   return jax.tree.map(one, tree)
 
@@ -181,7 +181,7 @@ def mean_of_first(tree, count: jax.Array):
 
   def one(x):
     flat = x.reshape(num, -1).astype(jnp.float32)
-    means = jnp.matmul(weights, flat, precision=jax.lax.Precision.HIGHEST)
+    means = transforms.exact_matmul(weights, flat)
     return jnp.where(transforms.rows(take, x), means.reshape(x.shape).astype(x.dtype), x)
   return jax.tree.map(one, tree)
 
@@ -283,7 +283,7 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
 
     def take_mean(rep, wk):
       flat = wk[safe].reshape(ids.shape[0], -1).astype(jnp.float32)
-      mean = (onehot.T @ flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
+      mean = transforms.exact_matmul(onehot.T, flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
       return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
     replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
     if "stats_mean" in args:   # absent from args built before the field existed
