@@ -205,12 +205,16 @@ def cpu_seconds(pid: int) -> float:
 # -- the ratio part: servers ------------------------------------------------------------------
 
 
-def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
-  """A child: the raw and the wire servers of ``name``'s payload; sends their ports."""
-  set_chunk_bytes(chunk_bytes)
-  payload = Payload(name, shapes)
-  layout = payload.layout
-  reply = bytes(payload.pull_bytes)   # the raw servers answer prebuilt bodies, as they are
+def start_raw_server(reply: bytes, chunk_bytes: int) -> tuple[grpc.Server, int]:
+  """A started bare ``grpc.server`` (no interceptor, no copies) answering ``reply``, and its port.
+
+  Keep the server: grpc stops a server that is garbage-collected.
+
+  Methods of ``RAW_SERVICE``: ``Unary`` (one message each way), ``UnaryHeader``
+  (the same with the wire's metadata: a header each way) and ``Stream``
+  (``reply`` in prebuilt ``chunk_bytes`` messages; the request's are read and
+  dropped).
+  """
   reply_chunks = split(reply, chunk_bytes)
 
   def unary(request, context):
@@ -235,8 +239,18 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
       "Unary": grpc.unary_unary_rpc_method_handler(unary),
       "UnaryHeader": grpc.unary_unary_rpc_method_handler(unary_header),
       "Stream": grpc.stream_stream_rpc_method_handler(stream)}),))
-  raw_port = raw.add_insecure_port("127.0.0.1:0")
+  port = raw.add_insecure_port("127.0.0.1:0")
   raw.start()
+  return raw, port
+
+
+def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
+  """A child: the raw and the wire servers of ``name``'s payload; sends their ports."""
+  set_chunk_bytes(chunk_bytes)
+  payload = Payload(name, shapes)
+  layout = payload.layout
+  # The raw servers answer prebuilt bodies, as they are.
+  _raw, raw_port = start_raw_server(bytes(payload.pull_bytes), chunk_bytes)
   weights = jnp.asarray(np.random.default_rng(2).standard_normal(
       payload.pull_bytes // 4).astype(np.float32))
 
@@ -248,7 +262,7 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
   limit = lambda header: layout.push_limit(0, wire.field(header, "nnz", list)[0])
   _, wire_port = wire.make_server([wire.Method("Push", push, limit, parts=True)], "127.0.0.1:0",
                                   CREDENTIALS, max_workers=4)
-  _serve_until_told(conn, (raw_port, wire_port))
+  _serve_until_told(conn, (raw_port, wire_port))   # never returns: _raw lives while it serves
 
 
 # -- the ratio part: clients ------------------------------------------------------------------

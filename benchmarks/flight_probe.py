@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from concurrent import futures
 
 from absl import app
 from absl import flags
@@ -35,8 +34,7 @@ from gssp_jax.dist import wire
 
 _MB = flags.DEFINE_float("mb", 44.73, "megabytes each way (44.73: ResNet-18's push and pull)")
 
-_SERVICE = "probe.Raw"
-_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_UNLIMITED = dist_transport._UNLIMITED  # pylint: disable=protected-access
 
 
 def _arrays(num_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -50,19 +48,7 @@ def _servers(num_bytes: int, chunk_bytes: int, conn) -> None:
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   from pyarrow import flight  # pylint: disable=g-import-not-at-top
   _, reply = _arrays(num_bytes)
-  reply_chunks = dist_transport.split(reply.tobytes(), chunk_bytes)
-
-  def stream(requests, context):
-    del context
-    for _ in requests:
-      pass
-    yield from reply_chunks
-
-  raw = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
-  raw.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {
-      "Stream": grpc.stream_stream_rpc_method_handler(stream)}),))
-  raw_port = raw.add_insecure_port("127.0.0.1:0")
-  raw.start()
+  _raw, raw_port = dist_transport.start_raw_server(reply.tobytes(), chunk_bytes)
   column = pa.Array.from_buffers(pa.float32(), reply.size, [None, pa.py_buffer(reply)])
   batch = pa.RecordBatch.from_arrays([column], ["v"])
   rows = chunk_bytes // 4
@@ -78,7 +64,9 @@ def _servers(num_bytes: int, chunk_bytes: int, conn) -> None:
         writer.write_batch(batch.slice(start, rows))
 
   server = Server("grpc://127.0.0.1:0")
-  dist_transport._serve_until_told(conn, (raw_port, server.port))  # pylint: disable=protected-access
+  # Never returns: _raw and server live while it serves.
+  serve = dist_transport._serve_until_told  # pylint: disable=protected-access
+  serve(conn, (raw_port, server.port))
 
 
 class _Clients:
@@ -91,8 +79,8 @@ class _Clients:
     self.push, _ = _arrays(num_bytes)
     self.num_bytes, self.chunk_bytes = num_bytes - num_bytes % 4, chunk_bytes
     self.request_chunks = dist_transport.split(self.push.tobytes(), chunk_bytes)
-    self.channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}", options=_OPTIONS)
-    self._stream = self.channel.stream_stream(f"/{_SERVICE}/Stream")
+    self.channel = grpc.insecure_channel(f"127.0.0.1:{ports[0]}", options=_UNLIMITED)
+    self._stream = self.channel.stream_stream(f"/{dist_transport.RAW_SERVICE}/Stream")
     self.client = flight.FlightClient(f"grpc://127.0.0.1:{ports[1]}")
     column = pa.Array.from_buffers(pa.float32(), self.push.size, [None, pa.py_buffer(self.push)])
     self.batch = pa.RecordBatch.from_arrays([column], ["v"])
@@ -137,7 +125,8 @@ def main(argv):
   num_bytes = int(_MB.value * 1e6) // 4 * 4
   chunk_bytes = wire.CHUNK_BYTES
   rounds = dist_transport._ROUNDS.value  # pylint: disable=protected-access
-  reps = dist_transport._REPS.value or (20 if num_bytes < 10e6 else 4)  # pylint: disable=protected-access
+  reps = (dist_transport._REPS.value  # pylint: disable=protected-access
+          or (20 if num_bytes < 10e6 else 4))
   with contextlib.ExitStack() as stack:
     proc, conn = dist_transport.spawn(stack, _servers, num_bytes, chunk_bytes)
     ports = dist_transport.first_message(proc, conn)
