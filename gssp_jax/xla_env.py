@@ -15,9 +15,9 @@ starts a backend.
   choice does not depend on timing noise (openxla/xla#12520). It does not touch
   precision: GPU matmuls and convolutions still run at TF32 by default, which
   is deterministic, just less exact than the CPU's float32 (the sync
-  machinery's sums and means are float32 everywhere: ``transforms.exact_matmul``). XLA ignores GPU
-  flags on other backends, and it aborts on a flag it does not know, so any
-  backend start validates the name. ``GSSP_DETERMINISTIC=0`` opts out; a value
+  machinery's sums and means are float32 everywhere:
+  ``transforms.exact_matmul``). XLA ignores GPU flags on other backends, and it
+  aborts on a flag it does not know, so any backend start validates the name. ``GSSP_DETERMINISTIC=0`` opts out; a value
   the user gave ``--xla_gpu_deterministic_ops`` in ``XLA_FLAGS`` is kept.
 * **Compilation cache.** The entry points (``experiments.main``, ``sweep``,
   ``launch``) keep compiled programs in jax's persistent cache under

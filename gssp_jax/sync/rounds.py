@@ -167,7 +167,8 @@ def average_replicas(tree, average: jax.Array, replica_ids=None):
   def one(x):
     rows_in = x[safe]
     flat = rows_in.reshape(ids.shape[0], -1).astype(jnp.float32)
-    means = (transforms.exact_matmul(onehot, flat) / counts[:, None]).reshape(rows_in.shape).astype(x.dtype)
+    means = transforms.exact_matmul(onehot, flat) / counts[:, None]
+    means = means.reshape(rows_in.shape).astype(x.dtype)
     return x.at[ids].set(jnp.where(transforms.rows(member, rows_in), means, rows_in), mode="drop")
   return jax.tree.map(one, tree)
 
