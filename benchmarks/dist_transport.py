@@ -260,9 +260,12 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
     return {"seq": header["seq"]}, layout.segments(0, np.asarray(weights))
 
   limit = lambda header: layout.push_limit(0, wire.field(header, "nnz", list)[0])
-  _, wire_port = wire.make_server([wire.Method("Push", push, limit, parts=True)], "127.0.0.1:0",
-                                  CREDENTIALS, max_workers=4)
-  _serve_until_told(conn, (raw_port, wire_port))   # never returns: _raw lives while it serves
+  methods = [wire.Method("Push", push, limit, parts=True)]
+  _wire, wire_port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
+  _flight, flight_port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
+                                          flight=True)
+  # Never returns: the servers live while it serves.
+  _serve_until_told(conn, (raw_port, wire_port, flight_port))
 
 
 # -- the ratio part: clients ------------------------------------------------------------------
@@ -283,6 +286,8 @@ class Exchanges:
         {**payload.header, "nnz": [-1], "body_bytes": payload.push_bytes})),)
     self.request_chunks = split(self.request, chunk_bytes)
     self.client = wire.Client(f"127.0.0.1:{ports[1]}", CREDENTIALS, retry_seconds=30)
+    # The same client code against a server with the Flight data plane (dist.data_plane).
+    self.flight_client = wire.Client(f"127.0.0.1:{ports[2]}", CREDENTIALS, retry_seconds=30)
 
   def raw_unary(self) -> None:
     reply = self._unary(self.request)
@@ -298,15 +303,19 @@ class Exchanges:
     size = sum(len(part) for part in self._stream(iter(self.request_chunks)))
     assert size == self.payload.pull_bytes
 
-  def wire(self) -> None:
+  def wire(self, client=None) -> None:
     p = self.payload
     body, nnz = p.layout.pack_push(0, p.grads, p.stats, sparse=False)
-    _, reply = self.client.call("Push", {**p.header, "nnz": [nnz]}, body,
-                                reply_limit=p.pull_bytes, reply_parts=True)
+    _, reply = (client or self.client).call("Push", {**p.header, "nnz": [nnz]}, body,
+                                            reply_limit=p.pull_bytes, reply_parts=True)
     p.layout.unpack_pull(0, reply)
+
+  def wire_flight(self) -> None:
+    self.wire(self.flight_client)
 
   def close(self) -> None:
     self.client.close()
+    self.flight_client.close()
     for channel in self.channels:
       channel.close()
 
@@ -337,7 +346,8 @@ def interleaved(variants: dict, rounds: int, reps: int, cpu) -> tuple[dict, dict
 
 def measure_exchanges(name: str, rounds: int, reps: int, chunk_bytes: int = wire.CHUNK_BYTES,
                       shapes=None,
-                      variants=("raw unary", "raw unary + header", "raw stream", "wire")) -> dict:
+                      variants=("raw unary", "raw unary + header", "raw stream", "wire",
+                                "wire flight")) -> dict:
   """Median wall ms and mean CPU ms (client + server; server alone) per exchange of each variant.
 
   The server runs in a child process; ``chunk_bytes`` is set in both.
@@ -352,7 +362,7 @@ def measure_exchanges(name: str, rounds: int, reps: int, chunk_bytes: int = wire
       cpu = lambda: np.array([time.process_time(), child_cpu(conn)])
       try:
         fns = {"raw unary": ex.raw_unary, "raw unary + header": ex.raw_unary_header,
-               "raw stream": ex.raw_stream, "wire": ex.wire}
+               "raw stream": ex.raw_stream, "wire": ex.wire, "wire flight": ex.wire_flight}
         times, used = interleaved({v: fns[v] for v in variants}, rounds, reps, cpu)
       finally:
         ex.close()
@@ -542,21 +552,26 @@ def print_ratio(rows: list[dict]) -> None:
   print("\nPush + pull round trip, S = 1, server in a child process; MB/s counts both directions "
         "(push + pull bytes / round trip); wall ms: medians; CPU ms: client + server, means;"
         " raw = the faster of raw unary and raw stream")
+  print("*wire*: dist.data_plane='grpc'; *flight*: 'flight' (the default; bodies over "
+        f"{wire.CHUNK_BYTES >> 20} MiB on Arrow Flight, smaller ones as *wire*)")
   print("| model | push MB | pull MB | exchanges | raw unary ms | raw unary + header ms |"
-        " raw stream ms | wire ms | raw MB/s | wire MB/s | **wire / raw** (wall) |"
-        " CPU ms raw unary / + header / stream / wire | wire / raw (CPU) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        " raw stream ms | wire ms | flight ms | raw MB/s | flight MB/s | wire / raw (wall) |"
+        " **flight / raw** (wall) | CPU ms raw unary / + header / stream / wire / flight |"
+        " flight / raw (CPU) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     p, cpu = r["payload"], r["cpu"]
     moved = p.push_bytes + p.pull_bytes
     raw = min(r["raw unary"], r["raw stream"])
     raw_cpu = min(cpu["raw unary"], cpu["raw stream"])
+    flight = r["wire flight"]
     print(f"| {p.name} | {p.push_bytes / MB:.2f} | {p.pull_bytes / MB:.2f} | {r['n']} |"
           f" {r['raw unary']:.2f} | {r['raw unary + header']:.2f} | {r['raw stream']:.2f} |"
-          f" {r['wire']:.2f} | {_mbps(moved, raw):,.0f} | {_mbps(moved, r['wire']):,.0f} |"
-          f" **{r['wire'] / raw:.2f}** | {cpu['raw unary']:.2f} / {cpu['raw unary + header']:.2f}"
-          f" / {cpu['raw stream']:.2f} / {cpu['wire']:.2f} | {cpu['wire'] / raw_cpu:.2f} |",
-          flush=True)
+          f" {r['wire']:.2f} | {flight:.2f} | {_mbps(moved, raw):,.0f} |"
+          f" {_mbps(moved, flight):,.0f} | {r['wire'] / raw:.2f} | **{flight / raw:.2f}** |"
+          f" {cpu['raw unary']:.2f} / {cpu['raw unary + header']:.2f} / {cpu['raw stream']:.2f}"
+          f" / {cpu['wire']:.2f} / {cpu['wire flight']:.2f} |"
+          f" {cpu['wire flight'] / raw_cpu:.2f} |", flush=True)
 
 
 def print_local(rows: dict[str, dict]) -> None:
@@ -603,8 +618,8 @@ def print_server(r: dict, exchange: dict | None) -> None:
         " server CPU s per push | of it the wire server's (ratio part) | mesh CPU s per push |")
   print("|---|---|---|---|---|---|---|---|")
   cpu = r["cpu_per_push"]
-  wire_ms = exchange["wire"] if exchange else math.nan
-  wire_server = exchange["server_cpu"]["wire"] / 1e3 if exchange else math.nan
+  wire_ms = exchange["wire flight"] if exchange else math.nan
+  wire_server = exchange["server_cpu"]["wire flight"] / 1e3 if exchange else math.nan
   print(f"| {r['pushes']} | {r['latency_ms']:.1f} | {r['rate']:.2f} | {wire_ms:.1f} |"
         f" {wire_ms / r['latency_ms']:.0%} | {cpu['control plane + shard 0']:.3f} |"
         f" {wire_server:.3f} | {cpu['meshes']:.3f} |", flush=True)
@@ -633,7 +648,7 @@ def print_projection(rows: list[dict], exchange: dict | None) -> None:
   costs = {f"measured, S = {r['S']}": server_side(r) for r in rows}
   if exchange:
     costs["the wire server's alone (ratio part; rounds free, e.g. on an accelerator)"] = (
-        exchange["server_cpu"]["wire"] / 1e3)
+        exchange["server_cpu"]["wire flight"] / 1e3)
   nic = 25e9 / 8 / 1e9   # 25 GbE: 3.1 GB/s each way
   push_gb = rows[0]["push_bytes"] / 1e9
   print(f"\nPROJECTION (not measured): 16 GPU workers, {rows[0]['push_bytes'] / MB:.1f} MB pushed "

@@ -31,6 +31,7 @@ WEIGHT_DECAY_MODES = ("progress", "per_step")
 # CPU and the dependency-level batched runner on an accelerator (train/executors.py).
 # dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/dist).
 EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
+DATA_PLANES = ("flight", "grpc")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -181,6 +182,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
   c.dist.num_servers = 1          # parameter shards (experiments.launch --num_servers sets it)
   c.dist.all_lost_timeout = 60.0  # seconds with every mesh lost before the run ends as failed
+  # Where large bodies (pushes, pulls, joins of over 4 MiB) travel: 'flight' (Arrow Flight, no
+  # copy into bytes; docs/PERFORMANCE.md) or 'grpc' (grpcio streams, the wire's size limits).
+  c.dist.data_plane = "flight"
   # TLS (optional; the run secret, GSSP_SECRET_FILE or GSSP_SECRET, is always required): PEM
   # files of this process's certificate and key and of the CA that signed the run's certificates.
   c.dist.tls_cert = ""
@@ -566,6 +570,13 @@ def validate_dist(config: ml_collections.ConfigDict) -> None:
           "dist.tls_ca together")
   if config.dist.tls_client_auth and not config.dist.tls_cert:
     _fail("dist.tls_client_auth", True, "False, or True with dist.tls_cert/tls_key/tls_ca set")
+  if config.dist.get("data_plane", "grpc") not in DATA_PLANES:
+    _fail("dist.data_plane", config.dist.data_plane, " or ".join(map(repr, DATA_PLANES)))
+  if config.dist.get("data_plane", "grpc") == "flight":
+    from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+    if not flight.available():
+      _fail("dist.data_plane", "flight", "'grpc' where pyarrow (with Flight) is not installed "
+            "(pip install pyarrow)")
   if config.dist.server_address:
     from gssp_jax.dist import wire  # pylint: disable=g-import-not-at-top
     wire.check_address("config.dist.server_address", config.dist.server_address)

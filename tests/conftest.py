@@ -15,35 +15,53 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+_SHARED_CACHE_ENV = "GSSP_TEST_SESSION_XLA_CACHE"
+
+
 def _use_a_session_compilation_cache() -> None:
-  """Compiles each distinct XLA program once per test session, in this process.
+  """Compiles each distinct XLA program once per test session, in every process of it.
 
   Most of the suite's time is compilation: a test builds a training run's jitted
   functions afresh (new closures, so jax's in-memory caches miss), and the runs of
-  one test (whole vs split, rounds vs levels, a rerun) and of many tests compile
-  the very same programs. jax's persistent cache keys an executable by its HLO,
-  compile options and backend, so a hit returns exactly the executable a fresh
-  compile would (the bit-for-bit tests still compare identical programs) and
-  shares no run state. A fresh directory per session (removed at exit) keeps
-  nothing across sessions. Only this process uses it: jax writes entries
-  non-atomically, so the suite's subprocesses (command lines, multi-process runs)
-  do not get it. GSSP_TEST_COMPILATION_CACHE=0 turns it off. It must be set
-  before the first compilation: jax decides once per process whether to use it.
+  one test (whole vs split, rounds vs levels, a rerun), of many tests, of both
+  pytest-xdist workers and of the command lines, sweeps, meshes and notebook
+  kernels the tests start compile the very same programs. jax's persistent cache
+  keys an executable by its HLO, compile options and backend, so a hit returns
+  exactly the executable a fresh compile would (the bit-for-bit tests still
+  compare identical programs) and shares no run state. One fresh directory per
+  session: the first process (xdist's controller) makes it, names it in the
+  environment for the workers and subprocesses, and removes it at exit; nothing is
+  kept across sessions. No size cap, so jax takes no file lock; an entry read while
+  another process is still writing it fails its decompression, which jax reports
+  as a warning before it compiles the program itself. Measured on this 2-core
+  machine: tests/test_sim.py 232 -> 198 s; the sweep, notebook, CLI and interrupt
+  tests 317 -> 208 s (docs/PERFORMANCE.md). GSSP_TEST_COMPILATION_CACHE=0 turns it
+  off. It must be set before the first compilation: jax decides once per process
+  whether to use it.
   """
   if os.environ.get("GSSP_TEST_COMPILATION_CACHE", "1").lower() in ("0", "false", "off", "no"):
     return
-  path = tempfile.mkdtemp(prefix="gssp_jax_test_xla_cache_")
-  atexit.register(shutil.rmtree, path, ignore_errors=True)
+  path = os.environ.get(_SHARED_CACHE_ENV)
+  if not path:   # the first process of the session (pytest-xdist's controller) makes it
+    path = tempfile.mkdtemp(prefix="gssp_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ[_SHARED_CACHE_ENV] = path
   jax.config.update("jax_compilation_cache_dir", path)
   # Every program, however quick to compile: most of the suite's programs are small ones.
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  # The suite's subprocesses (command lines, sweeps' trials, meshes, notebook kernels) read
+  # and write it too. No size cap, so jax takes no file lock.
+  os.environ.update({"JAX_COMPILATION_CACHE_DIR": path,
+                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
 
 
 _use_a_session_compilation_cache()
-# The entry points' own persistent cache (xla_env.use_compilation_cache) stays off in the
-# suite's subprocesses: sharing a locked file cache between them measured slower (29 min 13 s
-# against 27 min 06 s, docs/PERFORMANCE.md), and a test of the cache turns it on itself.
+# The entry points' own persistent cache (xla_env.use_compilation_cache, size-capped, so
+# file-locked) stays off in the suite's subprocesses: the session's cache above serves them
+# (sharing the locked one measured slower: 29 min 13 s against 27 min 06 s,
+# docs/PERFORMANCE.md), and a test of the entry points' cache turns it on itself.
 os.environ.setdefault("GSSP_COMPILATION_CACHE", "0")
 
 

@@ -235,16 +235,20 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
 # -- the wire's limits ----------------------------------------------------------------------------
 
 
-def _echo_server():
-  echo = lambda header, body, peer: ({"n": wire.body_bytes(body), "parts": isinstance(body, list)},
-                                     body)
+def _echo_server(flight=False, calls=None):
+  def echo(header, body, peer):
+    del peer
+    if calls is not None:
+      calls.append(header)
+    return {"n": wire.body_bytes(body), "parts": isinstance(body, list)}, body
   methods = [wire.Method("Echo", echo, lambda header: 40 << 20),
              wire.Method("EchoParts", echo, lambda header: 40 << 20, parts=True)]
-  return wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
+  return wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4, flight=flight)
 
 
-def test_bodies_travel_exactly_as_one_message_or_in_chunks():
-  grpc_server, port = _echo_server()
+@pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
+def test_bodies_travel_exactly_as_one_message_or_in_chunks(flight):
+  grpc_server, port = _echo_server(flight)
   client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
   try:
     for size in (0, 1, 1000, wire.CHUNK_BYTES, wire.CHUNK_BYTES + 1, 3 * wire.CHUNK_BYTES + 7):
@@ -262,6 +266,8 @@ def test_bodies_travel_exactly_as_one_message_or_in_chunks():
       assert header == {"n": size, "parts": True, "body_bytes": size}
       assert isinstance(reply, list) and all(len(m) <= wire.MAX_MESSAGE_BYTES for m in reply)
       np.testing.assert_array_equal(np.concatenate(reply), body)
+    # Large bodies went over Flight exactly where the server offers it (dist.data_plane).
+    assert (client._flight is not None and client._flight is not False) == flight  # pylint: disable=protected-access
   finally:
     client.close()
     grpc_server.stop(0)
@@ -295,6 +301,114 @@ def test_declared_and_real_sizes_past_the_limits_are_refused_before_they_are_rec
     channel.close()
     grpc_server.stop(0)
   assert wire.MAX_MESSAGE_BYTES <= 17 << 20   # every message of a run, both ways
+
+
+def _raw_exchange(port, token, command, batches=(), schema=None):
+  """One bare Flight ``DoExchange`` (no wire code): returns the reply's metadata, or raises."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  from pyarrow import flight  # pylint: disable=g-import-not-at-top
+  client = flight.FlightClient(f"grpc://127.0.0.1:{port}")
+  headers = [(auth.TOKEN_KEY.encode(), token.encode())] if token is not None else []
+  try:
+    writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command),
+                                        flight.FlightCallOptions(headers=headers, timeout=10))
+    writer.begin(schema or pa.schema([("body", pa.uint8())]))
+    try:
+      for batch in batches:
+        writer.write_batch(batch)
+      writer.done_writing()
+    except flight.FlightError:
+      pass
+    return reader.read_chunk().app_metadata.to_pybytes()
+  finally:
+    client.close()
+
+
+def test_the_flight_data_plane_refuses_strangers_and_bad_bodies_before_any_handler_runs():
+  """The Flight endpoint (``dist.data_plane='flight'``) is as closed as the gRPC one: no token
+  or a wrong one, a bad command, an unknown method, an oversized declaration, a body longer or
+  shorter than declared, a foreign schema and nulls are all refused, and no handler runs."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  from pyarrow import flight  # pylint: disable=g-import-not-at-top
+  calls = []
+  server, port = _echo_server(flight=True, calls=calls)
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  try:
+    client.call("Echo", {}, np.zeros([wire.CHUNK_BYTES + 1], np.uint8), reply_limit=40 << 20)
+    assert len(calls) == 1
+    fport = client._flight.client and server.flight.port   # pylint: disable=protected-access
+    command = lambda header, name="Echo": wire.encode_header({"m": name, "h": header})
+    batch = lambda array: pa.RecordBatch.from_arrays([pa.array(array)], ["body"])
+    ok = _raw_exchange(fport, CREDENTIALS.token, command({"body_bytes": 3}),
+                       [batch(np.arange(3, dtype=np.uint8))])
+    assert wire.decode_header(ok) == {"n": 3, "parts": False, "body_bytes": 3}
+    assert len(calls) == 2
+    token = CREDENTIALS.token
+    cases = [
+        (None, command({"body_bytes": 0}), [], None, flight.FlightUnauthenticatedError),
+        ("0" * 64, command({"body_bytes": 0}), [], None, flight.FlightUnauthenticatedError),
+        (token, b"\xc1garbage", [], None, "INVALID_ARGUMENT"),
+        (token, command({"body_bytes": 0}, "Nope"), [], None, "UNIMPLEMENTED"),
+        (token, command({"body_bytes": 2 << 30}), [batch(np.zeros(100, np.uint8))], None,
+         "INVALID_ARGUMENT"),
+        (token, command({"body_bytes": 4}), [batch(np.zeros(100, np.uint8))], None,
+         "INVALID_ARGUMENT"),
+        (token, command({"body_bytes": 400}), [batch(np.zeros(100, np.uint8))], None,
+         "INVALID_ARGUMENT"),
+        (token, command({"body_bytes": 800}), [pa.RecordBatch.from_arrays(
+            [pa.array(np.zeros(100, np.float64))], ["body"])],
+         pa.schema([("body", pa.float64())]), "INVALID_ARGUMENT"),
+        (token, command({"body_bytes": 3}), [batch(pa.array([1, None, 3], pa.uint8()))], None,
+         "INVALID_ARGUMENT"),
+    ]
+    for i, (tok, cmd, batches, schema, expected) in enumerate(cases):
+      with pytest.raises(flight.FlightError) as raised:
+        _raw_exchange(fport, tok, cmd, batches, schema)
+      if isinstance(expected, str):
+        assert getattr(raised.value, "extra_info", b"") == expected.encode(), (i, raised.value)
+      else:
+        assert isinstance(raised.value, expected), (i, raised.value)
+    assert len(calls) == 2   # none of them reached the handler
+  finally:
+    client.close()
+    server.stop(0)
+
+
+def test_flight_keeps_status_codes_and_retries_unavailable():
+  """A handler's refusal reaches the client with its gRPC code over Flight; ``UNAVAILABLE`` is
+  retried until it passes; a restarted server's new Flight port is found again."""
+  state = {"busy": 2}
+
+  def handler(header, body, peer):
+    del peer
+    if header.get("refuse"):
+      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION, "not in this session")
+    if state["busy"]:
+      state["busy"] -= 1
+      raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "starting")
+    return {"n": wire.body_bytes(body)}, body
+  methods = [wire.Method("Echo", handler, lambda header: 40 << 20)]
+  server, port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4, flight=True)
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=10)
+  body = np.arange(wire.CHUNK_BYTES + 8, dtype=np.uint8)
+  try:
+    header, reply = client.call("Echo", {}, body, reply_limit=40 << 20)
+    assert header["n"] == body.size and state["busy"] == 0
+    np.testing.assert_array_equal(reply, body)
+    with pytest.raises(wire.CallError) as raised:
+      client.call("Echo", {"refuse": True}, body, reply_limit=40 << 20)
+    assert raised.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not in this session" in raised.value.details
+    with pytest.raises(wire.BadMessage, match="allowed: 0..100"):   # a reply over its limit
+      client.call("Echo", {}, body, reply_limit=100)
+    server.stop(0).wait(10)
+    server, _ = wire.make_server(methods, f"127.0.0.1:{port}", CREDENTIALS, max_workers=4,
+                                 flight=True)
+    header, _ = client.call("Echo", {}, body, reply_limit=40 << 20)
+    assert header["n"] == body.size
+  finally:
+    client.close()
+    server.stop(0)
 
 
 # -- secrets and TLS ------------------------------------------------------------------------------
@@ -340,31 +454,48 @@ def _certificates(tmp_path):
                     reason="no openssl to make test certificates")
 def test_tls_and_mutual_tls(tmp_path):
   path = _certificates(tmp_path)
-  method = wire.Method("Echo", lambda header, body, peer: ({"peer": peer}, None))
+  method = wire.Method("Echo", lambda header, body, peer: (
+      {"peer": peer, "n": wire.body_bytes(body)}, None), lambda header: 40 << 20)
+  big = np.ones([wire.CHUNK_BYTES + 1], np.uint8)   # over Flight (dist.data_plane='flight')
   for client_auth in (False, True):
     server_dist = {"tls_cert": path("server.pem"), "tls_key": path("server.key"),
-                   "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
+                   "tls_ca": path("ca.pem"), "tls_client_auth": client_auth,
+                   "data_plane": "flight"}
     grpc_server, port = wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2,
-                                         tls=auth.server_credentials(server_dist))
+                                         **wire.server_settings(server_dist))
     address = f"127.0.0.1:{port}"
     try:
       client_dist = {"tls_cert": path("client.pem"), "tls_key": path("client.key"),
                      "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
       client = wire.Client(address, CREDENTIALS, retry_seconds=5,
-                           tls=auth.channel_credentials(client_dist))
+                           **wire.client_settings(client_dist))
       assert "peer" in client.call("Echo", {})[0]
+      assert client.call("Echo", {}, big)[0]["n"] == big.size
+      assert client._flight   # pylint: disable=protected-access  (it went over Flight, with TLS)
       client.close()
       plain = wire.Client(address, CREDENTIALS, retry_seconds=1)   # no TLS: no connection
       with pytest.raises((wire.ServerGone, wire.CallError)):
         plain.call("Echo", {}, timeout=5)
       plain.close()
+      # Nor straight to the Flight port without TLS.
+      from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+      link = flight.Link("127.0.0.1", grpc_server.flight.port, CREDENTIALS.token, None)
+      with pytest.raises(wire.StatusError):
+        link.call("Echo", {"body_bytes": 0}, None, 0, 5.0, False)
+      link.close()
       if client_auth:   # mTLS: a client without a certificate is turned away
-        bare = wire.Client(address, CREDENTIALS, retry_seconds=1, tls=auth.channel_credentials(
-            {"tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
-             "tls_client_auth": False}))
+        bare_dist = {"tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
+                     "tls_client_auth": False}
+        bare = wire.Client(address, CREDENTIALS, retry_seconds=1,
+                           **wire.client_settings(bare_dist))
         with pytest.raises((wire.ServerGone, wire.CallError)):
           bare.call("Echo", {}, timeout=5)
         bare.close()
+        link = flight.Link("127.0.0.1", grpc_server.flight.port, CREDENTIALS.token,
+                           auth.flight_client_tls(bare_dist))
+        with pytest.raises(wire.StatusError):
+          link.call("Echo", {"body_bytes": 0}, None, 0, 5.0, False)
+        link.close()
     finally:
       grpc_server.stop(0)
 
@@ -374,6 +505,7 @@ def test_tls_and_mutual_tls(tmp_path):
     ({"dist.tls_client_auth": True}, r"dist.tls_client_auth=True is invalid"),
     ({"dist.all_lost_timeout": 0.0}, r"dist.all_lost_timeout=0.0 is invalid"),
     ({"dist.num_servers": 0}, r"dist.num_servers=0 is invalid"),
+    ({"dist.data_plane": "tcp"}, r"dist.data_plane='tcp' is invalid; allowed: 'flight' or 'grpc'"),
 ])
 def test_bad_dist_settings_are_refused_with_the_reason(changes, match):
   config = helpers.mnist_smoke(None, executor="dist", **changes)

@@ -15,7 +15,8 @@ def test_every_exchange_moves_the_payload_and_the_chunk_size_is_restored():
   before = (wire.CHUNK_BYTES, wire.MAX_MESSAGE_BYTES, list(wire.CHANNEL_OPTIONS))
   r = bench.measure_exchanges("lenet5", rounds=1, reps=2, chunk_bytes=32 << 10, shapes=TINY)
   assert r["n"] == 2 and all(r[v] > 0 and r["cpu"][v] >= 0
-                            for v in ("raw unary", "raw unary + header", "raw stream", "wire"))
+                            for v in ("raw unary", "raw unary + header", "raw stream", "wire",
+                                      "wire flight"))
   assert r["payload"].push_bytes == 4 * (300 * 100 + 10 + 4) == r["payload"].pull_bytes
   assert (wire.CHUNK_BYTES, wire.MAX_MESSAGE_BYTES, list(wire.CHANNEL_OPTIONS)) == before
   steps = bench.local_steps_ms(r["payload"], reps=1)

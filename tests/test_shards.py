@@ -7,7 +7,8 @@ own gradient, compressor and packing code (``dist_replay``). After the last
 event every shard's tensors of every replica, worker and optimizer state, and
 shard 0's statistics and loss sums, must equal the simulator's bit for bit,
 for S = 1 and 4 (and 2 in two cases; the local-update schemes S = 2); and the staleness, updates and bytes per link counted by
-the control plane must equal the simulator's exactly.
+the control plane must equal the simulator's exactly. Shard bodies go over Arrow
+Flight (``dist.data_plane``' default) in most cases, gRPC streams in ``GRPC_CASES``.
 """
 
 import flax.linen as nn
@@ -20,6 +21,8 @@ import dist_replay
 from configs import mnist_lenet5_hetero
 from gssp_jax import config as config_lib
 from gssp_jax import models
+from gssp_jax.dist import flight
+from gssp_jax.dist import wire
 
 # Every scheme the runtime runs, each once; compression (GDTopK, DGC, top-k) and BatchNorm on
 # some of them; S = 1 and 4 shards each, and 2 where noted in the test.
@@ -59,6 +62,7 @@ CASES = {
 
 
 LOCAL_CASES = ("diloco", "async-local-dylu-dn-gdtopk", "halos")
+GRPC_CASES = ("bsp", "bn-gssp-global-topk-adam")   # dist.data_plane='grpc'; Flight for the rest
 
 
 class TinyBN(nn.Module):
@@ -81,6 +85,21 @@ class _Inner:
 
 
 @pytest.fixture(autouse=True)
+def flight_calls(monkeypatch):
+  """Bodies over 16 KiB (not 4 MiB) take the large-body path: Flight (``dist.data_plane``, the
+  default), or gRPC streams for the cases in GRPC_CASES. Every shard body here is larger.
+  Returns the list of the Flight calls' method names."""
+  monkeypatch.setattr(wire, "CHUNK_BYTES", 16 << 10)
+  calls, call = [], flight.Link.call
+
+  def counted(self, name, *args, **kwargs):
+    calls.append(name)
+    return call(self, name, *args, **kwargs)
+  monkeypatch.setattr(flight.Link, "call", counted)
+  return calls
+
+
+@pytest.fixture(autouse=True)
 def _tiny_bn_model(monkeypatch):
   """The model above under the name ``tiny_bn`` for this file's runs (all in this process)."""
   monkeypatch.setitem(models._REGISTRY, "tiny_bn", TinyBN)   # pylint: disable=protected-access
@@ -96,8 +115,10 @@ def _config(data_dir, changes):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path):
+def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path, flight_calls):
   config = _config(data_dir, CASES[case])
+  plane = "grpc" if case in GRPC_CASES else "flight"
+  config = config_lib.override(config, {"dist.data_plane": plane})
   sim = dist_replay.simulate_events(config, str(tmp_path / "sim"))
   assert sim.completed() and sim.engine.num_pushes >= 16
   meshes = dist_replay.make_meshes(config)
@@ -113,6 +134,9 @@ def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path):
     run = dist_replay.RealRun(config, str(tmp_path / f"real{num_servers}"), num_servers, meshes)
     try:
       run.replay(sim.engine.events)
+      # The meshes' shard links carried their bodies over the configured data plane.
+      if num_servers > 1:
+        assert {"PutGrad", "Pull"} <= set(flight_calls) if plane == "flight" else not flight_calls
       srv = run.srv
       assert srv.S == num_servers
       bad = []

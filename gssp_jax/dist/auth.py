@@ -127,11 +127,16 @@ class Credentials:
         receipt, self.receipt(shard, mesh, seq, session, nbytes))
 
 
+REFUSAL = ("this call lacks the run's token: the caller is not part of this run (set "
+           f"{SECRET_FILE_ENV} or {SECRET_ENV} to the run's secret)")
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
   """Refuses (``UNAUTHENTICATED``) every call without the run's token, before any handler runs.
 
   Refusals are logged at most once a minute per method, without the token a
-  caller sent (it might be another run's secret).
+  caller sent (it might be another run's secret). The Flight data plane's
+  middleware (``dist/flight.py``) asks the same object (:meth:`check`).
   """
 
   def __init__(self, credentials: Credentials):
@@ -142,21 +147,18 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
     def deny(request, context):
       del request
-      context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                    "this call lacks the run's token: the caller is not part of this run (set "
-                    f"{SECRET_FILE_ENV} or {SECRET_ENV} to the run's secret)")
+      context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
     self._deny = {
         "unary": grpc.unary_unary_rpc_method_handler(deny),
         "stream": grpc.stream_stream_rpc_method_handler(
             lambda it, context: iter([deny(None, context)])),
     }
 
-  def intercept_service(self, continuation, handler_call_details):
-    given = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
+  def check(self, given, method: str) -> bool:
+    """Whether ``given`` (str or bytes) is the run's token; counts and logs a refusal."""
     given = given.encode() if isinstance(given, str) else bytes(given)
     if hmac.compare_digest(given, self._token):
-      return continuation(handler_call_details)
-    method = handler_call_details.method
+      return True
     with self._lock:
       self.refused += 1
       now = time.monotonic()
@@ -164,6 +166,13 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._logged[method] = now
         logging.warning("refused a call to %s without the run's token (%d refused so far)",
                         method, self.refused)
+    return False
+
+  def intercept_service(self, continuation, handler_call_details):
+    given = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_KEY, "")
+    method = handler_call_details.method
+    if self.check(given, method):
+      return continuation(handler_call_details)
     return self._deny["stream" if method.endswith("~") else "unary"]
 
 
@@ -207,3 +216,29 @@ def channel_credentials(dist) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(ca, _read(dist["tls_key"], "config.dist.tls_key"),
                                         _read(dist["tls_cert"], "config.dist.tls_cert"))
   return grpc.ssl_channel_credentials(ca)
+
+
+def flight_server_tls(dist) -> dict | None:
+  """TLS for the Flight data plane's server (``pyarrow.flight.FlightServerBase`` arguments)
+  from the same files as :func:`server_credentials`; None: plain TCP."""
+  if not tls_enabled(dist):
+    return None
+  from pyarrow import flight  # pylint: disable=g-import-not-at-top
+  pair = flight.CertKeyPair(_read(dist["tls_cert"], "config.dist.tls_cert"),
+                            _read(dist["tls_key"], "config.dist.tls_key"))
+  client_auth = bool(dist.get("tls_client_auth", False))
+  return {"tls_certificates": [pair], "verify_client": client_auth,
+          "root_certificates": _read(dist["tls_ca"], "config.dist.tls_ca") if client_auth
+                               else None}
+
+
+def flight_client_tls(dist) -> dict | None:
+  """TLS for a Flight client (``pyarrow.flight.FlightClient`` arguments), as
+  :func:`channel_credentials`; None: plain TCP."""
+  if not tls_enabled(dist):
+    return None
+  tls = {"tls_root_certs": _read(dist["tls_ca"], "config.dist.tls_ca")}
+  if dist.get("tls_client_auth", False):
+    tls.update(cert_chain=_read(dist["tls_cert"], "config.dist.tls_cert"),
+               private_key=_read(dist["tls_key"], "config.dist.tls_key"))
+  return tls

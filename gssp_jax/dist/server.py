@@ -622,7 +622,7 @@ class DistServer:
                wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
     self._grpc, port = wire.make_server(methods, address, self.credentials,
                                         max_workers=2 * self.W + 2 * self.S + 8,
-                                        tls=auth.server_credentials(self.config.dist))
+                                        **wire.server_settings(self.config.dist))
     host, _ = wire.check_address("--server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),
@@ -688,8 +688,7 @@ class DistServer:
         old.close()
       client = wire.Client(address, self.credentials,
                            retry_seconds=float(self.config.dist.retry_seconds),
-                           tls=auth.channel_credentials(self.config.dist),
-                           server_name=self.config.dist.get("tls_server_name", ""))
+                           **wire.client_settings(self.config.dist))
       self.shards[s] = _RemoteShard(s, address, client, self.session, self.layout)
       logging.info("shard %d registered at %s", s, address)
     return {"session": self.session, "restore": int(self.restored_step),

@@ -82,11 +82,10 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
   pending = _Pending()
   grpc_server, port = wire.make_server(pending.methods(list(_HANDLERS)), bind_address,
                                        credentials, max_workers=2 * config.num_workers + 8,
-                                       tls=auth.server_credentials(config.dist))
+                                       **wire.server_settings(config.dist))
   address = _advertised(bind_address, port)
   client = wire.Client(server_address, credentials, retry_seconds=float(config.dist.join_timeout),
-                       tls=auth.channel_credentials(config.dist),
-                       server_name=config.dist.get("tls_server_name", ""))
+                       **wire.client_settings(config.dist))
   try:
     header, _ = client.call("Register", {"shard": index, "address": address,
                                          "num_servers": num_servers,

@@ -26,7 +26,12 @@ calls. A call has two parts:
   :func:`tune_allocator`; since, both take about as long.)
 
 Every method therefore exists twice: ``Name`` (unary) and ``Name~`` (a stream
-both ways); the caller picks by size, the handler is the same. Every gRPC
+both ways); the caller picks by size, the handler is the same. A server made
+with ``flight=True`` (``config.dist.data_plane='flight'``, the default) serves
+its methods a third time on Arrow Flight (``dist/flight.py``), and a client
+sends there every call it would stream: Flight wraps the tensors' memory
+instead of copying it into ``bytes``, which grpcio's Python API cannot avoid
+(``docs/PERFORMANCE.md``: a ResNet-18 push + pull at the raw channel's speed). Every gRPC
 message of a run is at most ``MAX_MESSAGE_BYTES`` (a chunk plus a margin),
 both ways. Errors a handler raises map to status codes: :class:`BadMessage`
 (``INVALID_ARGUMENT``: nothing was changed) and :class:`Refused` (a code of
@@ -57,6 +62,7 @@ HEADER_KEY = "gssp-header-bin"
 CHUNK_BYTES = 4 << 20      # whole segments fill a message up to this
 SEGMENT_BYTES = 16 << 20   # a larger segment travels alone, cut every this many bytes
 MAX_HEADER_BYTES = 32 << 10
+FLIGHT_PORT_METHOD = "FlightPort"   # the method that tells a client its server's Flight port
 MAX_MESSAGE_BYTES = max(CHUNK_BYTES, SEGMENT_BYTES) + (64 << 10)
 _RECONNECT_MS = 250   # a restarted server is found within ~0.5 s (gRPC's default backoff: up to 120 s)
 SERVER_OPTIONS = [
@@ -141,6 +147,24 @@ class CallError(ConnectionError):
     self.code, self.details = code, details
 
 
+class StatusError(Exception):
+  """A Flight data-plane call that ended with a status: ``code()`` and ``details()`` as a
+  ``grpc.RpcError`` has them (``dist/flight.py``)."""
+
+  def __init__(self, code: grpc.StatusCode, details: str):
+    super().__init__(f"{code.name}: {details}")
+    self._code, self._details = code, details
+
+  def code(self) -> grpc.StatusCode:
+    return self._code
+
+  def details(self) -> str:
+    return self._details
+
+
+_FAILURES = (grpc.RpcError, StatusError)
+
+
 class ServerGone(ConnectionError):
   """The server stayed unreachable for the whole retry window."""
 
@@ -220,21 +244,35 @@ def join(body) -> bytes:
   return b"".join(segments(body))
 
 
-def chunks(body) -> Iterator[bytes]:
-  """A body's messages, ending on segment boundaries (see the module's docstring); one copy."""
+def messages(body, alone_bytes: int | None = None) -> Iterator[list[memoryview]]:
+  """A body's messages, each a list of byte views (no copy): see the module's docstring.
+
+  Segments of fewer than ``alone_bytes`` fill a message up to ``CHUNK_BYTES``;
+  a segment of at least ``alone_bytes`` travels alone, cut every
+  ``SEGMENT_BYTES``. Every segment shorter than ``SEGMENT_BYTES`` lies within
+  one message, so the receiver uses it in place. ``alone_bytes`` defaults to
+  ``CHUNK_BYTES + 1`` (the gRPC path's rule).
+  """
+  alone_bytes = CHUNK_BYTES + 1 if alone_bytes is None else alone_bytes
   batch, filled = [], 0
   for view in segments(body):
-    if filled and filled + len(view) > CHUNK_BYTES:
-      yield b"".join(batch)
+    if filled and (len(view) >= alone_bytes or filled + len(view) > CHUNK_BYTES):
+      yield batch
       batch, filled = [], 0
-    if len(view) > CHUNK_BYTES:
+    if len(view) >= alone_bytes:
       for start in range(0, len(view), SEGMENT_BYTES):
-        yield bytes(view[start:start + SEGMENT_BYTES])
+        yield [view[start:start + SEGMENT_BYTES]]
       continue
     batch.append(view)
     filled += len(view)
   if batch:
-    yield b"".join(batch)
+    yield batch
+
+
+def chunks(body) -> Iterator[bytes]:
+  """A body's gRPC messages as ``bytes`` (:func:`messages`; one copy)."""
+  for message in messages(body):
+    yield b"".join(message)
 
 
 def receive(parts: Iterator[bytes], size: int, keep_parts: bool = False):
@@ -334,10 +372,41 @@ def _stream(method: Method):
   return grpc.stream_stream_rpc_method_handler(handle)
 
 
+class Server:
+  """A run's server: the gRPC server of its methods and, with ``flight``, their Flight twin.
+
+  Attributes:
+    grpc: the ``grpc.Server``.
+    flight: the Flight server (``dist/flight.py``), or None.
+  """
+
+  def __init__(self, grpc_server: grpc.Server, flight_server=None):
+    self.grpc, self.flight = grpc_server, flight_server
+
+  def stop(self, grace: float | None) -> threading.Event:
+    """Stops both; the event is set once both are down (Flight: at most ``grace`` + 1 s)."""
+    grpc_done = self.grpc.stop(grace)
+    if self.flight is None:
+      return grpc_done
+    from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+    flight_done = flight.stop_server(self.flight, grace or 0.0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (grpc_done.wait(), flight_done.wait(), done.set()),
+                     daemon=True).start()
+    return done
+
+
 def make_server(methods: list[Method], address: str, credentials: auth.Credentials, *,
-                max_workers: int, tls: grpc.ServerCredentials | None = None
-                ) -> tuple[grpc.Server, int]:
-  """A started gRPC server of ``methods`` at ``address``, closed to callers without the token.
+                max_workers: int, tls: grpc.ServerCredentials | None = None,
+                flight: bool = False, flight_tls: dict | None = None) -> tuple[Server, int]:
+  """A started server of ``methods`` at ``address``, closed to callers without the token.
+
+  Args:
+    flight: serve the methods on Arrow Flight too (``dist/flight.py``), at a
+      free port of the same host that clients ask for (``FlightPort``); they
+      carry large bodies there.
+    flight_tls: the Flight server's TLS (``auth.flight_server_tls``), given
+      exactly when ``tls`` is.
 
   Returns:
     ``(server, port)`` (port 0 in ``address`` picks a free one).
@@ -346,25 +415,42 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
     ValueError: the address cannot be bound (in use, or not an address here).
   """
   tune_allocator()
+  host, _ = check_address("server address", address)
+  check = auth.TokenInterceptor(credentials)
+  flight_port = {}   # filled once the Flight server is up, before the gRPC server starts
+  if flight:
+    methods = methods + [Method(FLIGHT_PORT_METHOD, lambda h, b, p: (flight_port, None))]
   handlers = {}
   for method in methods:
     handlers[method.name] = _unary(method)
     handlers[method.name + "~"] = _stream(method)
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=[auth.TokenInterceptor(credentials)],
+                       interceptors=[check],
                        options=SERVER_OPTIONS, maximum_concurrent_rpcs=4 * max_workers)
   server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
   try:
     port = (server.add_secure_port(address, tls) if tls is not None
             else server.add_insecure_port(address))
   except RuntimeError as e:
-    raise ValueError(f"server address {address!r} cannot be bound ({e}); allowed: a free "
-                     "host:port of this machine (port 0 picks a free one)") from None
+    port, error = 0, f" ({e})"
+  else:
+    error = " (in use, or not an address of this machine)"
   if port == 0:
-    raise ValueError(f"server address {address!r} cannot be bound (in use, or not an "
-                     "address of this machine); allowed: a free host:port (0 picks one)")
+    raise ValueError(f"server address {address!r} cannot be bound{error}; allowed: a free "
+                     "host:port of this machine (port 0 picks a free one)")
+  flight_server = None
+  if flight:
+    from gssp_jax.dist import flight as flight_lib  # pylint: disable=g-import-not-at-top
+    try:
+      flight_server = flight_lib.start_server(methods[:-1], host, check, flight_tls)
+    except Exception as e:  # pylint: disable=broad-except  (pyarrow's errors: ArrowException...)
+      server.stop(0)
+      raise ValueError(f"server address {address!r}: its Flight data plane cannot be bound "
+                       f"on {host} ({type(e).__name__}: {e}); allowed: an address of this "
+                       "machine, or config.dist.data_plane='grpc'") from None
+    flight_port["port"] = int(flight_server.port)
   server.start()
-  return server, port
+  return Server(server, flight_server), port
 
 
 # -- clients ------------------------------------------------------------------------------------
@@ -384,10 +470,12 @@ class Client:
 
   def __init__(self, address: str, credentials: auth.Credentials, *,
                retry_seconds: float = 60.0, tls: grpc.ChannelCredentials | None = None,
-               server_name: str = ""):
+               server_name: str = "", flight_tls: dict | None = None):
     tune_allocator()
     self.address, self.retry_seconds = address, float(retry_seconds)
     self._metadata = credentials.metadata
+    self._token = credentials.token
+    self._tls, self._flight_tls, self._server_name = tls, flight_tls, server_name
     options = list(CHANNEL_OPTIONS)
     if tls is not None:
       if server_name:
@@ -397,8 +485,37 @@ class Client:
       self._channel = grpc.insecure_channel(address, options=options)
     self._methods: dict[str, Any] = {}
     self._lock = threading.Lock()
+    self._flight = None        # the server's Flight link once asked (False: it has none)
     self.bytes_sent = 0
     self.bytes_received = 0
+
+  def _flight_link(self):
+    """The Flight link of the server (``dist/flight.py``), or None where it serves none."""
+    with self._lock:
+      flight = self._flight
+    if flight is None:
+      try:
+        header, _ = self._attempt(FLIGHT_PORT_METHOD, False, None, self._metadata + (
+            (HEADER_KEY, encode_header({"body_bytes": 0})),), 0, 10.0, False)
+        port = field(header, "port", int, 1, 65535)
+      except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+          raise
+        flight = False
+      else:
+        from gssp_jax.dist import flight as flight_lib  # pylint: disable=g-import-not-at-top
+        host, _ = check_address("server address", self.address)
+        flight = flight_lib.Link(host, port, self._token, self._flight_tls, self._server_name)
+      with self._lock:
+        self._flight = flight
+    return flight or None
+
+  def _forget_flight(self) -> None:
+    """Asks for the Flight port again on the next call (the server may have restarted)."""
+    with self._lock:
+      flight, self._flight = self._flight, None
+    if flight:
+      flight.close()
 
   def _method(self, name: str, stream: bool):
     key = name + ("~" if stream else "")
@@ -429,16 +546,24 @@ class Client:
     """
     size = body_bytes(body)
     stream = size > CHUNK_BYTES or reply_limit > CHUNK_BYTES
-    metadata = self._metadata + ((HEADER_KEY, encode_header({**header, "body_bytes": size})),)
+    header = {**header, "body_bytes": size}
+    metadata = self._metadata + ((HEADER_KEY, encode_header(header)),)
     deadline = time.monotonic() + self.retry_seconds
     delay = 0.05
     while True:
       try:
-        reply_header, reply = self._attempt(name, stream, body if size else None, metadata,
-                                            reply_limit, timeout, reply_parts)
+        link = self._flight_link() if stream else None
+        if link is not None:
+          reply_header, reply = link.call(name, header, body if size else None, reply_limit,
+                                          timeout, reply_parts)
+        else:
+          reply_header, reply = self._attempt(name, stream, body if size else None, metadata,
+                                              reply_limit, timeout, reply_parts)
         break
-      except grpc.RpcError as e:
+      except _FAILURES as e:
         code = e.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+          self._forget_flight()
         if code != grpc.StatusCode.UNAVAILABLE or not retry or time.monotonic() > deadline:
           if code == grpc.StatusCode.UNAVAILABLE:
             raise ServerGone(f"the server at {self.address} stayed unreachable for "
@@ -474,7 +599,21 @@ class Client:
     return header, (receive(responses, size, reply_parts) if size else None)
 
   def close(self) -> None:
+    self._forget_flight()
     self._channel.close()
+
+
+def server_settings(dist) -> dict[str, Any]:
+  """:func:`make_server`'s TLS and data-plane arguments from ``config.dist``."""
+  flight = dist.get("data_plane", "grpc") == "flight"
+  return {"tls": auth.server_credentials(dist), "flight": flight,
+          "flight_tls": auth.flight_server_tls(dist) if flight else None}
+
+
+def client_settings(dist) -> dict[str, Any]:
+  """:class:`Client`'s TLS arguments (gRPC's and Flight's) from ``config.dist``."""
+  return {"tls": auth.channel_credentials(dist), "server_name": dist.get("tls_server_name", ""),
+          "flight_tls": auth.flight_client_tls(dist)}
 
 
 def check_address(name: str, address: str) -> tuple[str, int]:

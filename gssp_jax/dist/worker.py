@@ -139,8 +139,7 @@ def make_mesh_local_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int,
 
 def _clients(addresses, credentials, config) -> list[wire.Client]:
   return [wire.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
-                      tls=auth.channel_credentials(config.dist),
-                      server_name=config.dist.get("tls_server_name", ""))
+                      **wire.client_settings(config.dist))
           for a in addresses]
 
 
