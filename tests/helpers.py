@@ -7,12 +7,31 @@ the session's compilation cache (conftest.py) then compiles only once.
 
 import json
 
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 
 from configs import mnist_lenet5
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import executor
+
+
+class TinyCNN(nn.Module):
+  """conv3x3(4, stride 2) -> ReLU -> 4x4 pool -> dense: an MNIST classifier that compiles fast.
+
+  For the tests whose claim does not depend on the model (two executors or runners agree, a
+  resume is exact): ``model="helpers:TinyCNN"`` (a user model named by module, so a
+  subprocess resolves it too). LeNet-5's convolutions were most of their compile time.
+  """
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    x = nn.relu(nn.Conv(4, (3, 3), strides=(2, 2))(x))
+    x = nn.avg_pool(x, (4, 4), strides=(4, 4)).reshape((x.shape[0], -1))
+    return nn.Dense(self.num_classes)(x).astype(jnp.float32)
 
 
 def mnist_smoke(data_dir=None, *, train_size=512, test_size=200, num_epochs=1.0,

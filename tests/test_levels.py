@@ -292,8 +292,10 @@ def test_multi_level_compilations_bounded_by_shape_buckets():
 
 
 def _run_config(scheme, compressor, **extra):
-  # 512 examples: 4 iterations per worker per epoch, 16 pushes in the epoch.
-  return helpers.cluster_config(scheme, **{"compress.name": compressor, **extra})
+  # 512 examples: 4 iterations per worker per epoch, 16 pushes in the epoch. A tiny CNN: the
+  # runners' agreement does not depend on the model, and LeNet-5 was most of the compile time.
+  return helpers.cluster_config(scheme, **{"compress.name": compressor,
+                                           "model": "helpers:TinyCNN", **extra})
 
 
 _metric_lines = helpers.metric_lines

@@ -187,7 +187,7 @@ def test_buffered_device_steps_equal_one_call_per_round(tmp_path, data_dir, monk
     monkeypatch.setattr(simulate, "MAX_BUFFERED_ROUNDS", buffered)
     config = _small(data_dir, **{"sync.scheme": "ssp", "sync.staleness": 1,
                                  "cluster.speeds": (1.0, 1.0, 2.0, 3.0), "compress.name": "topk",
-                                 "compress.ratio": 0.1})
+                                 "compress.ratio": 0.1, "model": "helpers:TinyCNN"})
     summary = loop.train_and_evaluate(config, str(tmp_path / str(buffered)))
     runs[buffered] = (_metrics(tmp_path / str(buffered)), summary["totals"]["rounds"],
                       list(calls))

@@ -322,8 +322,11 @@ def test_inhad_counts_every_push_between_aggregations():
 
 
 def _sim_config(scheme, **extra):
-  # 1,024 examples: 8 iterations per worker per epoch, 64 pushes in 2 epochs.
-  return helpers.cluster_config(scheme, train_size=1024, num_epochs=2.0, **extra)
+  # 1,024 examples: 8 iterations per worker per epoch, 64 pushes in 2 epochs. A tiny CNN
+  # (helpers.TinyCNN): what these tests check (timelines, bytes, groups, resume) does not depend
+  # on the model, and LeNet-5's compilations were most of their time.
+  return helpers.cluster_config(scheme, train_size=1024, num_epochs=2.0,
+                                **{"model": "helpers:TinyCNN", **extra})
 
 
 _metrics = helpers.metric_lines
