@@ -201,6 +201,20 @@ def test_the_same_push_twice_is_applied_once_and_answered_both_times(server):
                      rtol=1e-4, atol=1e-6), float(np.abs(step).max())
 
 
+def test_a_join_refused_for_missing_shards_changes_nothing(tmp_path, data_dir):
+  """Past the start barrier with a shard missing, a Join is refused (UNAVAILABLE, retried) and
+  the mesh stays unstarted: its retry is a first join again, never a "restarted" mesh."""
+  srv = _server(tmp_path, data_dir, num_servers=2)   # shard 1 never registers; no barrier
+  try:
+    for _ in range(2):   # the first Join and its retry
+      with pytest.raises(wire.Refused, match="parameter shards did not all start") as raised:
+        _join(srv, 0)
+      assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+      assert not srv.host["started"][0] and srv.host["lost"] == [] and srv.host["rejoined"] == []
+  finally:
+    srv.close()
+
+
 def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir):
   srv = _server(tmp_path, data_dir, num_servers=2)
 

@@ -223,9 +223,14 @@ class Link:
     if tls and server_name:
       kwargs["override_hostname"] = server_name
     host = f"[{host}]" if ":" in host else host
+    # The wire's reconnect backoff (a restarted server is found within ~0.5 s), but not its
+    # keepalive pings: Flight's server keeps gRPC's default ping policy (a minimum interval of
+    # 5 min between pings without data, not settable from Python), which the wire's 5 s pings
+    # would break during a long wait. A peer that vanishes without a reset is noticed by TCP
+    # here, and by the heartbeats on the gRPC channel.
     options = [(k, v) for k, v in wire.CHANNEL_OPTIONS
                if k.startswith(("grpc.initial_reconnect", "grpc.min_reconnect",
-                                "grpc.max_reconnect", "grpc.keepalive"))]
+                                "grpc.max_reconnect"))]
     self.client = flight.FlightClient(f"{scheme}://{host}:{port}", generic_options=options,
                                       write_size_limit_bytes=wire.MAX_MESSAGE_BYTES, **kwargs)
     self._headers = [(auth.TOKEN_KEY.encode(), token.encode())]

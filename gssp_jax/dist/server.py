@@ -777,7 +777,8 @@ class DistServer:
            and self.host["pushes"] == 0):   # only a fresh run waits
       self.last_seen[w] = time.monotonic()  # waiting here is alive
       self.changed.wait(timeout=0.2)
-    if not self._shards_ready():
+    if not self._shards_ready():   # not started after all: its retry is a first join again
+      self.host["started"][w] = False
       raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "the parameter shards did not all start "
                          f"within dist.join_timeout={self.config.dist.join_timeout} s")
     self._start_clock()

@@ -506,8 +506,11 @@ class Client:
         from gssp_jax.dist import flight as flight_lib  # pylint: disable=g-import-not-at-top
         host, _ = check_address("server address", self.address)
         flight = flight_lib.Link(host, port, self._token, self._flight_tls, self._server_name)
-      with self._lock:
+      with self._lock:   # another thread may have asked meanwhile: keep one link
+        mine, flight = flight, (flight if self._flight is None else self._flight)
         self._flight = flight
+      if mine and mine is not flight:
+        mine.close()
     return flight or None
 
   def _forget_flight(self) -> None:
