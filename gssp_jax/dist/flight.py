@@ -111,11 +111,14 @@ def receive(reader, size: int, keep_parts: bool) -> Any:
   """The body of exactly ``size`` bytes from ``reader``'s batches, checked as they come.
 
   Returns:
-    one uint8 buffer the batches are copied into, or with ``keep_parts`` the
-    batches themselves as uint8 arrays (no copy).
+    None for ``size`` 0 (the stream checked empty); else one uint8 buffer the
+    batches are copied into, or with ``keep_parts`` the batches themselves as
+    uint8 arrays (no copy).
   """
   parts = receive_views(reader, size)
-  if keep_parts or not parts:
+  if not size:
+    return None
+  if keep_parts:
     return parts
   return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -171,9 +174,7 @@ def start_server(methods: list[wire.Method], host: str, check: auth.TokenInterce
         if method is None:
           raise wire.Refused(grpc.StatusCode.UNIMPLEMENTED, f"no method {name!r}")
         size = wire.field(header, "body_bytes", int, 0, method.body_limit(header))
-        body = receive(reader, size, method.parts) if size else None
-        if not size:
-          receive_views(reader, 0)
+        body = receive(reader, size, method.parts)
         reply_header, reply_body = method.handler(header, body, context.peer())
       except (wire.BadMessage, wire.Refused) as e:
         _raise(e)
@@ -189,23 +190,16 @@ def start_server(methods: list[wire.Method], host: str, check: auth.TokenInterce
   return Server(location, middleware={"token": TokenMiddleware()}, **(tls or {}))
 
 
-def stop_server(server, grace: float) -> threading.Event:
-  """Shuts ``server`` down in the background; the event is set when it is down or after ``grace``.
+def stop_server(server) -> threading.Event:
+  """Shuts ``server`` down in the background; the event is set once it is down.
 
-  Flight's shutdown waits for the calls in progress; a handler that waits (a
-  pull at a watermark) ends within its own timeout, so the caller never waits
-  more than ``grace`` (+1 s) here.
+  Flight's shutdown waits for the calls in progress (a handler that waits, a
+  pull at a watermark, ends within its own timeout), so callers bound their wait.
   """
   done = threading.Event()
   threading.Thread(target=lambda: (server.shutdown(), done.set()), daemon=True,
                    name="flight-shutdown").start()
-  stopped = threading.Event()
-
-  def wait():
-    done.wait(grace + 1.0)
-    stopped.set()
-  threading.Thread(target=wait, daemon=True, name="flight-shutdown-wait").start()
-  return stopped
+  return done
 
 
 # -- the client -----------------------------------------------------------------------------------
@@ -268,10 +262,7 @@ class Link:
       raise wire.BadMessage(f"{name}: the reply did not start with its header")
     reply_header = wire.decode_header(first.app_metadata.to_pybytes())
     size = wire.field(reply_header, "body_bytes", int, 0, max(reply_limit, 0))
-    reply = receive(reader, size, reply_parts) if size else None
-    if not size:
-      receive_views(reader, 0)
-    return reply_header, reply
+    return reply_header, receive(reader, size, reply_parts)
 
   def close(self) -> None:
     self.client.close()

@@ -389,10 +389,10 @@ class Server:
     if self.flight is None:
       return grpc_done
     from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
-    flight_done = flight.stop_server(self.flight, grace or 0.0)
+    flight_done = flight.stop_server(self.flight)
     done = threading.Event()
-    threading.Thread(target=lambda: (grpc_done.wait(), flight_done.wait(), done.set()),
-                     daemon=True).start()
+    threading.Thread(target=lambda: (grpc_done.wait(), flight_done.wait((grace or 0.0) + 1.0),
+                                     done.set()), daemon=True).start()
     return done
 
 
