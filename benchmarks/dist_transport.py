@@ -221,7 +221,7 @@ def start_raw_server(reply: bytes, chunk_bytes: int) -> tuple[grpc.Server, int]:
     del request, context
     return reply
 
-  def unary_header(request, context):
+  def unary_header(request, context):   # the header in metadata both ways (the wire's old way)
     del request
     wire.decode_header(dict(context.invocation_metadata())[wire.HEADER_KEY])
     context.set_trailing_metadata(((wire.HEADER_KEY, wire.encode_header(
@@ -382,9 +382,12 @@ def local_steps_ms(payload: Payload, reps: int) -> dict[str, float]:
   parts = list(wire.chunks(body))
   size = wire.body_bytes(body)
   received = wire.receive(iter(parts), size, keep_parts=True)
+  message = wire.frame(p.header, body)
   steps = {
       "pack_push (leaf views)": lambda: layout.pack_push(0, p.grads, p.stats, sparse=False),
-      "wire.chunks (the one copy)": lambda: list(wire.chunks(body)),
+      "wire.frame (unary: the one copy)": lambda: wire.frame(p.header, body),
+      "wire.unframe (unary: a view)": lambda: wire.unframe(message),
+      "wire.chunks (stream: the one copy)": lambda: list(wire.chunks(body)),
       "wire.receive (parts kept)": lambda: wire.receive(iter(parts), size, keep_parts=True),
       "unpack_push (size, finite, views)": lambda: layout.unpack_push(0, received, nnz),
       "np.asarray(jax array)": lambda: np.asarray(weights),

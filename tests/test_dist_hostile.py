@@ -10,6 +10,7 @@ arrives is refused *before* anything changes.
 
 import os
 import stat
+import struct
 import subprocess
 import time
 
@@ -287,8 +288,28 @@ def test_bodies_travel_exactly_as_one_message_or_in_chunks(flight):
     grpc_server.stop(0)
 
 
+def test_a_unary_message_carries_its_header_and_an_aligned_body_both_ways():
+  header = {"mesh": 3, "loss": 0.5, "receipts": [b"r" * 32], "name": "x" * 13}
+  tensors = [np.arange(7, dtype=np.float32), np.ones([2, 3], np.float32)]
+  strided = np.arange(20, dtype=np.float32)[::2]
+  for body, want in ((None, None), (b"abc", b"abc"), (tensors, wire.join(tensors)),
+                     (strided, np.ascontiguousarray(strided).tobytes())):
+    message = wire.frame(header, body)
+    got_header, got = wire.unframe(message)
+    assert got_header == header
+    if want is None:
+      assert got is None
+      continue
+    assert got.tobytes() == want
+    offset = got.ctypes.data - np.frombuffer(message, np.uint8).ctypes.data
+    assert offset % wire.FRAME_ALIGN == 0 and np.shares_memory(got, np.frombuffer(message, np.uint8))
+  with pytest.raises(wire.BadMessage, match="must be a map"):
+    wire.unframe(struct.pack("<I", 1) + b"\x07" + bytes(64))
+
+
 def test_declared_and_real_sizes_past_the_limits_are_refused_before_they_are_received():
-  grpc_server, port = _echo_server()
+  calls = []
+  grpc_server, port = _echo_server(calls=calls)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.CHANNEL_OPTIONS[:1] + [
       ("grpc.max_send_message_length", 64 << 20)])
   token = CREDENTIALS.metadata
@@ -306,14 +327,18 @@ def test_declared_and_real_sizes_past_the_limits_are_refused_before_they_are_rec
           b"x" * (wire.MAX_MESSAGE_BYTES + 1), metadata=token + ((wire.HEADER_KEY, header),),
           timeout=10)
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    # A header that is not msgpack.
-    with pytest.raises(grpc.RpcError) as raised:
-      channel.unary_unary(f"/{wire.SERVICE}/Echo")(
-          b"", metadata=token + ((wire.HEADER_KEY, b"\xc1garbage"),), timeout=10)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Unary messages whose header is not msgpack, not a map, longer than allowed or than the
+    # message, or missing: refused as they are, no handler runs.
+    for message in (struct.pack("<I", 8) + b"\xc1garbage", struct.pack("<I", 1) + b"\x07",
+                    struct.pack("<I", wire.MAX_HEADER_BYTES + 1) + bytes(wire.MAX_HEADER_BYTES + 1),
+                    struct.pack("<I", 1 << 31) + bytes(100), b"\x05\x00", b""):
+      with pytest.raises(grpc.RpcError) as raised:
+        channel.unary_unary(f"/{wire.SERVICE}/Echo")(message, metadata=token, timeout=10)
+      assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message[:12]
   finally:
     channel.close()
     grpc_server.stop(0)
+  assert not calls   # no handler ran
   assert wire.MAX_MESSAGE_BYTES <= 17 << 20   # every message of a run, both ways
 
 

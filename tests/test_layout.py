@@ -1,5 +1,7 @@
 """The real runtime's bodies: a shard's push packs and unpacks exactly, and only finite values pass."""
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -63,8 +65,57 @@ def test_finite_values_whose_sum_overflows_are_accepted():
   body, nnz = layout.pack_push(0, jax.tree.leaves(params), jax.tree.leaves(stats), sparse=False)
   flat = _flat(body)
   flat[:] = np.finfo(np.float32).max   # the sum is infinite; every value is finite
-  assert not np.isfinite(flat.sum())
-  layout.unpack_push(0, flat.view(np.uint8), nnz)
+  with np.errstate(over="ignore"):
+    assert not np.isfinite(flat.sum())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # and the check's own overflow is no warning
+    layout.unpack_push(0, flat.view(np.uint8), nnz)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_finiteness_check_sees_one_bad_value_at_any_place_of_any_length(bad):
+  # The check is one BLAS dot product (x . x): a vectorised kernel with tails of every length.
+  for n in [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 1000, 4099]:
+    for where in sorted({0, 1, n // 2, n - 2, n - 1} & set(range(n))):
+      x = np.ones([n], np.float32)
+      x[where] = bad
+      assert not layout_lib.all_finite([x]), (n, where)
+    assert layout_lib.all_finite([np.ones([n], np.float32)])
+  mixed = np.zeros([100], np.float32)
+  mixed[[3, 60]] = [np.inf, -np.inf]   # cannot cancel: squares are never negative
+  assert not layout_lib.all_finite([mixed])
+  huge = np.full([50], 1e30, np.float32)   # squares overflow; min and max decide: finite
+  assert layout_lib.all_finite([huge, -huge])
+
+
+def test_a_non_finite_value_in_any_message_of_a_chunked_push_is_refused():
+  layout, params, stats = _layout(1)
+  body, nnz = layout.pack_push(0, jax.tree.leaves(params), jax.tree.leaves(stats), sparse=False)
+  flat = _flat(body)
+  raw = flat.view(np.uint8)
+  for where in (0, 20, flat.size - 1):
+    flat[where] = np.nan
+    parts = [raw[:40], raw[40:100], raw[100:]]   # the value lies in the first, second, last
+    with pytest.raises(layout_lib.NonFinite, match="non-finite"):
+      layout.unpack_push(0, parts, nnz)
+    flat[where] = 1.0
+  layout.unpack_push(0, [raw[:40], raw[40:100], raw[100:]], nnz)
+
+
+def test_a_pull_body_is_one_segment_when_it_travels_as_one_message(monkeypatch):
+  layout, params, stats = _layout(1)
+  row = np.arange(layout.pull_bytes(0) // 4, dtype=np.float32)
+  whole = layout.segments(0, row)
+  assert len(whole) == 1 and np.shares_memory(whole[0], row)
+  monkeypatch.setattr(wire, "CHUNK_BYTES", 64)   # now it is streamed: one view per tensor
+  views = layout.segments(0, row)
+  assert len(views) == len(layout.shapes) + len(layout.stats_shapes)
+  np.testing.assert_array_equal(np.concatenate(views), row)
+  for got in (whole, views):
+    weights, got_stats = layout.unpack_pull(0, [np.frombuffer(wire.join(got), np.uint8)])
+    assert [w.shape for w in weights] == list(layout.shapes)
+    np.testing.assert_array_equal(np.concatenate([w.reshape(-1) for w in weights + got_stats]),
+                                  row)
 
 
 def test_a_push_of_the_wrong_size_is_refused():

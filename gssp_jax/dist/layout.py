@@ -70,6 +70,16 @@ class ShardLayout:
     object.__setattr__(self, "_sizes", tuple(math.prod(x) for x in self.shapes))
     object.__setattr__(self, "_stats_sizes", tuple(math.prod(x) for x in self.stats_shapes))
     object.__setattr__(self, "_grad_sizes", tuple(sum(self._sizes[a:b]) for a, b in self.bounds))
+    object.__setattr__(self, "_spans", tuple(self._tensor_spans(s) for s in range(len(self.bounds))))
+
+  def _tensor_spans(self, s: int) -> tuple:
+    """``(start, end, shape)`` in float32 entries of shard ``s``'s tensors, then its statistics."""
+    shapes = [self.shapes[i] for i in self.leaves(s)] + list(self.stats_shapes if s == 0 else ())
+    spans, start = [], 0
+    for shape in shapes:
+      spans.append((start, start + math.prod(shape), shape))
+      start += math.prod(shape)
+    return tuple(spans)
 
   @classmethod
   def balanced(cls, params, model_state, num_shards: int) -> "ShardLayout":
@@ -165,7 +175,7 @@ class ShardLayout:
     finite, and for a sparse body indices in range and strictly increasing
     (no duplicates).
     """
-    n = self.grad_size(s)
+    n = self._grad_sizes[s]
     if not -1 <= nnz <= n:
       raise wire.BadMessage(f"nnz={nnz} is invalid for shard {s}; allowed: -1 (dense) or 0..{n}")
     expected = self.push_limit(s, nnz)
@@ -174,22 +184,30 @@ class ShardLayout:
     if size != expected:
       raise wire.BadMessage(f"a push to shard {s} has {size} bytes; expected {expected}"
                             f" ({'dense' if nnz < 0 else f'{nnz} sparse entries'})")
-    k, stats_sizes = len(self.leaves(s)), list(self._stats_sizes if s == 0 else ())
     if nnz < 0:
-      flats = leaf_views(parts, self._entry_sizes(s))
-      grads, stats = flats[:k], flats[k:]
-      _check_region(parts, 0, 4 * n, grads, f"the gradient sent to shard {s}")
-    else:
-      values = leaf_views(parts, [size // 4])[0]
-      idx, vals = values[:nnz].view(np.int32), values[nnz:2 * nnz]
-      if nnz and (idx[0] < 0 or idx[-1] >= n or np.any(idx[1:] <= idx[:-1])):
-        raise wire.BadMessage(f"the sparse indices sent to shard {s} are not strictly "
-                              f"increasing within 0..{n - 1}")
-      _check_finite(vals, f"the gradient sent to shard {s}")
-      flat = np.zeros([n], F32)
-      flat[idx] = vals
-      grads = _cut(flat, [self._sizes[i] for i in self.leaves(s)])
-      stats = _cut(values[2 * nnz:], stats_sizes)
+      k = self.bounds[s][1] - self.bounds[s][0]
+      if len(parts) == 1:   # a small push: one finiteness pass, one view per tensor
+        flat = parts[0].view(F32)
+        finite = _finite(flat)
+        tensors = [flat[a:b].reshape(shape) for a, b, shape in self._spans[s]]
+      else:
+        tensors = self._tensors(s, parts)
+        finite = _region_finite(parts, 0, size, tensors)
+      if not finite:   # which region, only now
+        _check_region(parts, 0, 4 * n, tensors[:k], f"the gradient sent to shard {s}")
+        _check_region(parts, 4 * n, size, tensors[k:], "the BatchNorm statistics sent")
+      return tensors[:k], tensors[k:]
+    stats_sizes = list(self._stats_sizes if s == 0 else ())
+    values = leaf_views(parts, [size // 4])[0]
+    idx, vals = values[:nnz].view(np.int32), values[nnz:2 * nnz]
+    if nnz and (idx[0] < 0 or idx[-1] >= n or np.any(idx[1:] <= idx[:-1])):
+      raise wire.BadMessage(f"the sparse indices sent to shard {s} are not strictly "
+                            f"increasing within 0..{n - 1}")
+    _check_finite(vals, f"the gradient sent to shard {s}")
+    flat = np.zeros([n], F32)
+    flat[idx] = vals
+    grads = _cut(flat, [self._sizes[i] for i in self.leaves(s)])
+    stats = _cut(values[2 * nnz:], stats_sizes)
     _check_region(parts, size - 4 * sum(stats_sizes), size, stats, "the BatchNorm statistics sent")
     return self._shaped(s, grads, stats)
 
@@ -203,13 +221,35 @@ class ShardLayout:
     if size != self.pull_bytes(s):
       raise wire.BadMessage(f"a pull from shard {s} has {size} bytes; expected "
                             f"{self.pull_bytes(s)}")
-    flats = leaf_views(parts, self._entry_sizes(s))
+    tensors = self._tensors(s, parts)
     k = len(self.leaves(s))
-    return self._shaped(s, flats[:k], flats[k:])
+    return tensors[:k], tensors[k:]
+
+  def _tensors(self, s: int, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Shard ``s``'s tensors, then its statistics, in their shapes, from a body's byte ``parts``.
+
+    The caller has checked the size. A body in one part (every unary call, and
+    any small body) is cut by the precomputed spans: one view each, no copy;
+    a body in several parts goes through :func:`leaf_views`.
+    """
+    spans = self._spans[s]
+    if len(parts) == 1:
+      flat = parts[0].view(F32)
+      return [flat[a:b].reshape(shape) for a, b, shape in spans]
+    return [x.reshape(shape) for x, (_, _, shape) in
+            zip(leaf_views(parts, [b - a for a, b, _ in spans]), spans)]
 
   def segments(self, s: int, flat: np.ndarray) -> list[np.ndarray]:
-    """Shard ``s``'s flat float32 row (weights, then statistics) as one view per tensor."""
-    return _cut(np.asarray(flat).reshape(-1), self._entry_sizes(s))
+    """Shard ``s``'s flat float32 row (weights, then statistics) as a pull body's segments.
+
+    One segment, the row itself, when it travels as one message (at most
+    ``wire.CHUNK_BYTES``); else one view per tensor, so that no message cuts a
+    tensor that fits in one (``wire.messages``) and the receiver uses it in place.
+    """
+    flat = np.asarray(flat).reshape(-1)
+    if flat.nbytes <= wire.CHUNK_BYTES:
+      return [flat]
+    return _cut(flat, self._entry_sizes(s))
 
   def _entry_sizes(self, s: int) -> list[int]:
     """Float32 entries of each of shard ``s``'s tensors, then (shard 0) of each statistic."""
@@ -295,15 +335,18 @@ def all_finite(arrays) -> bool:
 
 
 def _finite(values: np.ndarray) -> bool:
-  # A finite sum means every value is finite (a NaN or an infinity makes it NaN or infinite):
-  # one vectorised pass, no temporary array. Only a non-finite sum (which finite values of
-  # huge magnitude can also give, by overflow) needs min and max, which are exact.
-  return not values.size or bool(np.isfinite(values.sum())) or bool(
-      np.isfinite(values.min()) and np.isfinite(values.max()))
+  # A finite sum of squares means every value is finite: a NaN makes it NaN, an infinity
+  # infinite, and squares are never negative, so infinities cannot cancel. One BLAS pass
+  # (``np.dot``: 2.5x faster than ``sum``, measured on 62.5 K and 2.8 M floats), no temporary.
+  # Only a non-finite result (which finite values above ~1e19 also give, by overflow) needs
+  # min and max, which are exact.
+  with np.errstate(over="ignore", invalid="ignore"):   # an overflow here is no error
+    finite = not values.size or bool(np.isfinite(np.dot(values, values)))
+  return finite or bool(np.isfinite(values.min()) and np.isfinite(values.max()))
 
 
-def _check_region(parts: list[np.ndarray], start: int, end: int, leaves, what: str) -> None:
-  """Checks that bytes ``[start, end)`` of a body (the float32 ``leaves``) are finite.
+def _region_finite(parts: list[np.ndarray], start: int, end: int, leaves) -> bool:
+  """Whether bytes ``[start, end)`` of a body (the float32 ``leaves``) are all finite.
 
   One pass per message over the region rather than one per tensor (a small
   model's dozens of tensors cost more in calls than in bytes); per tensor
@@ -311,15 +354,20 @@ def _check_region(parts: list[np.ndarray], start: int, end: int, leaves, what: s
   project cuts one, but a stranger's body might).
   """
   if any(p.size % 4 for p in parts):
-    for x in leaves:
-      _check_finite(x, what)
-    return
+    return all(_finite(x.reshape(-1)) for x in leaves)
   offset = 0
   for part in parts:
     a, b = max(start - offset, 0), min(end - offset, part.size)
-    if a < b:
-      _check_finite(part[a:b].view(F32), what)
+    if a < b and not _finite(part[a:b].view(F32)):
+      return False
     offset += part.size
+  return True
+
+
+def _check_region(parts: list[np.ndarray], start: int, end: int, leaves, what: str) -> None:
+  """Raises NonFinite naming ``what`` unless bytes ``[start, end)`` are all finite."""
+  if not _region_finite(parts, start, end, leaves):
+    raise NonFinite(f"{what} has a non-finite value (NaN or infinity); refused")
 
 
 def _check_finite(values: np.ndarray, what: str) -> None:

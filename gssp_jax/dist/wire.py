@@ -5,9 +5,10 @@ run's token, ``auth.TokenInterceptor``; TLS optional), routes and limits the
 calls. A call has two parts:
 
 * a **header**: a small dict of plain values (ints, floats, strings, bytes,
-  lists), msgpack-encoded with size limits, in the call's metadata (the
-  request's invocation metadata; the reply's trailing metadata in a unary
-  call, its initial metadata in a stream, where it must precede the body);
+  lists), msgpack-encoded with size limits. A unary call carries it inside
+  its one message, before the body (:func:`frame`: the cheaper way for small
+  calls); a stream in metadata (the request's invocation metadata, the
+  reply's initial metadata, which precedes the body);
 * a **body**: raw array bytes (a shard's gradient slice, a worker's
   weights), never encoded leaf by leaf. A sender gives it as one buffer or as
   a list of **segments** (its tensors, in order), which it never concatenates:
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 from concurrent import futures
 import ctypes
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterator, NamedTuple
@@ -64,6 +66,7 @@ SEGMENT_BYTES = 16 << 20   # a larger segment travels alone, cut every this many
 MAX_HEADER_BYTES = 32 << 10
 FLIGHT_PORT_METHOD = "FlightPort"   # the method that tells a client its server's Flight port
 MAX_MESSAGE_BYTES = max(CHUNK_BYTES, SEGMENT_BYTES) + (64 << 10)
+_FRAME_MARGIN = 4 + MAX_HEADER_BYTES + 16   # a unary message's prefix, header and padding
 _RECONNECT_MS = 250   # a restarted server is found within ~0.5 s (gRPC's default backoff: up to 120 s)
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -183,6 +186,10 @@ def decode_header(data: bytes) -> dict[str, Any]:
   """The header dict; BadMessage for anything but a small msgpack map with string keys."""
   if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_HEADER_BYTES:
     raise BadMessage(f"a header must be at most {MAX_HEADER_BYTES} bytes of msgpack")
+  return _unpack_map(data)
+
+
+def _unpack_map(data: bytes) -> dict[str, Any]:
   try:
     header = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
   except Exception as e:  # pylint: disable=broad-except  (any decoding failure is a bad message)
@@ -190,6 +197,47 @@ def decode_header(data: bytes) -> dict[str, Any]:
   if not isinstance(header, dict):
     raise BadMessage(f"a header must be a map, not {type(header).__name__}")
   return header
+
+
+_FRAME_PREFIX = struct.Struct("<I")   # a unary message starts with its header's length
+FRAME_ALIGN = 16                       # its body starts at a multiple of this (float32 views)
+_PADS = [bytes(-k % FRAME_ALIGN) for k in range(FRAME_ALIGN)]   # the padding after k bytes
+
+
+def frame(header: dict[str, Any], body=None) -> bytes:
+  """A unary message: its header's length, the header, zero padding, the body (one copy).
+
+  The padding puts the body at a multiple of ``FRAME_ALIGN`` bytes, so every
+  tensor of it is used in place (``layout.leaf_views``). Carrying the header
+  inside the message, where a stream carries it in metadata, is the cheaper
+  way for a small call: ~0.1 ms less per call than a request header in
+  binary metadata and the reply's in trailing metadata (measured,
+  ``docs/PERFORMANCE.md``, the wire's own section).
+  """
+  data = encode_header(header)
+  head = [_FRAME_PREFIX.pack(len(data)), data, _PADS[(_FRAME_PREFIX.size + len(data)) % FRAME_ALIGN]]
+  items = () if body is None else body if isinstance(body, (list, tuple)) else (body,)
+  try:   # contiguous arrays and buffers join as they are: one copy, no views made
+    return b"".join([*head, *items])
+  except TypeError:   # a strided array: its contiguous copy
+    return b"".join([*head, *segments(body)])
+
+
+def unframe(message: bytes) -> tuple[dict[str, Any], np.ndarray | None]:
+  """A unary message's ``(header, body)``: the body a uint8 view of it, or None; BadMessage."""
+  if len(message) < _FRAME_PREFIX.size:
+    raise BadMessage(f"a message of {len(message)} bytes has no header; allowed: "
+                     f"at least {_FRAME_PREFIX.size}")
+  (n,) = _FRAME_PREFIX.unpack_from(message)
+  start = _FRAME_PREFIX.size + n
+  if n > MAX_HEADER_BYTES or start > len(message):
+    raise BadMessage(f"a message declares a header of {n} bytes in {len(message)}; allowed: "
+                     f"at most {min(MAX_HEADER_BYTES, len(message) - _FRAME_PREFIX.size)}")
+  header = _unpack_map(message[_FRAME_PREFIX.size:start])   # its size is checked above
+  start += -start % FRAME_ALIGN
+  if start >= len(message):
+    return header, None
+  return header, np.frombuffer(message, np.uint8, offset=start)
 
 
 def _metadata_header(metadata) -> dict[str, Any]:
@@ -329,26 +377,21 @@ def _abort(context, e: Exception):
 def _unary(method: Method):
   def handle(request: bytes, context):
     try:
-      header = _metadata_header(context.invocation_metadata())
-      limit = method.body_limit(header)
-      if len(request) > limit:
-        raise BadMessage(f"{method.name}: a body of {len(request)} bytes; allowed: at most "
+      header, body = unframe(request)
+      limit, size = method.body_limit(header), 0 if body is None else body.size
+      if size > limit:
+        raise BadMessage(f"{method.name}: a body of {size} bytes; allowed: at most "
                          f"{limit} for this header")
-      body = np.frombuffer(request, np.uint8) if request else None
       if body is not None and method.parts:
         body = [body]
       reply_header, reply_body = method.handler(header, body, context.peer())
     except (BadMessage, Refused) as e:
       _abort(context, e)
     size = body_bytes(reply_body)
-    if size > MAX_MESSAGE_BYTES:
+    if size > MAX_MESSAGE_BYTES - _FRAME_MARGIN:
       context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{method.name}: a reply of {size} bytes must be streamed ({method.name}~)")
-    # The reply's header goes with its status (trailing metadata): one batch with the body,
-    # where initial metadata is sent on its own (measured: ~0.1 ms less per small call).
-    context.set_trailing_metadata(((HEADER_KEY, encode_header(
-        {**reply_header, "body_bytes": size})),))
-    return join(reply_body) if size else b""
+    return frame({**reply_header, "body_bytes": size}, reply_body if size else None)
   return grpc.unary_unary_rpc_method_handler(handle)
 
 
@@ -495,8 +538,8 @@ class Client:
       flight = self._flight
     if flight is None:
       try:
-        header, _ = self._attempt(FLIGHT_PORT_METHOD, False, None, self._metadata + (
-            (HEADER_KEY, encode_header({"body_bytes": 0})),), 0, 10.0, False)
+        header, _ = self._attempt(FLIGHT_PORT_METHOD, False, {"body_bytes": 0}, None, 0, 10.0,
+                                  False)
         port = field(header, "port", int, 1, 65535)
       except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.UNIMPLEMENTED:
@@ -550,7 +593,6 @@ class Client:
     size = body_bytes(body)
     stream = size > CHUNK_BYTES or reply_limit > CHUNK_BYTES
     header = {**header, "body_bytes": size}
-    metadata = self._metadata + ((HEADER_KEY, encode_header(header)),)
     deadline = time.monotonic() + self.retry_seconds
     delay = 0.05
     while True:
@@ -560,7 +602,7 @@ class Client:
           reply_header, reply = link.call(name, header, body if size else None, reply_limit,
                                           timeout, reply_parts)
         else:
-          reply_header, reply = self._attempt(name, stream, body if size else None, metadata,
+          reply_header, reply = self._attempt(name, stream, header, body if size else None,
                                               reply_limit, timeout, reply_parts)
         break
       except _FAILURES as e:
@@ -579,27 +621,25 @@ class Client:
     self.bytes_received += body_bytes(reply)
     return reply_header, reply
 
-  def _attempt(self, name, stream, body, metadata, reply_limit, timeout, reply_parts):
-    if not stream:
-      request = join(body) if body is not None else b""
-      reply, call = self._method(name, False).with_call(request, metadata=metadata,
-                                                        timeout=timeout)
-      header = _metadata_header(call.trailing_metadata())
-      if len(reply) > max(reply_limit, 0):
-        raise BadMessage(f"{name}: a reply of {len(reply)} bytes; expected at most {reply_limit}")
-      if not reply:
-        return header, None
-      reply = np.frombuffer(reply, np.uint8)
-      return header, ([reply] if reply_parts else reply)
+  def _attempt(self, name, stream, header, body, reply_limit, timeout, reply_parts):
+    if not stream:   # the header travels inside the message both ways (:func:`frame`)
+      reply = self._method(name, False)(frame(header, body), metadata=self._metadata,
+                                        timeout=timeout)
+      reply_header, reply = unframe(reply)
+      if reply is not None and reply.size > max(reply_limit, 0):
+        raise BadMessage(f"{name}: a reply of {reply.size} bytes; expected at most "
+                         f"{reply_limit}")
+      return reply_header, ([reply] if reply_parts and reply is not None else reply)
+    metadata = self._metadata + ((HEADER_KEY, encode_header(header)),)
     parts = chunks(body) if body is not None else iter(())
     responses = self._method(name, True)(parts, metadata=metadata, timeout=timeout)
     metadata_in = responses.initial_metadata()
     if not any(key == HEADER_KEY for key, _ in metadata_in or ()):
       for _ in responses:   # no header: the call failed; iterating raises its status
         pass
-    header = _metadata_header(metadata_in)
-    size = field(header, "body_bytes", int, 0, max(reply_limit, 0))
-    return header, (receive(responses, size, reply_parts) if size else None)
+    reply_header = _metadata_header(metadata_in)
+    size = field(reply_header, "body_bytes", int, 0, max(reply_limit, 0))
+    return reply_header, (receive(responses, size, reply_parts) if size else None)
 
   def close(self) -> None:
     self._forget_flight()
