@@ -12,6 +12,7 @@ import os
 import stat
 import struct
 import subprocess
+import sys
 import time
 
 import grpc
@@ -250,7 +251,7 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
 # -- the wire's limits ----------------------------------------------------------------------------
 
 
-def _echo_server(flight=False, calls=None):
+def _echo_server(flight=False, calls=None, max_workers=4):
   def echo(header, body, peer):
     del peer
     if calls is not None:
@@ -258,7 +259,8 @@ def _echo_server(flight=False, calls=None):
     return {"n": wire.body_bytes(body), "parts": isinstance(body, list)}, body
   methods = [wire.Method("Echo", echo, lambda header: 40 << 20),
              wire.Method("EchoParts", echo, lambda header: 40 << 20, parts=True)]
-  return wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4, flight=flight)
+  return wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=max_workers,
+                          flight=flight)
 
 
 @pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
@@ -411,6 +413,84 @@ def test_the_flight_data_plane_refuses_strangers_and_bad_bodies_before_any_handl
   finally:
     client.close()
     server.stop(0)
+
+
+# A peer that sends the first MiB of a 3 MiB body, says SENT and waits to be killed.
+_VANISHING_UPLOAD = {
+    "grpc": """
+import sys, time, grpc
+from gssp_jax.dist import wire
+def parts():
+  yield bytes(1 << 20)
+  print("SENT", flush=True)
+  time.sleep(120)
+channel = grpc.insecure_channel(sys.argv[1], options=wire.CHANNEL_OPTIONS)
+metadata = ((sys.argv[2], sys.argv[3]), (wire.HEADER_KEY, wire.encode_header(
+    {"body_bytes": 3 << 20})))
+for _ in channel.stream_stream(f"/{wire.SERVICE}/EchoParts~")(parts(), metadata=metadata):
+  pass
+""",
+    "flight": """
+import sys, time
+import pyarrow as pa
+from pyarrow import flight
+from gssp_jax.dist import wire
+client = flight.FlightClient("grpc://" + sys.argv[1])
+options = flight.FlightCallOptions(headers=[(sys.argv[2].encode(), sys.argv[3].encode())])
+command = wire.encode_header({"m": "EchoParts", "h": {"body_bytes": 3 << 20}})
+writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command), options)
+writer.begin(pa.schema([("body", pa.uint8())]))
+writer.write_batch(pa.RecordBatch.from_arrays([pa.array(bytes(1 << 20), pa.uint8())], ["body"]))
+print("SENT", flush=True)
+time.sleep(120)
+""",
+}
+
+
+def _until(condition, seconds: float) -> bool:
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return condition()
+
+
+@pytest.mark.parametrize("plane", ["grpc", "flight"])
+def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatch):
+  """Killed after a third of its body: the server stops receiving it at once, no handler runs,
+  and it goes on serving (the gRPC server has one worker: the next call needs it back)."""
+  from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+  receiving = []   # bodies being received now
+
+  def tracked(receive):
+    def run(*args):
+      receiving.append(args)
+      try:
+        return receive(*args)
+      finally:
+        receiving.pop()
+    return run
+  monkeypatch.setattr(wire, "receive", tracked(wire.receive))
+  monkeypatch.setattr(flight, "receive_views", tracked(flight.receive_views))
+  calls = []
+  server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
+  peer = subprocess.Popen([sys.executable, "-c", _VANISHING_UPLOAD[plane], address,
+                           auth.TOKEN_KEY, CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
+  try:
+    assert peer.stdout.readline().strip() == "SENT"
+    assert _until(lambda: receiving, 10), "the upload never reached the server"
+    peer.kill()
+    peer.wait(10)
+    assert _until(lambda: not receiving, 15), "the server still waits for the vanished peer"
+    body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8) if plane == "flight" else b"x" * 100
+    header, _ = client.call("EchoParts", {}, body, reply_limit=40 << 20, timeout=10)
+    assert header["n"] == len(body) and len(calls) == 1   # only this call reached the handler
+  finally:
+    peer.kill()
+    peer.wait(10)
+    client.close()
+    server.stop(0).wait(10)
 
 
 def test_flight_keeps_status_codes_and_retries_unavailable():
