@@ -447,6 +447,43 @@ time.sleep(120)
 }
 
 
+# A peer that sends a 20 MiB body whole, never reads the echoed reply, says SENT and waits.
+_VANISHING_DOWNLOAD = {
+    "grpc": """
+import sys, time, grpc
+from gssp_jax.dist import wire
+body = bytes(20 << 20)
+channel = grpc.insecure_channel(sys.argv[1], options=wire.CHANNEL_OPTIONS)
+metadata = ((sys.argv[2], sys.argv[3]), (wire.HEADER_KEY, wire.encode_header(
+    {"body_bytes": len(body)})))
+call = channel.stream_stream(f"/{wire.SERVICE}/EchoParts~")(wire.chunks([body]),
+                                                            metadata=metadata)
+call.initial_metadata()   # the server has taken the body and started its reply
+print("SENT", flush=True)
+time.sleep(120)
+""",
+    "flight": """
+import sys, time
+import numpy as np
+import pyarrow as pa
+from pyarrow import flight
+from gssp_jax.dist import flight as flight_lib, wire
+client = flight.FlightClient("grpc://" + sys.argv[1])
+options = flight.FlightCallOptions(headers=[(sys.argv[2].encode(), sys.argv[3].encode())])
+body = np.zeros([20 << 20], np.uint8)
+command = wire.encode_header({"m": "EchoParts", "h": {"body_bytes": body.size}})
+writer, reader = client.do_exchange(flight.FlightDescriptor.for_command(command), options)
+writer.begin(pa.schema([("body", pa.uint8())]))
+for batch in flight_lib.batches([body]):
+  writer.write_batch(batch)
+writer.done_writing()
+reader.read_chunk()   # the reply's header: the server is sending
+print("SENT", flush=True)
+time.sleep(120)
+""",
+}
+
+
 def _until(condition, seconds: float) -> bool:
   deadline = time.monotonic() + seconds
   while not condition() and time.monotonic() < deadline:
@@ -486,6 +523,45 @@ def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatc
     body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8) if plane == "flight" else b"x" * 100
     header, _ = client.call("EchoParts", {}, body, reply_limit=40 << 20, timeout=10)
     assert header["n"] == len(body) and len(calls) == 1   # only this call reached the handler
+  finally:
+    peer.kill()
+    peer.wait(10)
+    client.close()
+    server.stop(0).wait(10)
+
+
+@pytest.mark.parametrize("plane", ["grpc", "flight"])
+def test_a_peer_that_vanishes_while_its_reply_is_sent_leaves_nothing_behind(plane, monkeypatch):
+  """A peer that stops reading a 20 MiB reply and is killed: the server stops sending it at
+  once and goes on serving (the gRPC server has one worker: the next call needs it back)."""
+  from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+  sending = []   # replies being sent now
+
+  def tracked(messages):
+    def run(body, *args, **kwargs):
+      sending.append(1)
+      try:
+        yield from messages(body, *args, **kwargs)
+      finally:
+        sending.pop()
+    return run
+  monkeypatch.setattr(wire, "chunks", tracked(wire.chunks))
+  monkeypatch.setattr(flight, "batches", tracked(flight.batches))
+  calls = []
+  server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
+  peer = subprocess.Popen([sys.executable, "-c", _VANISHING_DOWNLOAD[plane], address,
+                           auth.TOKEN_KEY, CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
+  try:
+    assert peer.stdout.readline().strip() == "SENT"
+    time.sleep(1.0)
+    assert sending, "the server is not blocked on the unread reply"
+    peer.kill()
+    peer.wait(10)
+    assert _until(lambda: not sending, 15), "the server still sends to the vanished peer"
+    header, _ = client.call("EchoParts", {}, b"x" * 100, reply_limit=1 << 20, timeout=10)
+    assert header["n"] == 100 and len(calls) == 2   # the vanished call's and this one
   finally:
     peer.kill()
     peer.wait(10)
