@@ -75,12 +75,21 @@ def test_finite_values_whose_sum_overflows_are_accepted():
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_the_finiteness_check_sees_one_bad_value_at_any_place_of_any_length(bad):
   # The check is one BLAS dot product (x . x): a vectorised kernel with tails of every length.
-  for n in [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 1000, 4099]:
-    for where in sorted({0, 1, n // 2, n - 2, n - 1} & set(range(n))):
-      x = np.ones([n], np.float32)
-      x[where] = bad
-      assert not layout_lib.all_finite([x]), (n, where)
-    assert layout_lib.all_finite([np.ones([n], np.float32)])
+  # Unaligned arrays (a Flight batch lies wherever gRPC put it) take another path: both.
+  def ones(n, unaligned):
+    if not unaligned:
+      return np.ones([n], np.float32)
+    x = np.zeros([4 * n + 1], np.uint8)[1:].view(np.float32)
+    x[:] = 1.0
+    assert not x.flags.aligned
+    return x
+  for unaligned in (False, True):
+    for n in [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 1000, 4099]:
+      for where in sorted({0, 1, n // 2, n - 2, n - 1} & set(range(n))):
+        x = ones(n, unaligned)
+        x[where] = bad
+        assert not layout_lib.all_finite([x]), (n, where, unaligned)
+      assert layout_lib.all_finite([ones(n, unaligned)])
   mixed = np.zeros([100], np.float32)
   mixed[[3, 60]] = [np.inf, -np.inf]   # cannot cancel: squares are never negative
   assert not layout_lib.all_finite([mixed])

@@ -335,13 +335,22 @@ def all_finite(arrays) -> bool:
 
 
 def _finite(values: np.ndarray) -> bool:
-  # A finite sum of squares means every value is finite: a NaN makes it NaN, an infinity
-  # infinite, and squares are never negative, so infinities cannot cancel. One BLAS pass
-  # (``np.dot``: 2.5x faster than ``sum``, measured on 62.5 K and 2.8 M floats), no temporary.
-  # Only a non-finite result (which finite values above ~1e19 also give, by overflow) needs
-  # min and max, which are exact.
+  """Whether every value of a flat float32 array is finite (exact, no temporary when aligned).
+
+  Aligned data: a finite sum of squares means every value is finite (a NaN makes it NaN, an
+  infinity infinite; squares are never negative, so infinities cannot cancel): one BLAS pass
+  (``np.dot``, 2.5x faster than ``sum``). Only a non-finite result, which finite values above
+  ~1e19 also give by overflow, needs min and max, which are exact. Data at an address that is
+  not a multiple of 4 (a Flight batch is wherever gRPC put it) never reaches BLAS: NumPy would
+  copy it first, 30x slower (measured: 5.2 ms against 0.17 ms for 2.8 M values); ``isfinite``
+  takes it as it is (0.48 ms).
+  """
+  if not values.size:
+    return True
+  if not values.flags.aligned:
+    return bool(np.isfinite(values).all())
   with np.errstate(over="ignore", invalid="ignore"):   # an overflow here is no error
-    finite = not values.size or bool(np.isfinite(np.dot(values, values)))
+    finite = bool(np.isfinite(np.dot(values, values)))
   return finite or bool(np.isfinite(values.min()) and np.isfinite(values.max()))
 
 
