@@ -8,6 +8,8 @@ called directly or through gRPC on loopback; a case passes only if what
 arrives is refused *before* anything changes.
 """
 
+import contextlib
+import inspect
 import os
 import stat
 import struct
@@ -491,31 +493,56 @@ def _until(condition, seconds: float) -> bool:
   return condition()
 
 
+def _tracked(active: list, fn):
+  """``fn`` (a function or a generator function) keeping an entry in ``active`` while it runs."""
+  if inspect.isgeneratorfunction(fn):
+    def run_generator(*args, **kwargs):
+      active.append(fn)
+      try:
+        yield from fn(*args, **kwargs)
+      finally:
+        active.pop()
+    return run_generator
+
+  def run(*args, **kwargs):
+    active.append(fn)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      active.pop()
+  return run
+
+
+@contextlib.contextmanager
+def _vanishing_peer(plane: str, script: str, calls: list):
+  """A one-worker echo server (Flight too for ``plane='flight'``), a client of it, and a peer
+  process running ``script`` against the plane's port, once it has said SENT: ``(client,
+  peer)``. Afterwards the peer is killed and waited for, the client closed, the server stopped."""
+  server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
+  peer = subprocess.Popen([sys.executable, "-c", script, address, auth.TOKEN_KEY,
+                           CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
+  try:
+    assert peer.stdout.readline().strip() == "SENT"
+    yield client, peer
+  finally:
+    peer.kill()
+    peer.wait(10)
+    client.close()
+    server.stop(0).wait(10)
+
+
 @pytest.mark.parametrize("plane", ["grpc", "flight"])
 def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatch):
   """Killed after a third of its body: the server stops receiving it at once, no handler runs,
   and it goes on serving (the gRPC server has one worker: the next call needs it back)."""
   from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
   receiving = []   # bodies being received now
-
-  def tracked(receive):
-    def run(*args):
-      receiving.append(args)
-      try:
-        return receive(*args)
-      finally:
-        receiving.pop()
-    return run
-  monkeypatch.setattr(wire, "receive", tracked(wire.receive))
-  monkeypatch.setattr(flight, "receive_views", tracked(flight.receive_views))
+  monkeypatch.setattr(wire, "receive", _tracked(receiving, wire.receive))
+  monkeypatch.setattr(flight, "receive_views", _tracked(receiving, flight.receive_views))
   calls = []
-  server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
-  address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
-  peer = subprocess.Popen([sys.executable, "-c", _VANISHING_UPLOAD[plane], address,
-                           auth.TOKEN_KEY, CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
-  try:
-    assert peer.stdout.readline().strip() == "SENT"
+  with _vanishing_peer(plane, _VANISHING_UPLOAD[plane], calls) as (client, peer):
     assert _until(lambda: receiving, 10), "the upload never reached the server"
     peer.kill()
     peer.wait(10)
@@ -523,11 +550,6 @@ def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatc
     body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8) if plane == "flight" else b"x" * 100
     header, _ = client.call("EchoParts", {}, body, reply_limit=40 << 20, timeout=10)
     assert header["n"] == len(body) and len(calls) == 1   # only this call reached the handler
-  finally:
-    peer.kill()
-    peer.wait(10)
-    client.close()
-    server.stop(0).wait(10)
 
 
 @pytest.mark.parametrize("plane", ["grpc", "flight"])
@@ -536,25 +558,10 @@ def test_a_peer_that_vanishes_while_its_reply_is_sent_leaves_nothing_behind(plan
   once and goes on serving (the gRPC server has one worker: the next call needs it back)."""
   from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
   sending = []   # replies being sent now
-
-  def tracked(messages):
-    def run(body, *args, **kwargs):
-      sending.append(1)
-      try:
-        yield from messages(body, *args, **kwargs)
-      finally:
-        sending.pop()
-    return run
-  monkeypatch.setattr(wire, "chunks", tracked(wire.chunks))
-  monkeypatch.setattr(flight, "batches", tracked(flight.batches))
+  monkeypatch.setattr(wire, "chunks", _tracked(sending, wire.chunks))
+  monkeypatch.setattr(flight, "batches", _tracked(sending, flight.batches))
   calls = []
-  server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
-  address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
-  peer = subprocess.Popen([sys.executable, "-c", _VANISHING_DOWNLOAD[plane], address,
-                           auth.TOKEN_KEY, CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
-  try:
-    assert peer.stdout.readline().strip() == "SENT"
+  with _vanishing_peer(plane, _VANISHING_DOWNLOAD[plane], calls) as (client, peer):
     time.sleep(1.0)
     assert sending, "the server is not blocked on the unread reply"
     peer.kill()
@@ -562,11 +569,6 @@ def test_a_peer_that_vanishes_while_its_reply_is_sent_leaves_nothing_behind(plan
     assert _until(lambda: not sending, 15), "the server still sends to the vanished peer"
     header, _ = client.call("EchoParts", {}, b"x" * 100, reply_limit=1 << 20, timeout=10)
     assert header["n"] == 100 and len(calls) == 2   # the vanished call's and this one
-  finally:
-    peer.kill()
-    peer.wait(10)
-    client.close()
-    server.stop(0).wait(10)
 
 
 def test_flight_keeps_status_codes_and_retries_unavailable():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 
@@ -75,11 +76,8 @@ class ShardLayout:
   def _tensor_spans(self, s: int) -> tuple:
     """``(start, end, shape)`` in float32 entries of shard ``s``'s tensors, then its statistics."""
     shapes = [self.shapes[i] for i in self.leaves(s)] + list(self.stats_shapes if s == 0 else ())
-    spans, start = [], 0
-    for shape in shapes:
-      spans.append((start, start + math.prod(shape), shape))
-      start += math.prod(shape)
-    return tuple(spans)
+    ends = list(itertools.accumulate(math.prod(shape) for shape in shapes))
+    return tuple(zip([0] + ends[:-1], ends, shapes))
 
   @classmethod
   def balanced(cls, params, model_state, num_shards: int) -> "ShardLayout":
@@ -185,15 +183,9 @@ class ShardLayout:
       raise wire.BadMessage(f"a push to shard {s} has {size} bytes; expected {expected}"
                             f" ({'dense' if nnz < 0 else f'{nnz} sparse entries'})")
     if nnz < 0:
-      k = self.bounds[s][1] - self.bounds[s][0]
-      if len(parts) == 1:   # a small push: one finiteness pass, one view per tensor
-        flat = parts[0].view(F32)
-        finite = _finite(flat)
-        tensors = [flat[a:b].reshape(shape) for a, b, shape in self._spans[s]]
-      else:
-        tensors = self._tensors(s, parts)
-        finite = _region_finite(parts, 0, size, tensors)
-      if not finite:   # which region, only now
+      k = len(self.leaves(s))
+      tensors = self._tensors(s, parts)
+      if not _region_finite(parts, 0, size, tensors):   # one pass; which region, only now
         _check_region(parts, 0, 4 * n, tensors[:k], f"the gradient sent to shard {s}")
         _check_region(parts, 4 * n, size, tensors[k:], "the BatchNorm statistics sent")
       return tensors[:k], tensors[k:]
@@ -237,7 +229,7 @@ class ShardLayout:
       flat = parts[0].view(F32)
       return [flat[a:b].reshape(shape) for a, b, shape in spans]
     return [x.reshape(shape) for x, (_, _, shape) in
-            zip(leaf_views(parts, [b - a for a, b, _ in spans]), spans)]
+            zip(leaf_views(parts, self._entry_sizes(s)), spans)]
 
   def segments(self, s: int, flat: np.ndarray) -> list[np.ndarray]:
     """Shard ``s``'s flat float32 row (weights, then statistics) as a pull body's segments.

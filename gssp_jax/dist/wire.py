@@ -66,7 +66,6 @@ SEGMENT_BYTES = 16 << 20   # a larger segment travels alone, cut every this many
 MAX_HEADER_BYTES = 32 << 10
 FLIGHT_PORT_METHOD = "FlightPort"   # the method that tells a client its server's Flight port
 MAX_MESSAGE_BYTES = max(CHUNK_BYTES, SEGMENT_BYTES) + (64 << 10)
-_FRAME_MARGIN = 4 + MAX_HEADER_BYTES + 16   # a unary message's prefix, header and padding
 _RECONNECT_MS = 250   # a restarted server is found within ~0.5 s (gRPC's default backoff: up to 120 s)
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -202,6 +201,7 @@ def _unpack_map(data: bytes) -> dict[str, Any]:
 _FRAME_PREFIX = struct.Struct("<I")   # a unary message starts with its header's length
 FRAME_ALIGN = 16                       # its body starts at a multiple of this (float32 views)
 _PADS = [bytes(-k % FRAME_ALIGN) for k in range(FRAME_ALIGN)]   # the padding after k bytes
+_FRAME_MARGIN = _FRAME_PREFIX.size + MAX_HEADER_BYTES + FRAME_ALIGN   # all but a body's bytes
 
 
 def frame(header: dict[str, Any], body=None) -> bytes:
