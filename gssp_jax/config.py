@@ -55,12 +55,16 @@ def default_config() -> ml_collections.ConfigDict:
   c.seed = 0
   # What advances the run: auto | fused (BSP, no cluster: one jitted chunk of updates, no
   # virtual time) | rounds (the simulated cluster, one device call per round; any scheme) |
-  # levels (the simulated cluster, one batched call per dependency level; for accelerators).
+  # levels (the simulated cluster, the schedule planned ahead and run in compiled chunks of many
+  # dependency levels; for accelerators, also runs on a CPU).
   c.executor = "auto"
-  # levels executor: consecutive dependency levels per device call (a power of two, at most 64).
-  # 1: two calls per level (jobs, then rounds). More: one jitted scan over that many levels, fewer
-  # dispatches but the model compiled per (jobs, rounds) bucket pair; same results either way.
-  c.levels_per_call = 1
+  # levels executor: pieces (dependency levels) per device call, a power of two up to 64, or 0 =
+  # chosen by the run (16, fewer when an evaluation interval holds fewer). It sets only how
+  # often the host dispatches: a resumed run may change it.
+  c.levels_per_call = 0
+  # levels executor: job slots per piece (the gradients of one vmap), 1..num_workers, or 0 =
+  # min(num_workers, 64). Bounds the activations in memory (ResNet-18 at 256 workers).
+  c.level_job_slots = 0
   c.num_workers = 4
   c.batch_size = 32      # per worker
 
@@ -527,29 +531,38 @@ def validate_executor(config: ml_collections.ConfigDict) -> None:
 
 
 def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
-  """``levels_per_call``: a power of two in [1, 64], other than 1 only where ``levels`` runs.
+  """``levels_per_call`` (0 or a power of two up to 64) and ``level_job_slots`` (0..W).
+
+  Either set (not 0) is an error unless the run uses the ``levels`` executor.
 
   Args:
     config: the run's config.
     backend: the JAX backend ``executor='auto'`` resolves against (``jax.default_backend()``
-      if None; only read when ``levels_per_call`` is not 1 under ``auto``).
+      if None; only read when a key is set under ``auto``).
   """
-  value = config.get("levels_per_call", 1)
-  if (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64
+  value = config.get("levels_per_call", 0)
+  if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64
       or value & (value - 1)):
-    _fail("levels_per_call", value, "a power of two from 1 to 64")
-  if value == 1:
-    return
-  name = config.get("executor", "auto")
-  if name == "auto" and uses_simulator(config):
-    if backend is None:
-      import jax  # pylint: disable=g-import-not-at-top
-      backend = jax.default_backend()
-    name = "rounds" if backend == "cpu" else "levels"
-  if name != "levels":
-    raise ValueError(f"config.levels_per_call={value} cannot apply: it sets the levels executor,"
-                     f" and this run uses {name!r} (config.executor={config.get('executor', 'auto')!r});"
-                     " set config.executor='levels' or leave levels_per_call=1")
+    _fail("levels_per_call", value, "0 (chosen by the run) or a power of two from 1 to 64")
+  slots = config.get("level_job_slots", 0)
+  if (isinstance(slots, bool) or not isinstance(slots, int)
+      or not 0 <= slots <= config.num_workers):
+    _fail("level_job_slots", slots, f"0 (min(num_workers, 64)) or 1..num_workers "
+          f"({config.num_workers})")
+  for key, set_value in (("levels_per_call", value), ("level_job_slots", slots)):
+    if not set_value:
+      continue
+    name = config.get("executor", "auto")
+    if name == "auto" and uses_simulator(config):
+      if backend is None:
+        import jax  # pylint: disable=g-import-not-at-top
+        backend = jax.default_backend()
+      name = "rounds" if backend == "cpu" else "levels"
+    if name != "levels":
+      raise ValueError(f"config.{key}={set_value} cannot apply: it sets the levels executor, and"
+                       f" this run uses {name!r} (config.executor="
+                       f"{config.get('executor', 'auto')!r}); set config.executor='levels' or "
+                       f"leave {key}=0")
 
 
 def validate_dist(config: ml_collections.ConfigDict) -> None:

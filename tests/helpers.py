@@ -8,13 +8,17 @@ the session's compilation cache (conftest.py) then compiles only once.
 import json
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from configs import mnist_lenet5
 from gssp_jax import config as config_lib
 from gssp_jax import sync
+from gssp_jax.sim import chunk
 from gssp_jax.sim import executor
+from gssp_jax.sim import flat
+from gssp_jax.sim import levels
 
 
 class TinyCNN(nn.Module):
@@ -112,3 +116,43 @@ def timeline_steps(scheme, speeds, max_pushes, num_examples, batch_size, *, seed
       pulled = np.flatnonzero(rnd.pulls)
       steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
   return steps
+
+
+def level_runner(loss_fn, compressor, tx, dense_bytes, stats_bytes, scheme, params, model_state,
+                 rng, *, shape=None, grad_clip=0.0, local=None, job_shape=(1,)):
+  """The level executor's flat initial state and step runner, for the runners' equivalence tests.
+
+  ``tx`` is the same sync chain the per-round runner uses (its optimizers are
+  elementwise, so one chain serves the flat weights too). ``shape`` defaults to
+  small pieces (2 per call, 4 job and 4 round slots, 2 pull slots) and the
+  protocol's declared round bounds. Returns ``(state, run, layout)``.
+  """
+  W, R = scheme.num_workers, scheme.num_replicas
+  protocol = scheme.make_protocol()
+  layout = flat.make_layout(params, model_state)
+  if shape is None:
+    arrivals, replicas = protocol.round_bounds()
+    shape = chunk.Shape(pieces=2, jobs=min(W, 4), rounds=max(4, -(-W // 2)), arrivals=arrivals,
+                        pulls=min(W, 2), replicas=min(replicas, R))
+  init = lambda p, m, r: chunk.init_state(layout, p, m, tx, compressor, W, R, r,
+                                          inner=None if local is None else local.inner)
+  state = jax.jit(init)(params, model_state, rng)
+  run = levels.make_step_runner(layout, loss_fn, compressor, tx, dense_bytes, stats_bytes, W, R,
+                                protocol.num_groups, shape, job_shape, protocol.route,
+                                grad_clip=grad_clip, local=local)
+  return state, run, layout
+
+
+def as_trees(layout, state):
+  """A flat (level executor) state's weights, statistics and gradients as the model's pytrees.
+
+  The sync chain's state stays as it is (its clocks compare directly).
+  """
+  params = lambda rows: jax.vmap(layout.unravel_params)(rows)
+  stats = (lambda rows: jax.vmap(layout.unravel_stats)(rows)) if layout.num_stats else (
+      lambda rows: {})
+  return state.replace(replica_params=params(state.replica_params),
+                       worker_params=params(state.worker_params),
+                       replica_model_state=stats(state.replica_model_state),
+                       worker_model_state=stats(state.worker_model_state),
+                       grad_buf=params(state.grad_buf))

@@ -19,11 +19,12 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
+
 from gssp_jax import sync
 from gssp_jax.sim import executor
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.sync import timeline as timeline_lib
-from gssp_jax.sim import levels
 from gssp_jax.train import optim
 from test_clip import PARAMS, SPEEDS4, _linear_loss, _one_epoch_steps, _sgd_config
 
@@ -35,12 +36,13 @@ def test_push_bytes_past_two_gib_are_counted_exactly(runner):
   """ASP, 4 workers, 160 pushes of a VGG-19's size between two evaluations: 40 per worker."""
   scheme = sync.build_scheme("asp", 4, worker_times=SPEEDS4)
   tx = optim.make_sync_chain(_sgd_config(grad_clip=0.0), scheme.transform, scheme.num_replicas)
-  state = executor.init_state(PARAMS, {}, tx, None, 4, scheme.num_replicas, jax.random.key(0))
   if runner == "rounds":
+    state = executor.init_state(PARAMS, {}, tx, None, 4, scheme.num_replicas, jax.random.key(0))
     run = executor.make_round_runner(executor.make_job_fn(_linear_loss, None, VGG19_PUSH),
                                      executor.make_round_fn(tx))
   else:
-    run = levels.make_level_runner(_linear_loss, None, tx, VGG19_PUSH, 0, 4)
+    state, run, _ = helpers.level_runner(_linear_loss, None, tx, VGG19_PUSH, 0, scheme, PARAMS,
+                                         {}, jax.random.key(0))
   state = run(state, {"x": jnp.zeros([4, 1])}, _one_epoch_steps(scheme, 160))
   pushes = np.asarray(sync.find_sync_state(state.tx_state).clock, np.int64)
   assert pushes.sum() == 160 and pushes.max() * VGG19_PUSH > 2**31   # past one int32
@@ -53,7 +55,8 @@ def test_a_push_larger_than_a_job_slot_holds_is_refused_before_compiling():
                                        r"2,146,435,072"):
     executor.make_job_fn(_linear_loss, None, 2**31)
   with pytest.raises(ValueError, match=r"one push of 2,147,483,648 bytes"):   # the level runner
-    levels.make_level_runner(_linear_loss, None, optax.identity(), 2**31 - 8, 8, 4)
+    helpers.level_runner(_linear_loss, None, optax.identity(), 2**31 - 8, 8,
+                         sync.build_scheme("asp", 4), PARAMS, {}, jax.random.key(0))
 
 
 def test_inhad_takes_the_statistics_of_workers_on_every_node():

@@ -15,11 +15,13 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
+
 from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import executor
-from gssp_jax.sim import levels
+from gssp_jax.sim import chunk
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from test_decay import _rounds_of_pushes
@@ -84,20 +86,23 @@ def _one_epoch(name, kw, runner="rounds"):
         4, max_communities=k0, initial_communities=k0))
   cfg = _sgd_config()
   tx = optim.make_sync_chain(cfg, scheme.transform, scheme.num_replicas)
-  state = executor.init_state(PARAMS, {}, tx, None, 4, scheme.num_replicas, jax.random.key(0))
+  eval_replica = (scheme.num_replicas - 1
+                  if name == "gssp" and kw.get("inter_group") == "global" else None)
+  steps = _one_epoch_steps(scheme, 4)
   if runner == "rounds":
+    state = executor.init_state(PARAMS, {}, tx, None, 4, scheme.num_replicas, jax.random.key(0))
     run = executor.make_round_runner(
         executor.make_job_fn(_linear_loss, None, DENSE_BYTES, grad_clip=cfg.grad_clip),
         executor.make_round_fn(tx))
+    state = run(state, {"x": jnp.zeros([4, 1])}, steps)
+    served, _ = executor.served_weights(state, eval_replica)
   else:
-    run = levels.make_level_runner(_linear_loss, None, tx, DENSE_BYTES, 0, 4,
-                                   grad_clip=cfg.grad_clip)
-  steps = _one_epoch_steps(scheme, 4)
-  state = run(state, {"x": jnp.zeros([4, 1])}, steps)
+    state, run, layout = helpers.level_runner(_linear_loss, None, tx, DENSE_BYTES, 0, scheme,
+                                              PARAMS, {}, jax.random.key(0),
+                                              grad_clip=cfg.grad_clip)
+    state = run(state, {"x": jnp.zeros([4, 1])}, steps)
+    served, _ = chunk.served_weights(layout, state, eval_replica)
   clock = np.asarray(sync.find_sync_state(state.tx_state).clock)
-  eval_replica = (scheme.num_replicas - 1
-                  if name == "gssp" and kw.get("inter_group") == "global" else None)
-  served, _ = executor.served_weights(state, eval_replica)
   return jax.tree.map(lambda s, p: np.asarray(s - p), served, PARAMS), clock
 
 

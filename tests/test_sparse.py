@@ -18,7 +18,6 @@ import helpers
 
 from gssp_jax import sync
 from gssp_jax.sim import executor
-from gssp_jax.sim import levels
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.train import optim
 
@@ -106,14 +105,14 @@ def test_round_indices_pad_to_buckets_and_validate():
   rnd.applies[2] = True
   rnd.average[0] = 0
   ids = rounds_lib.round_indices(rounds_lib.round_args(rnd))
-  np.testing.assert_array_equal(ids["worker_ids"], [1, 5, 6, 8])      # padded with W = 8
+  np.testing.assert_array_equal(ids["worker_ids"], [1, 5, 6, 11])     # padded with W + position
   np.testing.assert_array_equal(ids["replica_ids"], [0, 2])
   empty = rounds_lib.round_indices(rounds_lib.round_args(
       rounds_lib.empty_round(0.0, 8, 3, 1, np.zeros([8], np.int32))))
   np.testing.assert_array_equal(empty["worker_ids"], [8])
   np.testing.assert_array_equal(empty["replica_ids"], [3])
   wide = rounds_lib.round_indices(rounds_lib.round_args(rnd), num_worker_ids=8)
-  np.testing.assert_array_equal(wide["worker_ids"], [1, 5, 6, 8, 8, 8, 8, 8])
+  np.testing.assert_array_equal(wide["worker_ids"], [1, 5, 6, 11, 12, 13, 14, 15])   # distinct
   with pytest.raises(ValueError, match="num_worker_ids=2"):
     rounds_lib.round_indices(rounds_lib.round_args(rnd), num_worker_ids=2)
   with pytest.raises(ValueError, match="num_replica_ids=4"):
@@ -122,7 +121,7 @@ def test_round_indices_pad_to_buckets_and_validate():
       **rounds_lib.round_args(rnd), "arrived": np.zeros([8], bool),
       "pulls": np.zeros([8], bool)}])
   assert [c["worker_ids"].size for c in common] == [4, 4]
-  np.testing.assert_array_equal(common[1]["worker_ids"], [8, 8, 8, 8])
+  np.testing.assert_array_equal(common[1]["worker_ids"], [8, 9, 10, 11])
 
 
 def _eqns(jaxpr):
@@ -232,14 +231,14 @@ def _id_sizes(args):
 
 @pytest.mark.parametrize("inter_group", ["peer", "global"])
 def test_a_gssp_run_compiles_once_per_id_bucket(inter_group):
-  """The id buckets bound the compilations of a GSSP run, in both simulated executors.
+  """The id buckets bound the rounds runner's compilations; the levels runner compiles once.
 
   Rounds runner: one trace per (worker ids, replica ids) bucket pair met, at
-  most ``(log2 W + 1) x (log2 R + 1)``. Levels runner: one per (rounds,
-  worker ids, replica ids) bucket triple of its chunks. A second, longer run
-  traces only for pairs it had not met.
+  most ``(log2 W + 1) x (log2 R + 1)``; a second, longer run traces only for
+  pairs it had not met. Levels runner: every round slot has the same ids'
+  sizes (the protocol's bounds), so one program serves both runs.
   """
-  num_workers, max_rounds = 8, 4
+  num_workers = 8
   scheme, tx, state, arrays, job_fn, speeds = _setup("gssp", num_workers, inter_group)
   num_replicas = scheme.num_replicas
   bound = (len({rounds_lib.bucket(n, num_workers) for n in range(1, num_workers + 1)})
@@ -247,20 +246,18 @@ def test_a_gssp_run_compiles_once_per_id_bucket(inter_group):
   traces = []
   run = executor.make_round_runner(job_fn, executor.make_round_fn(
       tx, on_trace=lambda: traces.append(1)))
-  runner = levels.make_level_runner(_loss_fn, None, tx, 4, 4, num_workers, max_rounds=max_rounds)
-  pairs, triples = set(), set()
+  params = jax.tree.map(lambda x: x[0], state.replica_params)
+  stats = jax.tree.map(lambda x: x[0], state.replica_model_state)
+  flat_state, level_run, _ = helpers.level_runner(_loss_fn, None, tx, 4, 4, scheme, params,
+                                                  stats, jax.random.key(0), job_shape=(B,))
+  pairs = set()
   for pushes in (40, 90):
     steps = _steps(scheme, speeds, pushes)
     pairs |= {_id_sizes(s.args) for s in steps if s.args}
-    for level in levels.plan_levels(steps):
-      for start in range(0, len(level.rounds), max_rounds):
-        chunk = rounds_lib.with_common_indices(level.rounds[start:start + max_rounds])
-        triples.add((levels._bucket(len(chunk), max_rounds), chunk[0]["worker_ids"].size,
-                     chunk[0]["replica_ids"].size))
     run(jax.tree.map(jnp.copy, state), arrays, steps)
-    runner(jax.tree.map(jnp.copy, state), arrays, steps)
+    flat_state = level_run(flat_state, arrays, steps)
     assert len(traces) == len(pairs) <= bound
-    assert runner.traces["rounds"] == len(triples) <= 3 * bound
+    assert level_run.runner.traces == 1
   # Asynchronous pushes rarely need the large buckets: far fewer than the bound here.
   assert len(pairs) < bound
 

@@ -292,18 +292,14 @@ class DistServer:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulated = config_lib.cluster_is_set(config)
     self.scheme, _ = shard_lib.build_chain(config)
-    # A local-update scheme's outer optimizer's schedule, and each mesh's H_w (as the simulator).
-    self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
-                                                 round(self.total_pushes / self.W))
+    # A local-update scheme's outer optimizer's learning rates (the simulator's table, computed
+    # now, not under the lock while meshes wait), and each mesh's H_w (as the simulator).
+    self.schedule = optim.learning_rate_table(local_lib.outer_config(config), self.spe,
+                                              round(self.total_pushes / self.W))
     self.local = local_lib.is_local(config.sync.scheme)
     self.steps, _ = simulate.local_plan(config, self.cluster.mean_times, self.spe)
-    float(self.schedule(0))   # eager, as the simulator's (a jitted one rounds differently): its
-    #                           ops compile now, not under the lock while meshes wait
-    init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
-    # Eager, as the simulator initialises (``sim/simulate.py``): a jitted init rounds a
-    # BatchNorm model's weights differently (ResNet-18: up to 6e-8), and every shard and mesh
-    # starts from these.
-    params, model_state = jax.device_get(task.init(init_rng))
+    # The simulator's initialisation (``run.init_model``); every shard and mesh starts from these.
+    params, model_state, _ = jax.device_get(run_lib.init_model(task, config.seed))
     self.treedefs = (jax.tree.structure(params), jax.tree.structure(model_state))
     self.layout = layout_lib.ShardLayout.balanced(params, model_state, num_servers)
     self.S = self.layout.num_shards

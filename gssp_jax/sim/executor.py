@@ -134,7 +134,8 @@ def init_state(params, model_state, tx, compressor, num_workers: int, num_replic
   return SimState(
       replica_params=transforms.stack(params, num_replicas),
       replica_model_state=transforms.stack(model_state, num_replicas),
-      tx_state=tx.init(params), worker_params=transforms.stack(params, num_workers),
+      tx_state=() if tx is None else tx.init(params),
+      worker_params=transforms.stack(params, num_workers),
       worker_model_state=transforms.stack(model_state, num_workers),
       grad_buf=jax.tree.map(lambda p: jnp.zeros((num_workers, *p.shape), jnp.float32), params),
       comp_state=comp_state, loss_sum=jnp.zeros([], jnp.float32),
@@ -406,6 +407,24 @@ def split_jobs(workers: np.ndarray) -> list[np.ndarray]:
     out.append(workers[start:start + size])
     start += size
   return out
+
+
+def make_harvest_fn(served: Callable, num_workers: int):
+  """``state -> (state, (loss_sum, loss_count, push_bytes), params, model_state)``, jitted.
+
+  What an evaluation reads, in one call (state donated): the counters since
+  the last evaluation, zeroed on the device, and ``served(state)``, the
+  weights to evaluate as the model's pytrees.
+  """
+
+  def harvest(state: SimState):
+    counters = (state.loss_sum, state.loss_count, state.push_bytes)
+    params, model_state = served(state)
+    state = state.replace(loss_sum=jnp.zeros([], jnp.float32),
+                          loss_count=jnp.zeros([], jnp.int32),
+                          push_bytes=zero_push_bytes(num_workers))
+    return state, counters, params, model_state
+  return jax.jit(harvest, donate_argnums=(0,))
 
 
 def served_weights(state: SimState, eval_replica: int | None):

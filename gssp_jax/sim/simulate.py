@@ -3,13 +3,20 @@
 ``train/loop.py`` drives it (``config.executor`` ``rounds`` or ``levels``, or
 ``auto`` for anything but BSP without a cluster). The host runs the scheme's
 protocol over the cluster model event by event (``sync.TimelineEngine``); every
-round it produces becomes a device step, buffered and run in order before
-anything reads the device state, and every worker that pulls gets its next
-gradient computed on the weights it pulled (``executor.Step``). Virtual
-time is the engine's clock; nothing about it depends on wall time, so the same
-config and seed give the same metrics bit for bit (but ``wall_time``), and a
-run resumed from a checkpoint (device state + the host state) continues
-exactly as an uninterrupted one.
+round it produces, and the next job of every worker that pulls in it (its
+gradient, on the weights it pulled), goes to the device runner:
+
+* ``rounds``: buffered as ``executor.Step``\ s and run one device call per round
+  and per set of jobs (the reference);
+* ``levels``: planned into fixed-shape chunks of dependency pieces and run one
+  compiled program per chunk (``sim/levels.py``), with nothing read back
+  from the device and no eager operation between evaluations.
+
+Virtual time is the engine's clock; nothing about it depends on wall time, so
+the same config and seed give the same metrics bit for bit (but
+``wall_time``), and a run resumed from a checkpoint (device state + the host
+state, with what was planned but not run) continues exactly as an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ import numpy as np
 from gssp_jax import compress
 from gssp_jax import sync
 from gssp_jax.data import sharding
+from gssp_jax.sim import chunk as chunk_lib
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
+from gssp_jax.sim import flat as flat_lib
 from gssp_jax.sim import levels
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
@@ -92,9 +101,51 @@ def _calibrate(job_fn, state, arrays, batch_size, local=None) -> float:
   return best
 
 
-# Rounds buffered before the device runs them; a flush also happens before anything reads the
-# device state (an evaluation, a checkpoint, DGC's byte counts).
+# Rounds the per-round runner buffers before the device runs them; a flush also happens before
+# anything reads the device state (an evaluation, a checkpoint, DGC's byte counts).
 MAX_BUFFERED_ROUNDS = 256
+
+
+class _StepFeed:
+  """The per-round runner's buffer of ``executor.Step``\ s (``levels.LevelRunner``'s interface)."""
+
+  def __init__(self, run_steps):
+    self.run_steps = run_steps
+    self.steps: list[executor.Step] = []
+
+  def add(self, rnd, args: dict | None, jobs: executor.Jobs | None) -> None:
+    """A round's args (None: no round) and the jobs it released (None: none)."""
+    del rnd
+    self.steps.append(executor.Step(args, jobs))
+
+  def run_ready(self, state, arrays):
+    if len(self.steps) < MAX_BUFFERED_ROUNDS:
+      return state
+    state = self.flush(state, arrays)
+    jax.block_until_ready(state.loss_sum)   # keep the dispatch queue short
+    return state
+
+  def flush(self, state, arrays, *, jobs: bool = False):
+    del jobs   # every job runs with its step
+    if self.steps:
+      state = self.run_steps(state, arrays, self.steps)
+      self.steps = []
+    return state
+
+  def state_dict(self) -> dict:
+    return {"steps": self.steps}
+
+  def load_state_dict(self, state: dict) -> None:
+    self.steps = [_with_adopt_weight(step) for step in state.get("steps", [])]
+
+
+def flat_view(config: ml_collections.ConfigDict, layout: flat_lib.Layout):
+  """How the replicas' optimizer steps flat weights: as they are for an elementwise rule
+  (``flat.ELEMENTWISE_OPTIMIZERS``), else through the model's pytree (``flat.on_tree``)."""
+  name = local_lib.outer_config(config).name
+  if name in flat_lib.ELEMENTWISE_OPTIMIZERS:
+    return None
+  return lambda inner: flat_lib.on_tree(inner, layout)
 
 
 class PushPlan(NamedTuple):
@@ -160,11 +211,13 @@ class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
   An executor of ``train/loop.py`` (see ``train/executors.Executor``). The
-  host runs the protocol over the cluster model; each protocol event becomes an
-  ``executor.Step`` (the round, then the pulled workers' next jobs), buffered
-  and handed to ``run_steps`` in batches. ``run_steps`` is the per-round
-  reference runner (``runner='rounds'``) or the dependency-level batched one
-  (``runner='levels'``, ``sim/levels.py``); both give the same state.
+  host runs the protocol over the cluster model; each protocol event's rounds
+  and the jobs they release go to the device runner: the per-round reference
+  (``runner='rounds'``: ``executor.Step``\\ s, one call per round and job set)
+  or the level-batched one (``runner='levels'``: ``levels.LevelRunner``, one
+  compiled program per chunk of many dependency pieces). Both give the same
+  state, to float tolerance; the host figures (timeline, staleness, bytes)
+  are the same code and the same numbers.
   """
 
   position_key = "pushes"
@@ -176,9 +229,10 @@ class Simulation:
     self.config, self.task, self.workdir = config, task, workdir
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
-    self._build_device(runner)
+    self._build_model()
+    self._build_state(runner)
     self._build_host()
-    self._steps: list[executor.Step] = []
+    self._build_runner(runner)
     logging.info(run_header(config, self.cluster, self.scheme, self.calibrated))
 
   # -- building the run -----------------------------------------------------------------------
@@ -191,48 +245,64 @@ class Simulation:
     self.total_pushes, self.eval_pushes, self.end_pushes = (plan.total_pushes, plan.eval_pushes,
                                                             plan.end_pushes)
 
-  def _build_device(self, runner: str) -> None:
-    """The scheme, the sync chain, the device state and the runner of its steps."""
-    config, task, W, B = self.config, self.task, self.W, self.B
+  def _build_model(self) -> None:
+    """The cluster, the scheme, the learning rates, the model's initial weights and sizes."""
+    config = self.config
     self.cluster = cluster_lib.cluster_from_config(config)
     self.speeds = self.cluster.mean_times
-    self.scheme = scheme = sync.scheme_from_config(config, worker_times=self.speeds)
-    R = scheme.num_replicas
-    self.schedule = optim.learning_rate_schedule(local_lib.outer_config(config), self.spe,
-                                                 round(self.total_pushes / W))
+    self.scheme = sync.scheme_from_config(config, worker_times=self.speeds)
+    self.schedule = optim.learning_rate_table(local_lib.outer_config(config), self.spe,
+                                              round(self.total_pushes / self.W))
     # Inner steps per job (data iterations per push) and the local-update job (None for others).
     self.steps, self.local = local_plan(config, self.speeds, self.spe)
-    tx = local_lib.server_chain(config, scheme.transform, R)
-    compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
-    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    params, model_state = task.init(init_rng)
-    self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
-    self.dense_bytes = step_lib.tree_bytes(params)
-    self.stats_bytes = step_lib.tree_bytes(model_state)
+    self.compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
+    self.params, self.model_state, self.train_rng = run_lib.init_model(self.task, config.seed)
+    self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(self.params)]
+    self.dense_bytes = step_lib.tree_bytes(self.params)
+    self.stats_bytes = step_lib.tree_bytes(self.model_state)
     self.pull_bytes = self.dense_bytes + self.stats_bytes
-    self.state = executor.init_state(params, model_state, tx, compressor, W, R, train_rng,
-                                     inner=self.local.inner if self.local else None)
-    # One worker's job: the rounds runner's, and what calibration times under either runner.
-    # optimizer.grad_clip clips each worker's gradient in its job, before its compressor and
-    # before any server scales it: make_sync_chain's replicas do not clip.
-    clip = config.optimizer.grad_clip
-    self.job_fn = executor.make_job_fn(task.loss, compressor, self.dense_bytes, self.stats_bytes,
-                                       grad_clip=clip, local=self.local)
+    self.ratio_of = Ratios(config, self.scheme, self.speeds, self.spe)
+    # The replica evaluation serves: GSSP global's (HALoS's) global server; None: their mean.
+    self.eval_replica = getattr(self.scheme.make_protocol(), "global_replica", None)
+
+  def _build_state(self, runner: str) -> None:
+    """The sync chain and the device state (flat buffers for ``levels``), in one jitted call.
+
+    ``optimizer.grad_clip`` clips each worker's gradient in its job, before its
+    compressor and before any server scales it: the sync chain's replicas do not clip.
+    """
+    config, task, W, R = self.config, self.task, self.W, self.scheme.num_replicas
+    inner = self.local.inner if self.local else None
+    self.layout = None
     if runner == "levels":
-      self.run_steps = levels.make_level_runner(task.loss, compressor, tx, self.dense_bytes,
-                                                self.stats_bytes, W,
-                                                levels_per_call=config.get("levels_per_call", 1),
-                                                grad_clip=clip, local=self.local)
+      self.layout = layout = flat_lib.make_layout(self.params, self.model_state)
+      self.tx = local_lib.server_chain(config, self.scheme.transform, R,
+                                       inner_view=flat_view(config, layout))
+      init = lambda p, m, rng: chunk_lib.init_state(layout, p, m, self.tx, self.compressor, W, R,
+                                                    rng, inner=inner)
+      served = lambda s: chunk_lib.served_weights(layout, s, self.eval_replica)
     else:
-      self.run_steps = executor.make_round_runner(self.job_fn, executor.make_round_fn(tx))
+      self.tx = local_lib.server_chain(config, self.scheme.transform, R)
+      init = lambda p, m, rng: executor.init_state(p, m, self.tx, self.compressor, W, R, rng,
+                                                   inner=inner)
+      served = lambda s: executor.served_weights(s, self.eval_replica)
+    self.state = jax.jit(init)(self.params, self.model_state, self.train_rng)
+    self.harvest = executor.make_harvest_fn(served, W)
+    # One worker's job: the rounds runner's, and what calibration times under either runner.
+    self.job_fn = executor.make_job_fn(task.loss, self.compressor, self.dense_bytes,
+                                       self.stats_bytes, grad_clip=config.optimizer.grad_clip,
+                                       local=self.local)
     self.arrays = jax.device_put(task.train)
-    self.ratio_of = Ratios(config, scheme, self.speeds, self.spe)
     self.calibrated = None
     if config.cluster.calibrate:
-      self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, self.state), self.arrays,
-                                   B, self.local)
+      state = self.state if runner == "rounds" else executor.init_state(
+          self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
+          self.compressor, W, R, self.train_rng, inner=inner)
+      self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, state), self.arrays,
+                                   self.B, self.local)
       self.cluster = cluster_lib.cluster_from_config(config, base_time=self.calibrated)
-      logging.info("calibrated base_time: %.4f s per iteration of %d samples", self.calibrated, B)
+      logging.info("calibrated base_time: %.4f s per iteration of %d samples", self.calibrated,
+                   self.B)
 
   def _build_host(self) -> None:
     """The links, the timeline engine, the staleness accounting, the host counters, checkpoints."""
@@ -246,10 +316,9 @@ class Simulation:
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad",
                                            push_iterations=self.steps)
-    self.eval_replica = getattr(engine.protocol, "global_replica", None)  # GSSP global: its server
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
-                 "iterations": 0,
+                 "iterations": 0, "layout": "tree",
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               config.train.max_checkpoints)
@@ -258,23 +327,72 @@ class Simulation:
     self._eta = workdir_lib.Eta(0)
     self._wall_base = 0.0
 
+  def _build_runner(self, runner: str) -> None:
+    """The device runner: the per-round one, or the level runner sized by a dry run."""
+    if runner == "rounds":
+      self.feed = _StepFeed(executor.make_round_runner(self.job_fn,
+                                                       executor.make_round_fn(self.tx)))
+      return
+    config, W, scheme = self.config, self.W, self.scheme
+    protocol = scheme.make_protocol()
+    rounds, rounds_per_push = self._opening()
+    shape = levels.choose_shape(
+        rounds, np.arange(W), num_workers=W, num_replicas=scheme.num_replicas,
+        bounds=protocol.round_bounds(), job_slots=config.get("level_job_slots", 0),
+        pieces=config.get("levels_per_call", 0),
+        rounds_per_evaluation=rounds_per_push * self.eval_pushes)
+    job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
+    if config.compress.name == "dgc":   # its push times read the device: one piece per call
+      shape = shape._replace(pieces=1)
+    self.feed = levels.LevelRunner(
+        layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
+        dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
+        num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
+        job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
+        local=self.local)
+    self.host["layout"] = "flat"
+    logging.info("levels executor: %s", levels.describe(shape))
+
+  def _opening(self) -> tuple[list, float]:
+    """The rounds of the run's first pushes from a fresh timeline (dense pushes), and rounds
+    per push: what ``levels.choose_shape`` sizes the pieces by. Touches nothing of the run."""
+    traffic = traffic_lib.Traffic(self.scheme.name, self.cluster,
+                                  lambda w, k: self.dense_bytes + self.stats_bytes,
+                                  self.dense_bytes + self.stats_bytes, self.pull_bytes,
+                                  shared=bool(self.config.cluster.shared_server_links))
+    engine = traffic.engine(self.scheme.make_protocol(), self._job_time)
+    pushes = min(self.total_pushes, max(8 * self.W, 256))
+    rounds = []
+    while engine.num_pushes < pushes and engine.queue:
+      rounds.extend(engine.step())
+    return rounds, len(rounds) / max(engine.num_pushes, 1)
+
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
     latest = self.checkpointer.latest_step()
     if latest is not None:
       saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
+      layout = saved["host"].get("layout", "tree")
+      if layout != self.host["layout"]:
+        written = "levels" if layout == "flat" else "rounds"
+        raise ValueError(
+            f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
+            f"the {written!r} executor, and this run uses the other one (config.executor="
+            f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
+            f" --config.executor={written}")
       state, _ = self.checkpointer.restore(latest, self.state)
       self.state = jax.device_put(state)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = {"local_bytes": 0, "node_push_bytes": 0, "iterations": 0, **saved["host"]}
-      self._steps = [_with_adopt_weight(step) for step in saved.get("steps", [])]   # not run yet
+      # What was planned but not run (a checkpoint from before the feed: its steps).
+      self.feed.load_state_dict(saved.get("feed", {"steps": saved.get("steps", [])}))
       logging.info("resumed from the checkpoint at %d pushes", latest)
     if "ratio_groups" in self.host:   # resumed after a regrouping
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
     if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
-      self._steps.append(executor.Step(None, self._next_jobs(np.arange(self.W))))
+      self.feed.add(None, None, self._next_jobs(np.arange(self.W)))
     self._session_start = time.perf_counter()
     self._wall_base = self.host["wall_time"]
     self._eta = workdir_lib.Eta(self._iterations(), (self._iterations(), self._wall_base))
@@ -306,14 +424,15 @@ class Simulation:
       if done >= host["next_eval"] or done >= self.total_pushes:
         return True
       if interrupt.requested():
-        return False   # between events: host and buffered device steps are consistent
+        return False   # between events: host and planned device steps are consistent
     return False
 
   def evaluate(self) -> dict[str, Any]:
     self._flush()
     engine, host, W = self.engine, self.host, self.W
-    loss_sum, loss_count, pushed = jax.device_get(
-        (self.state.loss_sum, self.state.loss_count, self.state.push_bytes))
+    # One call: the counters since the last evaluation (zeroed on the device) and the weights.
+    self.state, counters, params_eval, ms_eval = self.harvest(self.state)
+    loss_sum, loss_count, pushed = jax.device_get(counters)
     if not np.isfinite(loss_sum):
       raise FloatingPointError(
           f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
@@ -321,10 +440,6 @@ class Simulation:
           f"({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
     if self.links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
       host["pushed_per_worker"] += executor.push_bytes_total(pushed)
-    self.state = self.state.replace(
-        loss_sum=jnp.zeros([], jnp.float32), loss_count=jnp.zeros([], jnp.int32),
-        push_bytes=executor.zero_push_bytes(W))
-    params_eval, ms_eval = executor.served_weights(self.state, self.eval_replica)
     blocked = engine.blocked_time_so_far()
     results = self.task.evaluate(params_eval, ms_eval)
     record = records.evaluation_record(
@@ -351,15 +466,15 @@ class Simulation:
             f" | ETA {workdir_lib.format_duration(eta)}")
 
   def save(self) -> None:
-    # The buffered steps are saved with the host state, not run: a run's flush points
-    # (evaluations, DGC's reads, the buffer's cap) then do not depend on where a session
-    # stopped, so the levels runner, whose float sums depend on how jobs are grouped,
+    # What is planned but not run is saved with the host state, not run: a run's flush points
+    # (evaluations, DGC's reads, full chunks) then do not depend on where a session stopped,
+    # so the levels runner, whose float sums depend on how jobs are grouped into pieces,
     # resumes bit for bit too.
     step, host = self.engine.num_pushes, self.host
     host["wall_time"] = self._wall_time()
     self.checkpointer.save(step, self.state, {"pushes": step}, host={
         "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
-        "steps": self._steps})
+        "feed": self.feed.state_dict()})
     self.checkpointer.wait()
 
   def close(self) -> None:
@@ -392,17 +507,15 @@ class Simulation:
         iteration=engine.iteration, learning_rate=self.schedule(self._iterations() // self.W),
         pull_bytes=self.pull_bytes)
     pulled = np.flatnonzero(rnd.pulls)
-    jobs = self._next_jobs(pulled) if pulled.size else None
-    self._steps.append(executor.Step(args, jobs))
-    if len(self._steps) >= MAX_BUFFERED_ROUNDS:
-      self._flush()
-      jax.block_until_ready(self.state.loss_sum)   # keep the dispatch queue short
+    self.feed.add(rnd, args, self._next_jobs(pulled) if pulled.size else None)
+    self.state = self.feed.run_ready(self.state, self.arrays)
 
-  def _flush(self) -> None:
-    """Runs the buffered steps on the device, in order (before anything reads its state)."""
-    if self._steps:
-      self.state = self.run_steps(self.state, self.arrays, self._steps)
-      self._steps = []
+  def _flush(self, jobs: bool = False) -> None:
+    """Runs everything planned on the device, in order (before anything reads its state).
+
+    ``jobs``: the jobs not yet needed run too (``levels``; ``rounds`` runs them at once).
+    """
+    self.state = self.feed.flush(self.state, self.arrays, jobs=jobs)
 
   def _next_jobs(self, workers: np.ndarray) -> executor.Jobs:
     """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
@@ -461,7 +574,7 @@ class Simulation:
     once per round with pulls, not once per job.
     """
     if self._sent_job[w] != k:
-      self._flush()
+      self._flush(jobs=True)
       self._sent_counts[:] = np.asarray(jax.device_get(self.state.job_bytes), np.int64)
       self._sent_job[:] = self.host["jobs"] - 1
       if self._sent_job[w] != k:

@@ -115,17 +115,14 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
                           state.outbox, progress)
     any_deliver = jnp.any(deliver)
 
-    def global_step(opt_state):
-      """The global server's step on the delivered progress: only in rounds that deliver."""
-      sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
-                          state.outbox)
-      upd, opt_state = global_opt.update(sent, opt_state)
-      return jax.tree.map(lambda u: u * lr, upd), opt_state
-
-    def no_step(opt_state):
-      return jax.tree.map(lambda o: jnp.zeros_like(o[0]), state.outbox), opt_state
-
-    global_upd, global_state = jax.lax.cond(any_deliver, global_step, no_step, state.global_opt)
+    # The global server's step on the delivered progress, kept only in rounds that deliver
+    # (a mask, not a conditional: see ``transforms.gssp``).
+    sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
+                        state.outbox)
+    stepped, stepped_state = global_opt.update(sent, state.global_opt)
+    global_upd = jax.tree.map(lambda u: jnp.where(any_deliver, u * lr, 0.0), stepped)
+    global_state = jax.tree.map(lambda n, o: jnp.where(any_deliver, n, o), stepped_state,
+                                state.global_opt)
     # The reply's merge happens after this update (apply_round): the progress restarts there.
     merged = adopt[:G] >= 0
     progress = jax.tree.map(lambda p: jnp.where(transforms.rows(merged, p), 0.0, p), progress)

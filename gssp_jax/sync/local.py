@@ -154,10 +154,13 @@ def outer_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   return config.optimizer
 
 
-def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int):
+def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int, *,
+                 inner_view=None):
   """Any scheme's sync chain: ``optim.make_sync_chain`` of :func:`outer_config`, or Delayed Nesterov's.
 
   HALoS's transform applies both its servers' optimizers itself: it is the chain.
+  ``inner_view``: see ``optim.make_sync_chain`` (Delayed Nesterov and HALoS
+  are elementwise: they need none).
   """
   from gssp_jax.sync import transforms  # pylint: disable=g-import-not-at-top
   from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
@@ -165,7 +168,8 @@ def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int
     return transform
   n = config.local.delayed_nesterov
   if not n:
-    return optim.make_sync_chain(outer_config(config), transform, num_replicas)
+    return optim.make_sync_chain(outer_config(config), transform, num_replicas,
+                                 inner_view=inner_view)
   outer = delayed_nesterov(config.optimizer.momentum, n, num_workers=config.num_workers)
   return optax.chain(transform, transforms.replicated(outer, num_replicas),
                      optim.scale_by_learning_rate_arg())

@@ -77,8 +77,9 @@ def bucket(n: int, cap: int) -> int:
   return min(1 << max(0, int(n) - 1).bit_length(), max(int(cap), 1))
 
 
-def _padded_ids(ids: np.ndarray, size: int, fill: int) -> np.ndarray:
-  out = np.full([size], fill, np.int32)
+def _padded_ids(ids: np.ndarray, size: int, num: int) -> np.ndarray:
+  """``ids`` padded to ``size`` with the distinct out-of-range ids ``num, num + 1, ...``."""
+  out = np.arange(num, num + size, dtype=np.int32)
   out[:ids.size] = ids
   return out
 
@@ -87,8 +88,9 @@ def round_indices(args: dict, *, num_worker_ids: int | None = None,
                   num_replica_ids: int | None = None) -> dict[str, np.ndarray]:
   """The rows a round touches, as fixed-size host index arrays (``INDEX_ARGS``).
 
-  ``worker_ids``: the workers that arrive or pull, padded with ``W``;
-  ``replica_ids``: the replicas that apply or are averaged, padded with ``R``.
+  ``worker_ids``: the workers that arrive or pull, padded with ``W, W + 1, ...``;
+  ``replica_ids``: the replicas that apply, are averaged or adopt, padded with
+  ``R, R + 1, ...`` (distinct, so every scatter by them has unique ids).
   With them :func:`apply_round` reads and writes only those rows, so a round's
   cost follows the workers and replicas it involves, not ``W x params``.
   Sizes are powers of two (``bucket``), so a jitted round compiles once per
@@ -107,7 +109,8 @@ def round_indices(args: dict, *, num_worker_ids: int | None = None,
   applies = np.asarray(args["applies"], bool)
   num_workers, num_replicas = arrived.shape[0], applies.shape[0]
   workers = np.flatnonzero(arrived | np.asarray(args["pulls"], bool))
-  replicas = np.flatnonzero(applies | (np.asarray(args.get("average", -1)) >= 0))
+  replicas = np.flatnonzero(applies | (np.asarray(args.get("average", -1)) >= 0)
+                            | (np.asarray(args.get("adopt", -1)) >= 0))
   sizes = []
   for name, ids, size, cap in (("num_worker_ids", workers, num_worker_ids, num_workers),
                                ("num_replica_ids", replicas, num_replica_ids, num_replicas)):
@@ -169,7 +172,8 @@ def average_replicas(tree, average: jax.Array, replica_ids=None):
     flat = rows_in.reshape(ids.shape[0], -1).astype(jnp.float32)
     means = transforms.exact_matmul(onehot, flat) / counts[:, None]
     means = means.reshape(rows_in.shape).astype(x.dtype)
-    return x.at[ids].set(jnp.where(transforms.rows(member, rows_in), means, rows_in), mode="drop")
+    return x.at[ids].set(jnp.where(transforms.rows(member, rows_in), means, rows_in), mode="drop",
+                         unique_indices=True)
   return jax.tree.map(one, tree)
 
 
@@ -187,24 +191,32 @@ def mean_of_first(tree, count: jax.Array):
   return jax.tree.map(one, tree)
 
 
-def adopt_replicas(tree, adopt: jax.Array, weight=None):
+def adopt_replicas(tree, adopt: jax.Array, weight=None, replica_ids=None):
   """Each replica with ``adopt[r] >= 0`` takes replica ``adopt[r]``'s values.
 
   With ``weight`` (``[R]``), it becomes ``(1 - weight[r]) x[r] + weight[r] x[adopt[r]]``
-  instead; where every weight is 1 that is the copy, bit for bit.
+  instead; a weight of 1 is the copy, bit for bit (selected, not mixed). With
+  ``replica_ids`` (every adopting replica listed) only those rows are read and
+  written; every copy reads the values before any is written.
   """
-  src = jnp.where(adopt >= 0, adopt, jnp.arange(adopt.shape[0]))
-  copy = jax.tree.map(lambda x: x[src], tree)
-  if weight is None:
-    return copy
-  weight = jnp.where(adopt >= 0, jnp.asarray(weight, jnp.float32), 1.0)
+  num = adopt.shape[0]
+  ids, safe, valid = transforms.ids_or_all(replica_ids, num)
+  target = adopt[safe]
+  take = (target >= 0) & valid
+  src = jnp.where(target >= 0, target, safe)
+  w = (jnp.ones(ids.shape, jnp.float32) if weight is None
+       else jnp.asarray(weight, jnp.float32)[safe])
 
-  def mix(tree):
-    def one(x, c):
-      w = transforms.rows(weight, x)
-      return ((1.0 - w) * x.astype(jnp.float32) + w * c.astype(jnp.float32)).astype(x.dtype)
-    return jax.tree.map(one, tree, copy)
-  return jax.lax.cond(jnp.all(weight == 1.0), lambda t: copy, mix, tree)
+  def one(x):
+    old, new = x[safe], x[src]
+    mixed = ((1.0 - transforms.rows(w, old)) * old.astype(jnp.float32)
+             + transforms.rows(w, old) * new.astype(jnp.float32)).astype(x.dtype)
+    rows_out = jnp.where(transforms.rows(take, old),
+                         jnp.where(transforms.rows(w == 1.0, old), new, mixed), old)
+    if replica_ids is None:
+      return rows_out
+    return x.at[ids].set(rows_out, mode="drop", unique_indices=True)
+  return jax.tree.map(one, tree)
 
 
 def replica_route(groups: jax.Array, num_replicas: int) -> jax.Array:
@@ -219,14 +231,21 @@ def replica_route(groups: jax.Array, num_replicas: int) -> jax.Array:
 
 
 def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
-  """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows."""
+  """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows.
+
+  Without ``worker_ids`` every row is selected in place (one pass over ``[W, ...]``).
+  """
+  if worker_ids is None:
+    return jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
+                        workers, replicas)
   ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
   take = pulls[safe] & valid
   src = groups[safe]
 
   def one(w, r):
     old = w[safe]
-    return w.at[ids].set(jnp.where(transforms.rows(take, old), r[src], old), mode="drop")
+    return w.at[ids].set(jnp.where(transforms.rows(take, old), r[src], old), mode="drop",
+                         unique_indices=True)
   return jax.tree.map(one, workers, replicas)
 
 
@@ -252,7 +271,9 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
     args: the round's fields (``round_args``), host arrays or traced; with
       the ``INDEX_ARGS`` (``round_indices``) only the listed workers' and
       replicas' rows are read and written (the sync transforms and
-      ``transforms.replicated`` receive them too), else every row.
+      ``transforms.replicated`` receive them too), else every row. An
+      optional ``pull_ids`` lists the pulling workers apart (the level
+      executor's rounds: ``worker_ids`` then lists only the arrived ones).
     replica_model_state: ``[R, ...]`` non-trainable state (BatchNorm
       statistics) of the replicas, or None.
     worker_model_state: ``[W, ...]`` the workers' updated model state from
@@ -268,14 +289,15 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   average = jnp.asarray(args["average"], jnp.int32)
   adopt = jnp.asarray(args["adopt"], jnp.int32)
   worker_ids, replica_ids = args.get("worker_ids"), args.get("replica_ids")
+  pull_ids = args.get("pull_ids", worker_ids)
   weight = args.get("adopt_weight")   # absent from the real runtime's shards' args: copies
   replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt,
-                                  weight)
+                                  weight, replica_ids)
   arrived = jnp.asarray(args["arrived"], bool)
   num_replicas = jnp.asarray(args["applies"]).shape[0]
   groups = replica_route(jnp.asarray(args["groups"], jnp.int32), num_replicas)
   pulls = jnp.asarray(args["pulls"], bool)
-  worker_params = pull_rows(worker_params, replica_params, groups, pulls, worker_ids)
+  worker_params = pull_rows(worker_params, replica_params, groups, pulls, pull_ids)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
     ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
     onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
@@ -291,7 +313,7 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
       replica_model_state = mean_of_first(replica_model_state,
                                           jnp.asarray(args["stats_mean"], jnp.int32))
     replica_model_state = adopt_replicas(
-        average_replicas(replica_model_state, average, replica_ids), adopt, weight)
+        average_replicas(replica_model_state, average, replica_ids), adopt, weight, replica_ids)
     worker_model_state = pull_rows(worker_model_state, replica_model_state, groups, pulls,
-                                   worker_ids)
+                                   pull_ids)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state

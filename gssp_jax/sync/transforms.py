@@ -374,29 +374,18 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
     pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
     arrived_at = jnp.zeros([num_groups], bool).at[route].max(arrived)
 
-    def exchange(operand):
-      """Deliveries and forwards: only in the rounds that have some (lax.cond skips the rest)."""
-      contrib, pending, outbox = operand
-      sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
-      if is_global:   # groups, the global server, the (never applied) reply slots
-        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
-                                                              jnp.zeros_like(c)]), contrib, sent)
-      else:  # Every group server applies the other groups' delivered sums.
-        incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
-      outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
-      outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
-      pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
-      return incoming, pending, outbox
-
-    def no_exchange(operand):
-      contrib, pending, outbox = operand
-      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1]),
-                                                          jnp.zeros_like(c)]), contrib)
-                  if is_global else contrib)
-      return incoming, pending, outbox
-
-    incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
-                                             no_exchange, (contrib, pending, state.outbox))
+    # Deliveries and forwards as masks, in every round: a round without either gives
+    # exactly the no-exchange result, and no conditional leaves the device program (on a GPU
+    # each is a round trip to the host; ``sim/levels.py`` runs thousands of rounds per call).
+    sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), state.outbox)
+    if is_global:   # groups, the global server, the (never applied) reply slots
+      incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
+                                                            jnp.zeros_like(c)]), contrib, sent)
+    else:  # Every group server applies the other groups' delivered sums.
+      incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+    outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), state.outbox)
+    outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
+    pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
     if is_global:
       derived = jnp.concatenate([arrived_at, jnp.any(deliver)[None],
                                  jnp.zeros([num_groups], bool)])
@@ -432,7 +421,8 @@ def ids_or_all(ids, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
   ``ids`` None means every row. ``safe`` clamps padding (``id >= num``) into
   range for gathers, whose results ``valid`` masks; scatters use ``ids`` with
-  ``mode="drop"`` so padding writes nowhere.
+  ``mode="drop"`` so padding writes nowhere (``rounds.round_indices`` pads with
+  distinct ids ``num, num + 1, ...``, so every scatter's ids are unique).
   """
   ids = jnp.arange(num, dtype=jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
   return ids, jnp.minimum(ids, num - 1), ids < num
@@ -530,10 +520,14 @@ def replicated(inner: optax.GradientTransformation,
   and Adam's counters move only when that server really applies something, as
   a real parameter server's would. Without ``applies`` every replica steps.
 
-  With the extra arg ``replica_ids`` (``[Kr]`` ascending, padded with ``R``;
+  With the extra arg ``replica_ids`` (``[Kr]`` ascending, padded past ``R``;
   every applying replica listed, as ``rounds.round_indices`` builds it) the
-  inner optimizer runs on those ``Kr`` replicas only, one at a time and in
-  place (``_listed_update``), so its cost follows the replicas that apply.
+  inner optimizer runs on those ``Kr`` replicas only, written back one at a
+  time and in place (``_listed_update``), so its cost follows the replicas
+  that apply. The extra arg ``static_loops=True`` (a Python bool: the level
+  executor's rounds set it) writes them back in a loop of exactly ``Kr``
+  steps rather than one that stops at the listed count: no data-dependent
+  loop, which on a GPU would return to the host every step.
   """
   num_replicas = check_int("replicated", "num_replicas", num_replicas, 1)
 
@@ -542,11 +536,13 @@ def replicated(inner: optax.GradientTransformation,
     # (no replica axis): all replicas start from the same weights.
     return ReplicatedState(inner=jax.vmap(inner.init)(stack(params, num_replicas)))
 
-  def update(updates, state, params=None, *, applies=None, replica_ids=None, **extra):
+  def update(updates, state, params=None, *, applies=None, replica_ids=None,
+             static_loops=False, **extra):
     del extra  # The inner optimizer sees one replica; round masks are not its business.
     applies = _mask(applies, [num_replicas], bool, True)
     if replica_ids is not None:
-      return _listed_update(inner, num_replicas, updates, state, params, applies, replica_ids)
+      listed = _listed_update_static if static_loops else _listed_update
+      return listed(inner, num_replicas, updates, state, params, applies, replica_ids)
     if params is None:
       new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
     else:
@@ -600,6 +596,44 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
   # Listed ids come first, ascending; the loop stops before the padding.
   count = jnp.sum(valid, dtype=jnp.int32)
   full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
+  return full_updates, ReplicatedState(inner=full_inner)
+
+
+def _listed_update_static(inner, num_replicas: int, updates, state: ReplicatedState, params,
+                          applies: jax.Array, replica_ids):
+  """:func:`_listed_update` with a static trip count (``Kr``): no host round trip on a GPU.
+
+  For device programs of many rounds (``sim/chunk.py``). The listed rows are
+  stepped together (``vmap``), then written back by a loop of ``Kr`` steps in
+  which a padding step writes the last listed replica's new rows again (a
+  no-op; an empty list writes row ``R - 1``'s own rows back).
+  """
+  ids, safe, valid = ids_or_all(replica_ids, num_replicas)
+  pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
+  old_inner = pick(state.inner)
+  if params is None:
+    new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
+  else:
+    new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
+  step = valid & applies[safe]                                             # [Kr]
+  new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
+  new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
+                             new_updates)
+  src = jnp.where(valid, jnp.arange(ids.shape[0]), jnp.maximum(jnp.sum(valid) - 1, 0))
+  target = safe[src]
+  new_inner, new_updates = (jax.tree.map(lambda x: x[src], t) for t in (new_inner, new_updates))
+  row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
+                                     tree)
+  put = lambda tree, r, new: jax.tree.map(
+      lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), tree, new)
+
+  def write(i, carry):
+    full_inner, full_updates = carry
+    return (put(full_inner, target[i], row(new_inner, i)),
+            put(full_updates, target[i], row(new_updates, i)))
+
+  zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
+  full_inner, full_updates = lax.fori_loop(0, ids.shape[0], write, (state.inner, zeros))
   return full_updates, ReplicatedState(inner=full_inner)
 
 

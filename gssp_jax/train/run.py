@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import ml_collections
 
 from gssp_jax import compress
@@ -46,3 +47,18 @@ def metric_and_target(config: ml_collections.ConfigDict, task) -> tuple[str, flo
   if isinstance(task, tasks.TranslationTask):
     return "bleu", config.train.target_bleu
   return "test_accuracy", config.train.target_accuracy
+
+
+def init_model(task, seed: int):
+  """``(params, model_state, train_rng)`` of a simulated or real run, from one jitted program.
+
+  The simulator and the real runtime's server both start from these weights
+  (a jitted initialisation rounds a few BatchNorm weights one ulp away from
+  an eager one, so every executor that must agree uses this one). The
+  dropout base key is the second half of ``PRNGKey(seed)``'s split.
+  """
+  def init(seed):
+    init_rng, train_rng = jax.random.split(jax.random.PRNGKey(seed))
+    params, model_state = task.init(init_rng)
+    return params, model_state, train_rng
+  return jax.jit(init)(seed)

@@ -14,10 +14,12 @@ import ml_collections
 
 # Keys that may change between a run and its resumption.
 _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
-                   "train.checkpoint_every", "train.max_checkpoints", "train.log_every")
+                   "train.checkpoint_every", "train.max_checkpoints", "train.log_every",
+                   "levels_per_call")   # the levels executor's dispatch size, not its pieces
 # Keys added after runs were recorded: a recorded config without one ran as its default does,
 # so it still resumes and a sweep does not count its trials as changed.
-_ADDED_KEYS = {"executor": "auto", "optimizer.args": ""}   # keys added since older runs
+_ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since older runs
+               "level_job_slots": 0}
 
 
 def _mutable(key: str) -> bool:

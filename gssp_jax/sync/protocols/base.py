@@ -104,6 +104,17 @@ class Protocol:
   def on_message(self, message: Message, time: float) -> Reaction:
     raise ValueError(f"{self.name} protocol got unexpected message {message!r}")
 
+  def round_bounds(self) -> tuple[int, int]:
+    """``(arrivals, replicas)``: the most workers arriving in, and replicas touched by, a round.
+
+    A replica is touched when it applies, is averaged or adopts. The
+    level-batched executor gives every round that many slots (``sim/chunk.py``)
+    and refuses a round over them, so a protocol that knows tighter bounds
+    declares them: its rounds then read ``arrivals`` gradients, not ``W``. The
+    default, ``(W, R)``, is always right.
+    """
+    return self.num_workers, self.num_replicas
+
   def server_payloads(self, rnd: rounds_lib.Round) -> int:
     """Payloads sent between servers in ``rnd`` (the simulator counts their bytes)."""
     return int(rnd.deliver.sum() + (rnd.adopt >= 0).sum())

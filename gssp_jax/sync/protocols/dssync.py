@@ -59,6 +59,10 @@ class DSSyncProtocol(Protocol):
     self.group_size = group_size
     self.seed = int(seed)
 
+  def round_bounds(self):
+    """A round is one group: its members arrive, apply to and average their own replicas."""
+    return self.group_size, self.group_size
+
   def partition(self, iteration: int) -> np.ndarray:
     return dssync_partition(self.num_workers, self.group_size, iteration, self.seed)
 

@@ -114,6 +114,11 @@ class GSSPProtocol(Protocol):
                        f"0..{self.num_groups - 1} used by at least one worker")
     self.next_route = route
 
+  def round_bounds(self):
+    """One push per round; a peer delivery applies at the other group servers, a global one at
+    the global server and its reply slot."""
+    return 1, (max(1, self.num_groups - 1) if self.inter_group == "peer" else 2)
+
   def server_payloads(self, rnd) -> int:
     """Server-to-server payloads sent in ``rnd``.
 

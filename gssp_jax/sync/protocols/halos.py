@@ -79,6 +79,10 @@ class HALoSProtocol(Protocol):
   def reply_slot(self, group: int) -> int:
     return self.num_groups + 1 + int(group)
 
+  def round_bounds(self):
+    """One push per round; a delivery touches the global server and the group's reply slot."""
+    return 1, 2
+
   def server_payloads(self, rnd) -> int:
     """One progress sum per delivery, one set of weights per reply."""
     return int(rnd.deliver.sum() + (rnd.adopt[:self.num_groups] >= 0).sum())

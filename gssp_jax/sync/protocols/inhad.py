@@ -50,6 +50,9 @@ class InHADProtocol(Protocol):
     self.count = 0
     self.in_flight = False
 
+  def round_bounds(self):
+    return 1, 1   # a push joins its node's aggregate; an aggregation applies at the server
+
   def on_push(self, worker, time):
     worker = self.check_worker(worker)
     self.clock[worker] += 1

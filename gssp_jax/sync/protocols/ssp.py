@@ -40,6 +40,9 @@ class BSPProtocol(Protocol):
     self._maybe_barrier(time, reaction)
     return reaction
 
+  def round_bounds(self):
+    return self.num_workers, 1   # the barrier: everyone's push, one server
+
   def _maybe_barrier(self, time, reaction) -> None:
     """Applies the round once every alive worker has pushed; everyone alive pulls."""
     if not (self.alive.any() and self.blocked[self.alive].all()):
@@ -80,6 +83,9 @@ class SSPProtocol(Protocol):
     super().__init__(num_workers)
     self.staleness = (None if staleness is None
                       else transforms.check_int(self.name, "staleness", staleness, 0))
+
+  def round_bounds(self):
+    return 1, 1   # one push per round, at the one server
 
   def allowance(self, worker: int, time: float) -> float:
     """How many clocks ``worker`` may be ahead of the slowest (called after its push)."""

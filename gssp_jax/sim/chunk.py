@@ -1,0 +1,229 @@
+"""The level-batched executor's device program: a chunk of many pieces of the schedule per call.
+
+A *piece* is what the host planner (``sim/planner.py``) cuts: up to ``J`` jobs
+(worker gradients, each on the weights its worker pulled), computed together
+as one ``vmap``, then up to ``Rr`` rounds, applied in order by a ``lax.scan``.
+A *chunk* is ``L`` pieces, one jitted call: a ``lax.scan`` over the pieces.
+Every shape is fixed for the run, so the chunk program compiles once:
+
+* padded job slots are for the distinct out-of-range workers ``W, W + 1, ...``:
+  they compute on worker ``W - 1``'s inputs and their results are dropped by
+  the scatters (``mode="drop"``);
+* padded round slots are empty rounds (nobody arrives or pulls, no replica
+  applies, no exchange), which change nothing: no ``lax.cond`` decides it;
+* a round names the workers that arrive (``Ka`` slots), the workers that pull
+  (``Kp``) and the replicas it touches (``Kr``); a round reads and writes those
+  rows only (``rounds.apply_round``), unless a slot count equals ``W`` (``R``),
+  where the whole buffer is used in place and no gather is needed.
+
+The weights, the statistics and the outstanding gradients are flat
+``[W, P]``/``[R, P]`` buffers (``sim/flat.py``); compressor and inner-optimizer
+states stay pytrees (only jobs touch them). The state is donated, so no round
+copies a ``[W, P]`` buffer; tests read the compiled HLO to keep it so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gssp_jax.sim import executor
+from gssp_jax.sim import flat as flat_lib
+
+
+class Shape(NamedTuple):
+  """A run's static chunk shape.
+
+  Attributes:
+    pieces: L, pieces per device call.
+    jobs: J, job slots per piece.
+    rounds: Rr, round slots per piece.
+    arrivals: Ka, arrival slots per round (W: every worker, no gather).
+    pulls: Kp, pull slots per round (W: every worker, in place).
+    replicas: Kr, replica slots per round (R: every replica).
+    routes: Q, distinct worker -> replica routes a chunk may use.
+  """
+  pieces: int
+  jobs: int
+  rounds: int
+  arrivals: int
+  pulls: int
+  replicas: int
+  routes: int = 2
+
+
+def init_state(layout: flat_lib.Layout, params, model_state, tx, compressor, num_workers: int,
+               num_replicas: int, rng: jax.Array,
+               inner: optax.GradientTransformation | None = None) -> executor.SimState:
+  """``executor.init_state`` with flat weight, statistic and gradient buffers (pure; jit it).
+
+  ``tx`` is initialised on one replica's flat ``[P]`` weights; the compressor
+  and the inner optimizer keep their pytree states (jobs run on pytrees).
+  """
+  tree_state = executor.init_state(params, model_state, None, compressor, num_workers,
+                                   num_replicas, rng, inner=inner)
+  flat_params = layout.ravel_params(params)
+  stack = lambda x, n: jnp.broadcast_to(x, (n, *x.shape))
+  if layout.num_stats:
+    flat_stats = layout.ravel_stats(model_state)
+    replica_stats, worker_stats = stack(flat_stats, num_replicas), stack(flat_stats, num_workers)
+  else:   # no statistics: no (zero-size) buffers either
+    replica_stats = worker_stats = {}
+  return tree_state.replace(
+      replica_params=stack(flat_params, num_replicas), replica_model_state=replica_stats,
+      tx_state=tx.init(flat_params), worker_params=stack(flat_params, num_workers),
+      worker_model_state=worker_stats,
+      grad_buf=jnp.zeros([num_workers, layout.num_params], jnp.float32))
+
+
+def served_weights(layout: flat_lib.Layout, state: executor.SimState, eval_replica: int | None):
+  """``executor.served_weights`` of a flat state, as the model's pytrees."""
+  params, stats = executor.served_weights(state, eval_replica)
+  return layout.unravel_params(params), unravel_stats(layout, stats)
+
+
+def unravel_stats(layout: flat_lib.Layout, flat):
+  """A flat statistics vector (``{}`` for a model without statistics) as the model state."""
+  return layout.unravel_stats(flat) if layout.num_stats else {}
+
+
+def ravel_stats(layout: flat_lib.Layout, tree):
+  return layout.ravel_stats(tree) if layout.num_stats else {}
+
+
+def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_bytes: int,
+              stats_bytes: int, num_workers: int, *, grad_clip: float = 0.0,
+              local: executor.LocalJob | None = None):
+  """``(state, arrays, jobs) -> state``: one piece's jobs as one ``vmap`` (pure).
+
+  ``jobs`` holds ``workers [J]`` (padding: ids >= W), ``idx [J, B]`` (a
+  local-update job's ``[J, H_max, B]``), ``iters``, ``ratios``, ``flushes``
+  and, for local-update jobs, ``steps``. Each job is
+  ``executor.make_worker_gradient`` (or ``make_local_update``) on its worker's
+  unravelled weights, with the per-round executor's dropout keys, so both
+  executors compute the same function of the same inputs.
+  """
+  executor.check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
+  gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
+  if local is not None:
+    local_update = executor.make_local_update(loss_fn, compressor, dense_bytes, local,
+                                              grad_clip=grad_clip)
+
+  def one_job(row, stats_row, inner, comp, batch, key, first, steps, ratio, flush):
+    params, model_state = layout.unravel_params(row), unravel_stats(layout, stats_row)
+    if local is None:
+      loss, grad, new_ms, comp, nbytes = gradient(params, model_state, comp, batch,
+                                                  jax.random.fold_in(key, first), ratio, flush)
+    else:
+      loss, grad, new_ms, inner, comp, nbytes = local_update(
+          params, model_state, inner, comp, batch, key, first, steps, ratio, flush)
+    flat_grad = flat_lib.ravel(grad, jnp.float32)
+    return (flat_grad, ravel_stats(layout, new_ms), inner, comp, loss,
+            nbytes + jnp.int32(stats_bytes))
+
+  def jobs(state: executor.SimState, arrays, job):
+    workers = job["workers"]
+    safe = jnp.minimum(workers, num_workers - 1)   # padded jobs compute on worker W-1's inputs
+    take = lambda tree: jax.tree.map(lambda x: x[safe], tree)
+    put = lambda tree, v: jax.tree.map(
+        lambda x, y: x.at[workers].set(y.astype(x.dtype), mode="drop", unique_indices=True),
+        tree, v)
+    batch = jax.tree.map(lambda a: a[job["idx"]], arrays)
+    steps = job.get("steps")
+    if steps is None:
+      steps = jnp.ones(workers.shape, jnp.int32)
+    keys = jax.vmap(lambda w: jax.random.fold_in(state.rng, w))(safe)
+    comp = take(state.comp_state) if compressor is not None else None
+    inner = take(state.inner_state) if local is not None else None
+    grad, new_ms, inner, comp, loss, nbytes = jax.vmap(
+        one_job, in_axes=(0, 0, 0 if local is not None else None,
+                          0 if compressor is not None else None, 0, 0, 0, 0, 0, 0))(
+            state.worker_params[safe], take(state.worker_model_state), inner, comp, batch,
+            keys, job["iters"], steps, job["ratios"], job["flushes"])
+    return state.replace(
+        grad_buf=put(state.grad_buf, grad),
+        worker_model_state=put(state.worker_model_state, new_ms),
+        inner_state=put(state.inner_state, inner) if local is not None else state.inner_state,
+        comp_state=put(state.comp_state, comp) if compressor is not None else state.comp_state,
+        job_loss=put(state.job_loss, loss),
+        job_bytes=put(state.job_bytes, nbytes))
+  return jobs
+
+
+def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,
+               row: dict) -> dict[str, Any]:
+  """One round slot's fields as ``rounds.apply_round``'s args (traced, pure).
+
+  The dense ``arrived``/``pulls`` masks are built from the slots' ids; a slot
+  count below ``W`` (``R``) also passes the ids, so the round touches those
+  rows only.
+  """
+  mask = lambda ids: jnp.zeros([num_workers], bool).at[ids].set(True, mode="drop",
+                                                                unique_indices=True)
+  args = {"arrived": mask(row["arrive_ids"]), "pulls": mask(row["pull_ids"]),
+          "groups": routes[row["route"]],
+          **{k: row[k] for k in ("applies", "forward", "deliver", "aggregate", "adopt",
+                                 "average", "stats_mean", "adopt_weight", "learning_rate")}}
+  if shape.arrivals < num_workers:
+    args["worker_ids"] = row["arrive_ids"]
+  args["pull_ids"] = row["pull_ids"] if shape.pulls < num_workers else None
+  if shape.replicas < num_replicas:
+    args["replica_ids"] = row["replica_ids"]
+    args["static_loops"] = True   # transforms.replicated: a loop of Kr steps, not data-bound
+  return args
+
+
+def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
+                  tx: optax.GradientTransformationExtraArgs, dense_bytes: int, stats_bytes: int,
+                  num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
+                  local: executor.LocalJob | None = None,
+                  on_trace: Callable[[], None] = lambda: None):
+  """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
+
+  ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
+  ``rounds`` (each ``[L, Rr, ...]``) and ``routes [Q, W]``. ``done`` is a copy
+  of the loss count, an output the host can wait on (the state is donated to
+  the next call). ``on_trace`` is called each time it is traced.
+  """
+  jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
+                   grad_clip=grad_clip, local=local)
+  one_round = executor.round_body(tx)
+
+  def chunk(state: executor.SimState, arrays, plan):
+    on_trace()
+    routes = plan["routes"]
+
+    def round_step(s, row):
+      return one_round(s, round_args(shape, num_workers, num_replicas, routes, row)), None
+
+    def piece(s, xs):
+      job, rows = xs
+      s = jobs(s, arrays, job)
+      s, _ = jax.lax.scan(round_step, s, rows)
+      return s, None
+    state, _ = jax.lax.scan(piece, state, (plan["jobs"], plan["rounds"]))
+    return state, state.loss_count + 0
+  return jax.jit(chunk, donate_argnums=(0,))
+
+
+def padded_ids(count: int, num: int) -> np.ndarray:
+  """``count`` distinct out-of-range ids ``num, num + 1, ...`` (empty slots)."""
+  return np.arange(num, num + count, dtype=np.int32)
+
+
+def check_shape(shape: Shape, num_workers: int, num_replicas: int) -> Shape:
+  """``shape`` if its slot counts are in range; else ValueError naming the first that is not."""
+  limits = {"pieces": None, "jobs": num_workers, "rounds": None, "arrivals": num_workers,
+            "pulls": num_workers, "replicas": num_replicas, "routes": None}
+  for name, limit in limits.items():
+    value = getattr(shape, name)
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+        or (limit is not None and value > limit)):
+      allowed = "an int >= 1" + ("" if limit is None else f" and <= {limit}")
+      raise ValueError(f"chunk shape {name}={value!r} is invalid; allowed: {allowed}")
+  return shape
+
