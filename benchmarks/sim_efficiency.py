@@ -2,7 +2,7 @@ r"""Simulation efficiency: simulated worker-samples/s over the model's plain bat
 
     python -m benchmarks.sim_efficiency [--model=lenet5|resnet18|vgg19] [--width=1.0] \
         [--workers=16,64,256] [--schemes=bsp,asp,ssp,gssp] [--epochs=1] [--executor=NAME] \
-        [--levels_per_call=1,8]
+        [--levels_per_call=0,8]
 
 For each worker count W the baseline is one jitted training step of the model
 (``value_and_grad`` + SGD momentum, BatchNorm statistics updated) on a batch of
@@ -59,8 +59,9 @@ _EXECUTOR = flags.DEFINE_string("executor", None, "the config's `executor` (defa
 _WORKERS = flags.DEFINE_list("workers", ["16", "64", "256"], "worker counts")
 _SCHEMES = flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "gssp"], "schemes")
 _EPOCHS = flags.DEFINE_float("epochs", 1.0, "epochs simulated per run")
-_LEVELS_PER_CALL = flags.DEFINE_list("levels_per_call", ["1"], "the config's `levels_per_call`, "
-                                     "one run per value (other than 1 needs --executor=levels)")
+_LEVELS_PER_CALL = flags.DEFINE_list("levels_per_call", ["0"], "the config's `levels_per_call`, "
+                                     "one run per value (0: chosen by the run; other values need "
+                                     "--executor=levels)")
 
 
 def baseline(name: str, width: float, total_batch: int) -> float:
@@ -95,7 +96,7 @@ def baseline(name: str, width: float, total_batch: int) -> float:
 
 
 def run_config(name: str, width: float, executor: str | None, scheme: str, workers: int,
-               epochs: float, levels_per_call: int = 1):
+               epochs: float, levels_per_call: int = 0):
   """The config a simulated run uses: the model's config file with the benchmark's changes.
 
   Raises:
@@ -120,7 +121,7 @@ def run_config(name: str, width: float, executor: str | None, scheme: str, worke
     except KeyError as e:
       raise ValueError(f"--executor={executor!r}: this version's config has no `executor` "
                        "key; leave --executor out") from e
-  if levels_per_call != 1:
+  if levels_per_call:
     config.levels_per_call = levels_per_call
     config_lib.validate_levels_per_call(config)
   return config

@@ -6,7 +6,7 @@ protocol over the cluster model event by event (``sync.TimelineEngine``); every
 round it produces, and the next job of every worker that pulls in it (its
 gradient, on the weights it pulled), goes to the device runner:
 
-* ``rounds``: buffered as ``executor.Step``\ s and run one device call per round
+* ``rounds``: buffered as ``executor.Step`` objects and run one device call per round
   and per set of jobs (the reference);
 * ``levels``: planned into fixed-shape chunks of dependency pieces and run one
   compiled program per chunk (``sim/levels.py``), with nothing read back
@@ -107,7 +107,7 @@ MAX_BUFFERED_ROUNDS = 256
 
 
 class _StepFeed:
-  """The per-round runner's buffer of ``executor.Step``\ s (``levels.LevelRunner``'s interface)."""
+  """The per-round runner's buffer of ``executor.Step`` objects (``levels.LevelRunner``'s API)."""
 
   def __init__(self, run_steps):
     self.run_steps = run_steps
@@ -213,7 +213,7 @@ class Simulation:
   An executor of ``train/loop.py`` (see ``train/executors.Executor``). The
   host runs the protocol over the cluster model; each protocol event's rounds
   and the jobs they release go to the device runner: the per-round reference
-  (``runner='rounds'``: ``executor.Step``\\ s, one call per round and job set)
+  (``runner='rounds'``: ``executor.Step`` objects, one call per round and job set)
   or the level-batched one (``runner='levels'``: ``levels.LevelRunner``, one
   compiled program per chunk of many dependency pieces). Both give the same
   state, to float tolerance; the host figures (timeline, staleness, bytes)

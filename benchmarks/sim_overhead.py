@@ -1,0 +1,178 @@
+r"""The simulator's host cost per simulated gradient, and the hot path's proxies of GPU speed.
+
+    python -m benchmarks.sim_overhead [--workers=16,256] \
+        [--schemes=bsp,asp,ssp,dssp,gssp,async_local_sgd] [--pushes=3000] [--executor=levels] \
+        [--parts=host,proxies]
+
+On a GPU the simulator is fast only if the host keeps ahead of the device and
+never makes it wait. Neither shows in a CPU's wall time, where the device work
+dominates, so this benchmark measures what predicts it, on any machine:
+
+* ``host``: microseconds of host time per simulated gradient (one push), with
+  the device's work stubbed out: the executor's device program is replaced by
+  one that returns its input at once, and everything else runs as in a real
+  run (timeline, protocol, accounting, jobs, the planner, the chunks' rows and
+  their transfer to the device). ``--pushes`` pushes of the MNIST/LeNet-5
+  config (``configs/mnist_lenet5.py``) on a ``tiers`` cluster (1, 1.5, 2,
+  3), GSSP with 4 groups, the local-update scheme with 4 inner steps. The
+  best of ``--repeats`` timings is printed.
+* ``proxies``: a real run of a negligible model (one dense layer) on the same
+  cluster, 3 epochs of 2,048 examples, evaluated 6 times: eager JAX
+  operations and device-to-host transfers between evaluations (each advance
+  runs under ``jax.transfer_guard_device_to_host('disallow_explicit')``; a
+  transfer stops the run and is reported), compilations in all and after the
+  first evaluation (``jax.monitoring``).
+
+Targets (issue 33): at most 40 µs per gradient at 16 workers and 60 at 256;
+no eager operation and no transfer between evaluations; at most 8 compilations
+per run, none after the first evaluation.
+"""
+
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import flax.linen as nn
+import jax
+import numpy as np
+
+from configs import mnist_lenet5
+from gssp_jax import config as config_lib
+from gssp_jax import models
+from gssp_jax.sim import simulate
+from gssp_jax.sim import watch
+from gssp_jax.train import executors
+from gssp_jax.train import run as run_lib
+
+from benchmarks import common
+
+_WORKERS = flags.DEFINE_list("workers", ["16", "256"], "worker counts")
+_SCHEMES = flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "dssp", "gssp", "async_local_sgd"],
+                             "schemes")
+_PUSHES = flags.DEFINE_integer("pushes", 3000, "pushes timed per run (host part)")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timings per run; the best is printed")
+_EXECUTOR = flags.DEFINE_enum("executor", "levels", list(simulate.RUNNERS), "the simulator's runner")
+_PARTS = flags.DEFINE_list("parts", ["host", "proxies"], "host, proxies")
+
+
+class Linear(nn.Module):
+  """The negligible model of the proxies: one dense layer."""
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    return nn.Dense(self.num_classes)(x.reshape((x.shape[0], -1)))
+
+
+def run_config(scheme: str, workers: int, executor: str, **changes):
+  """The MNIST config on the tiers cluster with ``scheme`` on ``workers`` workers."""
+  config = mnist_lenet5.get_config()
+  keys = {"num_workers": workers, "sync.scheme": scheme, "cluster.profile": "tiers",
+          "cluster.tiers": (1.0, 1.5, 2.0, 3.0), "cluster.base_time": 0.01,
+          "data.test_size": 500, "executor": executor}
+  if scheme in ("gssp", "halos"):
+    keys["sync.num_groups"] = 4
+  if scheme in ("local_sgd", "diloco", "async_local_sgd", "halos"):
+    keys["local.steps"] = 4
+  return config_lib.override(config, {**keys, **changes})
+
+
+def _stub(sim: simulate.Simulation) -> None:
+  """Replaces the simulator's device program by one that does nothing (the host part)."""
+  done = jax.numpy.zeros([], jax.numpy.int32)
+  if sim.layout is not None:   # levels: the chunk program
+    sim.feed.chunk_fn = lambda state, arrays, plan: (state, done)
+  else:                        # rounds: the step runner
+    sim.feed.run_steps = lambda state, arrays, steps: state
+
+
+def host_us_per_gradient(scheme: str, workers: int, executor: str, pushes: int) -> float:
+  """Host µs per push over ``pushes`` pushes, the device's work stubbed out."""
+  config = run_config(scheme, workers, executor, **{"train.stop_after_updates": pushes,
+                                                     "train.eval_every": 1000.0,
+                                                     "train.num_epochs": 1000.0})
+  with tempfile.TemporaryDirectory() as workdir:
+    config_lib.validate_config(config)
+    task = run_lib.prepare_run(config, workdir)
+    sim = simulate.Simulation(config, task, workdir, runner=executor)
+    _stub(sim)
+    sim.restore()
+    start = time.perf_counter()
+    sim.advance()
+    seconds = time.perf_counter() - start
+    done = sim.engine.num_pushes
+    sim.close()
+  return seconds / done * 1e6
+
+
+def proxies(scheme: str, workers: int, executor: str) -> dict:
+  """Eager ops, transfers and compilations of a short real run of a negligible model."""
+  config = run_config(scheme, workers, executor, **{
+      "model": "benchmark_linear", "data.train_size": 2048, "train.num_epochs": 3.0,
+      "train.eval_every": 0.5})
+  compilations = watch.compilations()
+  start = compilations.mark()
+  eager, transfers, evaluations, after_first = [], 0, 0, 0
+  with tempfile.TemporaryDirectory() as workdir:
+    config_lib.validate_config(config)
+    task = run_lib.prepare_run(config, workdir)
+    run = executors.make_executor(config, task, workdir)
+    run.restore()
+    while not run.finished():
+      ops, mark = watch.EagerOps(), compilations.mark()
+      try:
+        with ops.active(), jax.transfer_guard_device_to_host("disallow_explicit"):
+          run.advance()
+      except Exception as e:  # pylint: disable=broad-except  (a disallowed transfer)
+        if "transfer" not in str(e).lower():
+          raise
+        transfers += 1
+        break
+      eager += ops.names
+      if evaluations:
+        after_first += len(compilations.since(mark))
+      run.evaluate()
+      evaluations += 1
+    run.close()
+  return {"eager": len(eager), "eager_names": sorted(set(eager)), "transfers": transfers,
+          "compilations": len(compilations.since(start)), "after_first": after_first,
+          "evaluations": evaluations}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.ERROR)
+  models.register_model("benchmark_linear", Linear)
+  print(common.describe_backend())
+  print(f"executor {_EXECUTOR.value}")
+  workers = [int(w) for w in _WORKERS.value]
+  if "host" in _PARTS.value:
+    print(f"\nhost µs per simulated gradient, device work stubbed, {_PUSHES.value} pushes "
+          f"(best of {_REPEATS.value}):")
+    print("| scheme | " + " | ".join(f"{w} workers" for w in workers) + " |")
+    print("|---|" + "---|" * len(workers))
+    for scheme in _SCHEMES.value:
+      cells = []
+      for w in workers:
+        best = min(host_us_per_gradient(scheme, w, _EXECUTOR.value, _PUSHES.value)
+                   for _ in range(_REPEATS.value))
+        cells.append(f"{best:,.1f}")
+      print(f"| {scheme} | " + " | ".join(cells) + " |", flush=True)
+  if "proxies" in _PARTS.value:
+    print("\nthe hot path of a real run (negligible model, 3 epochs, 6 evaluations):")
+    print("| scheme | workers | eager ops between evaluations | device-to-host transfers |"
+          " compilations per run | after the first evaluation |")
+    print("|---|---|---|---|---|---|")
+    for scheme in _SCHEMES.value:
+      for w in workers:
+        r = proxies(scheme, w, _EXECUTOR.value)
+        names = f" ({', '.join(r['eager_names'][:6])})" if r["eager"] else ""
+        print(f"| {scheme} | {w} | {r['eager']}{names} | {r['transfers']} |"
+              f" {r['compilations']} | {r['after_first']} |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
