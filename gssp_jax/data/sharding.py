@@ -60,7 +60,17 @@ class WorkerBatches:
 
   def indices(self, w: int, k: int) -> np.ndarray:
     epoch, pos = divmod(int(k), self.spe)
+    return self._order(w, epoch)[pos * self.B:(pos + 1) * self.B]
+
+  def span(self, w: int, k: int, n: int) -> np.ndarray:
+    """``[n, B]``: worker ``w``'s batches of iterations ``k .. k + n - 1`` (:meth:`indices`)."""
+    epoch, pos = divmod(int(k), self.spe)
+    if pos + n <= self.spe:   # within one epoch: one slice of its order
+      return self._order(w, epoch)[pos * self.B:(pos + n) * self.B].reshape(n, self.B)
+    return np.stack([self.indices(w, k + j) for j in range(n)])
+
+  def _order(self, w: int, epoch: int) -> np.ndarray:
     held = self._orders.get(w)
     if held is None or held[0] != epoch:
       held = self._orders[w] = (epoch, worker_order(self.shards, self.seed, w, epoch))
-    return held[1][pos * self.B:(pos + 1) * self.B]
+    return held[1]

@@ -177,15 +177,60 @@ def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Ar
   return args
 
 
+class Packing(NamedTuple):
+  """How a chunk's rows travel: one flat buffer per dtype (a few transfers, not ~20).
+
+  ``fields``: ``((part, name, dtype, shape, offset), ...)`` in packing order,
+  ``part`` being ``jobs``, ``rounds`` or ``routes``; ``sizes``: each dtype's
+  buffer length.
+  """
+  fields: tuple
+  sizes: tuple
+
+
+def packing_of(tree: dict) -> Packing:
+  """The :class:`Packing` of a chunk's device tree (``planner.Chunk.device_tree``'s shapes)."""
+  fields, sizes = [], {}
+  items = [(part, name, value) for part in ("jobs", "rounds")
+           for name, value in sorted(tree[part].items())] + [("routes", None, tree["routes"])]
+  for part, name, value in items:
+    dtype = np.dtype(value.dtype).str
+    fields.append((part, name, dtype, tuple(value.shape), sizes.get(dtype, 0)))
+    sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(value.shape))
+  return Packing(tuple(fields), tuple(sorted(sizes.items())))
+
+
+def pack(packing: Packing, tree: dict) -> dict:
+  """A chunk's device tree as ``{dtype: flat buffer}`` (host NumPy)."""
+  parts = {dtype: [] for dtype, _ in packing.sizes}
+  for part, name, dtype, _, _ in packing.fields:
+    value = tree[part] if name is None else tree[part][name]
+    parts[dtype].append(np.ravel(value))
+  return {dtype: np.concatenate(values) for dtype, values in parts.items()}
+
+
+def unpack(packing: Packing, buffers: dict) -> dict:
+  """:func:`pack`'s inverse, traced: static slices of the buffers."""
+  tree = {"jobs": {}, "rounds": {}}
+  for part, name, dtype, shape, offset in packing.fields:
+    value = buffers[dtype][offset:offset + int(np.prod(shape))].reshape(shape)
+    if name is None:
+      tree[part] = value
+    else:
+      tree[part][name] = value
+  return tree
+
+
 def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   tx: optax.GradientTransformationExtraArgs, dense_bytes: int, stats_bytes: int,
                   num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
                   local: executor.LocalJob | None = None,
-                  on_trace: Callable[[], None] = lambda: None):
+                  on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
-  ``rounds`` (each ``[L, Rr, ...]``) and ``routes [Q, W]``. ``done`` is a copy
+  ``rounds`` (each ``[L, Rr, ...]``) and ``routes [Q, W]``; with ``packing``,
+  those packed into one buffer per dtype (:func:`pack`). ``done`` is a copy
   of the loss count, an output the host can wait on (the state is donated to
   the next call). ``on_trace`` is called each time it is traced.
   """
@@ -195,6 +240,8 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
 
   def chunk(state: executor.SimState, arrays, plan):
     on_trace()
+    if packing is not None:
+      plan = unpack(packing, plan)
     routes = plan["routes"]
 
     def round_step(s, row):

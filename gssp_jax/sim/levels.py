@@ -33,6 +33,7 @@ from gssp_jax.sim import chunk as chunk_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
 from gssp_jax.sim import planner as planner_lib
+from gssp_jax.sync import rounds as rounds_lib
 
 MAX_JOB_SLOTS = 64     # default cap of J: a piece's jobs are one vmap (its activations in memory)
 MAX_PIECES = 64        # L: pieces per device call, at most
@@ -54,33 +55,41 @@ class LevelRunner:
     route: the protocol's first route.
     grad_clip: ``optimizer.grad_clip``.
     local: the local-update job, or None.
+    make_jobs: ``(workers, job numbers) -> executor.Jobs`` (``Planner``'s).
+    round_fields: the protocol's ``Protocol.round_fields`` (``Planner``'s).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
                tx: optax.GradientTransformationExtraArgs, dense_bytes: int, stats_bytes: int,
                num_workers: int, num_replicas: int, num_groups: int, shape: chunk_lib.Shape,
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
-               local: executor.LocalJob | None = None):
+               local: executor.LocalJob | None = None, make_jobs=None,
+               round_fields=rounds_lib.OPTIONAL_FIELDS):
     self.shape = shape
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
                                        num_replicas=num_replicas, num_groups=num_groups,
-                                       job_shape=job_shape, local=local is not None, route=route)
+                                       job_shape=job_shape, local=local is not None, route=route,
+                                       make_jobs=make_jobs, round_fields=round_fields)
 
     def count():
       self.traces += 1
+    # One buffer per dtype crosses to the device per chunk (its layout from an empty chunk).
+    self.packing = chunk_lib.packing_of(self.planner.empty_chunk().device_tree())
     self.chunk_fn = chunk_lib.make_chunk_fn(layout, loss_fn, compressor, tx, dense_bytes,
                                             stats_bytes, num_workers, num_replicas, shape,
-                                            grad_clip=grad_clip, local=local, on_trace=count)
+                                            grad_clip=grad_clip, local=local, on_trace=count,
+                                            packing=self.packing)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
-  def add(self, rnd, args: dict | None, jobs: executor.Jobs | None) -> None:
-    """Round ``rnd`` (None: no round) at ``args["learning_rate"]``, then the jobs it released."""
+  def add(self, rnd, learning_rate: float, workers: np.ndarray, ks: np.ndarray) -> None:
+    """Round ``rnd`` (None: no round) at ``learning_rate``, then job ``ks[i]`` of each of
+    ``workers`` (those it released; ``make_jobs`` makes them when their chunk is written)."""
     if rnd is not None:
-      self.planner.add_round(rnd, args["learning_rate"])
-    if jobs is not None:
-      self.planner.add_jobs(*jobs)
+      self.planner.add_round(rnd, learning_rate)
+    if workers.size:
+      self.planner.add_job_numbers(workers, ks)
 
   def state_dict(self) -> dict:
     return {"planner": self.planner.state_dict()}
@@ -95,7 +104,8 @@ class LevelRunner:
   def run_ready(self, state: executor.SimState, arrays) -> executor.SimState:
     """Dispatches every complete chunk; waits only for the one before the last dispatched."""
     for chunk in self.planner.take():
-      state, done = self.chunk_fn(state, arrays, jax.device_put(chunk.device_tree()))
+      plan = chunk_lib.pack(self.packing, chunk.device_tree())
+      state, done = self.chunk_fn(state, arrays, jax.device_put(plan))
       if self._previous is not None:
         self._previous.block_until_ready()
       self._previous = done
@@ -175,21 +185,21 @@ def profile(rounds: Sequence, first_jobs: np.ndarray, num_workers: int, job_slot
   cutter_rounds = [0]
   cutter = planner_lib.Cutter(num_workers, job_slots, None, on_cut)
 
-  def jobs(workers):
+  def jobs(workers: list):
     start = 0
-    while start < workers.size:
+    while start < len(workers):
       own, count = cutter.place_jobs(workers[start:])
       cutter.take_jobs(workers[start:start + count], own)
       start += count
-  jobs(np.asarray(first_jobs, np.int64))
+  jobs(np.asarray(first_jobs).tolist())
   pulls = []
   for rnd in rounds:
-    pulled = np.flatnonzero(rnd.pulls)
-    cutter.place_round(np.flatnonzero(rnd.arrived | rnd.pulls), 1)
+    pulled = rnd.pulls.nonzero()[0].tolist()
+    cutter.place_round(rnd.arrived.nonzero()[0].tolist() + pulled, 1)
     cutter.take_round(1)
     cutter_rounds[0] += 1
-    pulls.append(pulled.size)
-    if pulled.size:
+    pulls.append(len(pulled))
+    if pulled:
       jobs(pulled)
   return np.asarray(pieces or [cutter_rounds[0]], np.int64), np.asarray(pulls or [0], np.int64)
 
@@ -205,11 +215,11 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
   """The chunk shape for a run whose opening is ``rounds`` (see :func:`profile`).
 
   * ``J`` (``job_slots``, 0: ``min(W, MAX_JOB_SLOTS)``).
-  * ``Rr``: the 90th percentile of the opening's rounds per piece, as a power
-    of two (a longer piece is cut in two), at least enough for one round in
-    which everyone pulls.
-  * ``Kp``: the 99th percentile of pulls per round, a power of two (more pulls
-    take further pull-only slots).
+  * ``Rr``: the 90th percentile of the opening's rounds per piece (a longer
+    piece is cut in two).
+  * ``Kp``: the 99th percentile of pulls per round (more pulls take further
+    pull-only slots), at least ``W / Rr``: a round in which everyone pulls
+    fits one piece.
   * ``Ka``, ``Kr``: the protocol's declared bounds (``Protocol.round_bounds``).
   * ``L`` (``pieces``, 0: ``DEFAULT_PIECES``, fewer where an evaluation
     interval holds fewer pieces, so short runs do not pad their chunks).
@@ -217,8 +227,8 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
   W = num_workers
   J = job_slots or min(W, MAX_JOB_SLOTS)
   per_piece, pulls = profile(rounds, first_jobs, W, J)
-  Kp = min(W, _power_of_two_at_least(np.percentile(pulls, 99)))
-  Rr = max(_power_of_two_at_least(np.percentile(per_piece, 90)), -(-W // Kp))
+  Rr = max(int(np.ceil(np.percentile(per_piece, 90))), 1)
+  Kp = min(W, max(int(np.ceil(np.percentile(pulls, 99))), -(-W // Rr)))
   Ka, Kr = bounds
   L = pieces
   if not L:

@@ -8,20 +8,24 @@ before its worker's gradient is read (it arrives) or its weights overwritten
 a piece's jobs are computed together (``vmap``), then its rounds run in order.
 A job dispatched by one of a piece's rounds waits for the next piece
 (``fresh``); a round that touches a fresh worker, a piece with no job or round
-slot left, and a second job for a fresh worker each close the piece.
+slot left, a second job for a fresh worker and a new worker -> replica route
+each close the piece.
 
-:class:`Planner` writes each piece straight into preallocated NumPy rows of
-fixed width (``chunk.Shape``): job slots padded with the distinct out-of-range
-workers ``W, W + 1, ...``, round slots with empty rounds, ids with
-``W + i``/``R + i``. ``L`` pieces make a :class:`Chunk`, one device call
-(``sim/chunk.py``); the executor dispatches it and plans the next while the
-device runs it. A round that pulls more workers than ``Kp`` becomes several
-device rounds (the rest pull-only, which changes nothing else: a round with
-no arrival and no application leaves every replica as it is).
+:class:`Planner` notes where each round and job goes (its piece and slot) as
+it comes, and writes a chunk's rows only when its ``L`` pieces are complete:
+one ``np.stack`` per field per chunk instead of a dozen small writes per
+round. A chunk's rows have fixed widths (``chunk.Shape``): job slots padded
+with the distinct out-of-range workers ``W, W + 1, ...``, round slots with
+empty rounds, ids with ``W + i``/``R + i``. A round that pulls more workers
+than ``Kp`` fills several slots (the rest pull-only, which changes nothing
+else: a round with no arrival and no application leaves every replica as it
+is). The executor dispatches each chunk as one device call (``sim/chunk.py``)
+and plans the next while the device runs it.
 
 Everything here is deterministic in its inputs, so the pieces, and with them
 the float sums of every ``vmap``, are the same on every run and after a resume
-(the rows not yet run are saved with the checkpoint: :meth:`Planner.state_dict`).
+(what is noted but not run is saved with the checkpoint:
+:meth:`Planner.state_dict`), whatever the number of pieces per chunk.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from gssp_jax.sim import chunk as chunk_lib
+from gssp_jax.sync import rounds as rounds_lib
 
 # The round fields a slot carries besides its ids, with their padding value (an empty round).
 _REPLICA_FIELDS = {"applies": False, "adopt": -1, "average": -1, "stats_mean": -1,
@@ -38,10 +43,11 @@ _REPLICA_FIELDS = {"applies": False, "adopt": -1, "average": -1, "stats_mean": -
 _GROUP_FIELDS = {"forward": False, "deliver": False}
 _DTYPES = {"applies": bool, "adopt": np.int32, "average": np.int32, "stats_mean": np.int32,
            "adopt_weight": np.float32, "forward": bool, "deliver": bool}
+_JOB_FIELDS = ("workers", "idx", "iters", "ratios", "flushes", "steps")
 
 
 class Chunk(NamedTuple):
-  """One device call's rows (host arrays) and what they hold.
+  """One device call's rows (host arrays).
 
   Attributes:
     jobs: ``workers``, ``idx``, ``iters``, ``ratios``, ``flushes`` (and
@@ -65,74 +71,70 @@ class Chunk(NamedTuple):
 
 
 class Cutter:
-  """The piece-cutting rule alone: which piece a round or a job goes to (host, pure state).
+  """The piece-cutting rule alone: which piece a round or a job goes to (host, plain Python).
 
   Attributes:
-    current: ``[W]`` bool, workers with a job among the open piece's jobs.
-    fresh: ``[W]`` bool, workers with a job dispatched by the open piece's rounds.
-    num_current, num_fresh: their counts.
+    current: workers with a job among the open piece's jobs.
+    fresh: workers with a job dispatched by the open piece's rounds.
     used: device round slots used in the open piece.
   """
 
   def __init__(self, num_workers: int, job_slots: int, round_slots: int | None,
                on_cut=lambda: None):
     self.W, self.J, self.Rr = num_workers, job_slots, round_slots
-    self.on_cut = on_cut   # called after each cut (the planner opens its next row)
-    self.current = np.zeros([num_workers], bool)
-    self.fresh = np.zeros([num_workers], bool)
-    self.num_current = self.num_fresh = self.used = 0
+    self.on_cut = on_cut   # called after each cut (the planner opens its next piece)
+    self.current: set = set()
+    self.fresh: set = set()
+    self.used = 0
 
   def cut(self) -> None:
     """Closes the open piece: its fresh jobs become the next piece's jobs."""
-    self.current, self.fresh = self.fresh, self.current
-    self.fresh[:] = False
-    self.num_current, self.num_fresh, self.used = self.num_fresh, 0, 0
+    self.current, self.fresh, self.used = self.fresh, set(), 0
     self.on_cut()
 
-  def place_round(self, touched: np.ndarray, slots: int) -> None:
-    """Makes room for a round touching ``touched`` (ids) over ``slots`` device rounds."""
-    if (self.num_fresh and self.fresh[touched].any()) or (
+  def place_round(self, touched: list, slots: int) -> None:
+    """Makes room for a round touching the workers ``touched`` over ``slots`` device rounds."""
+    if (self.fresh and not self.fresh.isdisjoint(touched)) or (
         self.Rr is not None and self.used + slots > self.Rr):
       self.cut()
 
   def take_round(self, slots: int) -> None:
     self.used += slots
 
-  def place_jobs(self, workers: np.ndarray) -> tuple[bool, int]:
+  def place_jobs(self, workers: list) -> tuple[bool, int]:
     """Where the next of ``workers``' jobs go: ``(into the open piece's own jobs, how many)``.
 
     The open piece takes jobs itself while it has no round yet (they precede
-    every round to come); else they are fresh. Cuts where a job would meet
-    another of its worker's, or a piece would exceed ``J`` jobs.
+    every round to come) and has room; else they are fresh (computed at the
+    next piece's start, after this one's rounds: also right for a job
+    dispatched before any of them). Cuts where a fresh job would meet another
+    of its worker's, or fresh jobs would exceed ``J``.
     """
-    if self.used == 0:
-      if self.num_current and self.current[workers].any() or self.num_current == self.J:
-        self.cut()
-        return self.place_jobs(workers)
-      return True, min(workers.size, self.J - self.num_current)
-    if (self.num_fresh and self.fresh[workers].any()) or self.num_fresh == self.J:
+    if (self.used == 0 and not self.fresh and len(self.current) < self.J
+        and self.current.isdisjoint(workers)):
+      return True, min(len(workers), self.J - len(self.current))
+    if not self.fresh.isdisjoint(workers) or len(self.fresh) == self.J:
       self.cut()
       return self.place_jobs(workers)
-    return False, min(workers.size, self.J - self.num_fresh)
+    return False, min(len(workers), self.J - len(self.fresh))
 
-  def take_jobs(self, workers: np.ndarray, own: bool) -> None:
-    if own:
-      self.current[workers] = True
-      self.num_current += workers.size
-    else:
-      self.fresh[workers] = True
-      self.num_fresh += workers.size
+  def take_jobs(self, workers: list, own: bool) -> int:
+    """Notes ``workers``' jobs; returns the first of their slots."""
+    into = self.current if own else self.fresh
+    first = len(into)
+    into.update(workers)
+    return first
 
   def state_dict(self) -> dict:
-    return {k: getattr(self, k) for k in ("current", "fresh", "num_current", "num_fresh", "used")}
+    return {"current": self.current, "fresh": self.fresh, "used": self.used}
 
   def load_state_dict(self, state: dict) -> None:
-    for k, v in state.items():
-      setattr(self, k, v)
+    self.current, self.fresh = set(state["current"]), set(state["fresh"])
+    self.used = state["used"]
 
 
 class Planner:
-  """Rounds and jobs in, :class:`Chunk`s out (host NumPy; see the module docstring).
+  """Rounds and jobs in, :class:`Chunk`\\ s out (host NumPy; see the module docstring).
 
   Args:
     shape: the run's ``chunk.Shape``.
@@ -140,10 +142,16 @@ class Planner:
     job_shape: one job's ``idx`` shape: ``(B,)``, or ``(H_max, B)`` for local-update jobs.
     local: jobs carry ``steps`` (local-update schemes).
     route: the protocol's first worker -> replica route.
+    make_jobs: ``(workers [n], ks [n]) -> executor.Jobs``: the fields of the jobs
+      noted by :meth:`add_job_numbers` (job ``ks[i]`` of worker ``workers[i]``),
+      made for a whole chunk at once when it is written.
+    round_fields: the optional round fields the protocol sets
+      (``Protocol.round_fields``); the others keep their empty value in every slot.
   """
 
   def __init__(self, shape: chunk_lib.Shape, *, num_workers: int, num_replicas: int,
-               num_groups: int, job_shape: tuple, local: bool, route: np.ndarray):
+               num_groups: int, job_shape: tuple, local: bool, route: np.ndarray,
+               make_jobs=None, round_fields=rounds_lib.OPTIONAL_FIELDS):
     self.shape = chunk_lib.check_shape(shape, num_workers, num_replicas)
     if shape.rounds * shape.pulls < num_workers:
       raise ValueError(f"chunk shape rounds={shape.rounds} x pulls={shape.pulls} is invalid "
@@ -151,142 +159,172 @@ class Planner:
                        "that a round in which everyone pulls fits one piece")
     self.W, self.R, self.G = num_workers, num_replicas, num_groups
     self.job_shape, self.local = tuple(job_shape), bool(local)
+    self.make_jobs = make_jobs
+    self.round_fields = tuple(round_fields)
     self.cutter = Cutter(num_workers, shape.jobs, shape.rounds, self._after_cut)
-    self.piece = 0                  # the open piece's row in the buffers
+    self.piece = 0                   # the open piece, counted from the chunk's first
     self.routes = [np.asarray(route, np.int32).copy()]
-    self.ready: list[Chunk] = []    # complete chunks, oldest first
+    self._route_key = self.routes[-1].tobytes()
+    self.rounds: list = []           # (piece, slot, slots, round, learning rate, route) noted
+    self.jobs: list = []             # (piece, first slot, workers, job numbers, fields) noted
+    self.ready: list[Chunk] = []     # complete chunks, oldest first
     self.totals = {"pieces": 0, "jobs": 0, "rounds": 0, "round_slots": 0}
-    self._rows = self._new_rows()
-
-  # -- the rows ----------------------------------------------------------------------------
-
-  def _new_rows(self) -> dict:
-    """Empty buffers for one chunk: ``L + 1`` job rows (the last: the next chunk's first)."""
-    s, W, R, G = self.shape, self.W, self.R, self.G
-    L, J, Rr = s.pieces, s.jobs, s.rounds
-    jobs = {"workers": np.broadcast_to(chunk_lib.padded_ids(J, W), (L + 1, J)).copy(),
-            "idx": np.zeros((L + 1, J, *self.job_shape), np.int32),
-            "iters": np.zeros((L + 1, J), np.int32),
-            "ratios": np.ones((L + 1, J), np.float32),
-            "flushes": np.zeros((L + 1, J), bool)}
-    if self.local:
-      jobs["steps"] = np.zeros((L + 1, J), np.int32)
-    rounds = {"arrive_ids": np.broadcast_to(chunk_lib.padded_ids(s.arrivals, W),
-                                            (L, Rr, s.arrivals)).copy(),
-              "pull_ids": np.broadcast_to(chunk_lib.padded_ids(s.pulls, W),
-                                          (L, Rr, s.pulls)).copy(),
-              "replica_ids": np.broadcast_to(chunk_lib.padded_ids(s.replicas, R),
-                                             (L, Rr, s.replicas)).copy(),
-              "route": np.zeros((L, Rr), np.int32),
-              "aggregate": np.zeros((L, Rr), bool),
-              "learning_rate": np.zeros((L, Rr), np.float32)}
-    for fields, width in ((_REPLICA_FIELDS, R), (_GROUP_FIELDS, G)):
-      for name, fill in fields.items():
-        rounds[name] = np.full((L, Rr, width), fill, _DTYPES[name])
-    return {"jobs": jobs, "rounds": rounds}
-
-  def _route_index(self, groups: np.ndarray) -> int:
-    """The row of ``routes`` equal to ``groups``; a new route is added (a full table ends the
-    chunk: the open piece, cut at the route change, starts the next one)."""
-    if np.array_equal(self.routes[-1], groups):
-      return len(self.routes) - 1
-    if len(self.routes) == self.shape.routes:
-      if self.piece:
-        self._emit(carry=True)
-      self.routes = []
-    self.routes.append(np.asarray(groups, np.int32).copy())
-    return len(self.routes) - 1
 
   # -- input -------------------------------------------------------------------------------
 
   def add_round(self, rnd, learning_rate: float) -> None:
-    """Adds protocol round ``rnd`` (a ``sync.Round``) at ``learning_rate``.
+    """Notes protocol round ``rnd`` (a ``sync.Round``) at ``learning_rate``.
 
     Raises:
       ValueError: more arrivals or touched replicas than the shape's slots
         (``chunk.Shape.arrivals``/``replicas``, the protocol's declared bounds).
     """
     s = self.shape
-    arrived = np.flatnonzero(rnd.arrived)
-    pulls = np.flatnonzero(rnd.pulls)
-    replicas = np.flatnonzero(rnd.applies | (rnd.average >= 0) | (rnd.adopt >= 0))
-    if arrived.size > s.arrivals or replicas.size > s.replicas:
-      raise ValueError(
-          f"a round at time {rnd.time:.6g} has {arrived.size} arrivals and touches "
-          f"{replicas.size} replicas; allowed: at most {s.arrivals} and {s.replicas} (the "
-          "bounds its protocol declares, Protocol.round_bounds)")
-    slots = max(1, -(-pulls.size // s.pulls))
-    touched = np.concatenate([arrived, pulls]) if pulls.size else arrived
-    if self.cutter.used and not np.array_equal(self.routes[-1], rnd.groups):
+    arrived = rnd.arrived.nonzero()[0].tolist()
+    pulls = rnd.pulls.nonzero()[0].tolist()
+    if len(arrived) > s.arrivals:
+      self._over_bounds(rnd, "arrivals", len(arrived), s.arrivals)
+    slots = max(1, -(-len(pulls) // s.pulls))
+    key = rnd.groups.tobytes()
+    if key != self._route_key and self.cutter.used:
       self.cutter.cut()   # a new route (a regrouping) starts a piece, wherever the chunk is
-    self.cutter.place_round(touched, slots)
-    route = self._route_index(rnd.groups)
-    rows, p, first = self._rows["rounds"], self.piece, self.cutter.used
-    rows["arrive_ids"][p, first, :arrived.size] = arrived
-    rows["replica_ids"][p, first, :replicas.size] = replicas
-    for name in _REPLICA_FIELDS:
-      rows[name][p, first] = getattr(rnd, name)
-    for name in _GROUP_FIELDS:
-      rows[name][p, first] = getattr(rnd, name)
-    rows["aggregate"][p, first] = rnd.aggregate
-    rows["route"][p, first:first + slots] = route
-    rows["learning_rate"][p, first:first + slots] = learning_rate
-    for i in range(slots):   # the pulls beyond the first slot's go in pull-only slots after it
-      part = pulls[i * s.pulls:(i + 1) * s.pulls]
-      rows["pull_ids"][p, first + i, :part.size] = part
+    self.cutter.place_round(arrived + pulls, slots)
+    if key != self._route_key:
+      self._new_route(rnd.groups, key)
+    self.rounds.append((self.piece, self.cutter.used, slots, rnd, learning_rate,
+                        len(self.routes) - 1))
     self.cutter.take_round(slots)
     self.totals["rounds"] += 1
     self.totals["round_slots"] += slots
 
+  def _over_bounds(self, rnd, what: str, count: int, bound: int):
+    raise ValueError(
+        f"a round at time {rnd.time:.6g} has {count} {what}; allowed: at most {bound} (the "
+        "bound its protocol declares, Protocol.round_bounds)")
+
   def add_jobs(self, workers, idx, iters, ratios, flushes, steps=None) -> None:
-    """Adds the jobs of ``workers`` (distinct), dispatched after the rounds added so far."""
+    """Notes the jobs of ``workers`` (distinct), dispatched after the rounds added so far."""
+    self._add_jobs(workers, None, (idx, iters, ratios, flushes, steps if self.local else None))
+
+  def add_job_numbers(self, workers, ks) -> None:
+    """Notes job ``ks[i]`` of each of ``workers`` (distinct); ``make_jobs`` makes its fields."""
+    self._add_jobs(workers, np.asarray(ks, np.int64), None)
+
+  def _add_jobs(self, workers, ks, fields) -> None:
     workers = np.asarray(workers, np.int64)
-    if np.unique(workers).size != workers.size:
-      raise ValueError(f"a step's jobs must be for distinct workers; got workers="
-                       f"{workers.tolist()}")
-    fields = {"workers": workers, "idx": idx, "iters": iters, "ratios": ratios,
-              "flushes": flushes}
-    if self.local:
-      fields["steps"] = steps
+    ids = workers.tolist()
+    if len(set(ids)) != len(ids):
+      raise ValueError(f"a step's jobs must be for distinct workers; got workers={ids}")
     start = 0
-    while start < workers.size:
-      own, count = self.cutter.place_jobs(workers[start:])
-      row = self.piece if own else self.piece + 1
-      first = self.cutter.num_current if own else self.cutter.num_fresh
+    while start < len(ids):
+      own, count = self.cutter.place_jobs(ids[start:])
+      first = self.cutter.take_jobs(ids[start:start + count], own)
       part = slice(start, start + count)
-      for name, values in fields.items():
-        self._rows["jobs"][name][row, first:first + count] = np.asarray(values)[part]
-      self.cutter.take_jobs(workers[part], own)
+      self.jobs.append((self.piece + (not own), first, workers[part],
+                        None if ks is None else ks[part],
+                        None if fields is None else tuple(
+                            None if f is None else np.asarray(f)[part] for f in fields)))
       self.totals["jobs"] += count
       start += count
 
   # -- pieces and chunks -------------------------------------------------------------------
 
   def _after_cut(self) -> None:
-    """The cutter closed the open piece: the next row opens (a full chunk is emitted)."""
+    """The cutter closed the open piece: the next one opens (a full chunk is emitted)."""
     self.piece += 1
     self.totals["pieces"] += 1
     if self.piece == self.shape.pieces:
-      self._emit(carry=True)
+      self._emit(self.shape.pieces)
 
-  def _emit(self, carry: bool) -> None:
-    """Queues the pieces before the open one as a chunk; the open one moves to a new buffer.
+  def _new_route(self, groups: np.ndarray, key: bytes) -> None:
+    """Adds a route to the chunk's table (a full table first ends the chunk: the open
+    piece, cut at the route change, starts the next one)."""
+    if len(self.routes) == self.shape.routes:
+      if self.piece:
+        self._emit(self.piece)
+      self.routes = []   # no round of this chunk uses the old ones
+    self.routes.append(np.asarray(groups, np.int32).copy())
+    self._route_key = key
 
-    ``carry``: the open piece's jobs (it has no rounds yet) start the next chunk.
-    """
-    old, new = self._rows, self._new_rows()
-    p = self.piece
-    if carry:
-      for name, values in old["jobs"].items():
-        new["jobs"][name][0] = values[p]
-        values[p] = new["jobs"][name][self.shape.pieces]   # padding again in the old chunk
-    jobs = {k: v[:self.shape.pieces] for k, v in old["jobs"].items()}
-    self.ready.append(Chunk(jobs, old["rounds"], np.stack(self._padded_routes()), p))
-    self._rows, self.piece = new, 0
-    self.routes = self.routes[-1:]   # the route in force goes on
+  def _emit(self, count: int) -> None:
+    """Queues the first ``count`` pieces as a chunk; what is noted after them moves up."""
+    rounds = [r for r in self.rounds if r[0] < count]
+    jobs = [j for j in self.jobs if j[0] < count]
+    self.rounds = [(p - count, *rest) for p, *rest in self.rounds if p >= count]
+    self.jobs = [(p - count, *rest) for p, *rest in self.jobs if p >= count]
+    self.ready.append(self._rows(rounds, jobs, count))
+    self.piece -= count
+    if not self.rounds:   # else (a resume into smaller chunks) they index the same table
+      self.routes = self.routes[-1:]   # the route in force goes on
+  def _rows(self, rounds: list, jobs: list, count: int) -> Chunk:
+    """A chunk's rows from what was noted in its pieces (see :class:`Chunk`)."""
+    s, W, R, G = self.shape, self.W, self.R, self.G
+    L, J, Rr = s.pieces, s.jobs, s.rounds
+    out_jobs = {"workers": np.broadcast_to(chunk_lib.padded_ids(J, W), (L, J)).copy(),
+                "idx": np.zeros((L, J, *self.job_shape), np.int32),
+                "iters": np.zeros((L, J), np.int32),
+                "ratios": np.ones((L, J), np.float32),
+                "flushes": np.zeros((L, J), bool)}
+    if self.local:
+      out_jobs["steps"] = np.zeros((L, J), np.int32)
+    for given in (False, True):   # jobs made here (by make_jobs), then jobs given their fields
+      part = [j for j in jobs if (j[4] is not None) == given]
+      if not part:
+        continue
+      sizes = np.array([len(j[2]) for j in part])
+      piece = np.repeat([j[0] for j in part], sizes)
+      slot = _spans(np.array([j[1] for j in part]), sizes)
+      workers = np.concatenate([j[2] for j in part])
+      if given:
+        fields = [None if part[0][4][i] is None else np.concatenate([j[4][i] for j in part])
+                  for i in range(len(_JOB_FIELDS) - 1)]
+      else:
+        fields = list(self.make_jobs(workers, np.concatenate([j[3] for j in part]))[1:])
+      for name, values in zip(_JOB_FIELDS, [workers, *fields]):
+        if name in out_jobs:
+          out_jobs[name][piece, slot] = values
+    out_rounds = {"arrive_ids": _padded(L, Rr, s.arrivals, W),
+                  "pull_ids": _padded(L, Rr, s.pulls, W),
+                  "replica_ids": _padded(L, Rr, s.replicas, R),
+                  "route": np.zeros((L, Rr), np.int32),
+                  "aggregate": np.zeros((L, Rr), bool),
+                  "learning_rate": np.zeros((L, Rr), np.float32)}
+    for fields, width in ((_REPLICA_FIELDS, R), (_GROUP_FIELDS, G)):
+      for name, fill in fields.items():
+        out_rounds[name] = np.full((L, Rr, width), fill, _DTYPES[name])
+    if rounds:
+      self._round_rows(rounds, out_rounds)
+    routes = self.routes + [self.routes[-1]] * (s.routes - len(self.routes))
+    return Chunk(out_jobs, out_rounds, np.stack(routes), count)
 
-  def _padded_routes(self) -> list:
-    return self.routes + [self.routes[-1]] * (self.shape.routes - len(self.routes))
+  def _round_rows(self, rounds: list, out: dict) -> None:
+    """Writes the noted ``rounds`` into ``out``'s slots (one vectorised write per field)."""
+    s = self.shape
+    piece = np.array([r[0] for r in rounds])
+    slot = np.array([r[1] for r in rounds])
+    slots = np.array([r[2] for r in rounds])
+    objs = [r[3] for r in rounds]
+    every_piece, every_slot = np.repeat(piece, slots), _spans(slot, slots)
+    out["learning_rate"][every_piece, every_slot] = np.repeat([r[4] for r in rounds], slots)
+    out["route"][every_piece, every_slot] = np.repeat([r[5] for r in rounds], slots)
+    optional = [n for n in rounds_lib.OPTIONAL_FIELDS if n in self.round_fields]
+    fields = rounds_lib.stack_fields(objs, ["arrived", "pulls", "applies", *optional],
+                                     self.round_fields)
+    for name in ("applies", *optional):   # the others keep their empty value
+      out[name][piece, slot] = fields[name]
+    k, w, rank = _ranks(fields["arrived"])
+    out["arrive_ids"][piece[k], slot[k], rank] = w
+    k, w, rank = _ranks(fields["pulls"])
+    out["pull_ids"][piece[k], slot[k] + rank // s.pulls, rank % s.pulls] = w
+    touched = fields["applies"].copy()
+    for name in ("average", "adopt"):
+      if name in fields:
+        touched |= fields[name] >= 0
+    k, r, rank = _ranks(touched)
+    if rank.size and rank.max() >= s.replicas:
+      bad = int(k[rank.argmax()])
+      self._over_bounds(objs[bad], "touched replicas", int(touched[bad].sum()), s.replicas)
+    out["replica_ids"][piece[k], slot[k], rank] = r
 
   def flush(self, jobs: bool = False) -> None:
     """Queues everything added so far as chunks (the last one padded).
@@ -296,10 +334,14 @@ class Planner:
     """
     if self.cutter.used:
       self.cutter.cut()
-    if jobs and self.cutter.num_current:
+    if jobs and self.cutter.current:
       self.cutter.cut()
     if self.piece:
-      self._emit(carry=True)
+      self._emit(self.piece)
+
+  def empty_chunk(self) -> Chunk:
+    """A chunk of padding only (its shapes are every chunk's)."""
+    return self._rows([], [], 0)
 
   def take(self) -> list[Chunk]:
     """The complete chunks, oldest first (they leave the planner)."""
@@ -309,30 +351,38 @@ class Planner:
   # -- checkpoints -------------------------------------------------------------------------
 
   def state_dict(self) -> dict:
-    """The rows not yet run, for an exact resume (taken when no complete chunk waits)."""
+    """What is noted but not run, for an exact resume (taken when no complete chunk waits)."""
     if self.ready:
       raise RuntimeError("the planner's complete chunks must run before its state is taken")
     return {"cutter": self.cutter.state_dict(), "piece": self.piece, "routes": self.routes,
-            "rows": self._rows, "totals": self.totals}
+            "rounds": self.rounds, "jobs": self.jobs, "totals": self.totals}
 
   def load_state_dict(self, state: dict) -> None:
     """Resumes from :meth:`state_dict`, also one taken with another number of pieces per chunk
-    (``levels_per_call`` may change on resume): the same pieces, laid into chunks of this size."""
+    (``levels_per_call`` may change on resume): the same pieces, in chunks of this size."""
     self.cutter.load_state_dict(state["cutter"])
     self.totals = dict(state["totals"])
-    rows, routes, last = state["rows"], list(state["routes"]), state["piece"]
-    if rows["rounds"]["route"].shape[0] == self.shape.pieces:
-      self._rows, self.piece, self.routes = rows, last, routes
-      return
-    self._rows, self.piece, self.routes = self._new_rows(), 0, routes
-    for i in range(last + 1):   # closed pieces, then the open one (and its fresh jobs)
-      for name, values in rows["jobs"].items():
-        self._rows["jobs"][name][self.piece:self.piece + 1 + (i == last)] = values[i:i + 1 + (
-            i == last)]
-      for name, values in rows["rounds"].items():
-        self._rows["rounds"][name][self.piece] = values[i]
-      if i < last:
-        self.piece += 1
-        if self.piece == self.shape.pieces:
-          self._emit(carry=False)
-          self.routes = routes   # every piece here indexes the saved table
+    self.piece, self.routes = state["piece"], [np.asarray(r) for r in state["routes"]]
+    self._route_key = self.routes[-1].tobytes()
+    self.rounds = [tuple(r) for r in state["rounds"]]
+    self.jobs = [tuple(j) for j in state["jobs"]]
+    while self.piece >= self.shape.pieces:   # fewer pieces per chunk than when saved
+      self._emit(self.shape.pieces)
+
+
+def _padded(pieces: int, slots: int, width: int, num: int) -> np.ndarray:
+  """``[pieces, slots, width]`` ids all padding: ``num, num + 1, ...`` along the last axis."""
+  return np.broadcast_to(chunk_lib.padded_ids(width, num), (pieces, slots, width)).copy()
+
+
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """``[starts[0], .., starts[0] + lengths[0] - 1, starts[1], ...]``."""
+  offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  return np.repeat(starts, lengths) + offsets
+
+
+def _ranks(masks: np.ndarray):
+  """``(row, column, rank within its row)`` of every True of a ``[n, W]`` mask, row-major."""
+  k, w = np.nonzero(masks)
+  counts = masks.sum(1)
+  return k, w, np.arange(k.size) - np.repeat(np.cumsum(counts) - counts, counts)

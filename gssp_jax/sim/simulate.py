@@ -80,6 +80,18 @@ class Ratios:
     del worker
     return self.name == "gdtopk" and iteration % self.spe == self.spe - 1
 
+  def of(self, pairs: list) -> np.ndarray:
+    """``[n]`` float32 keep-ratios of the jobs ``(worker, iteration)`` in ``pairs``."""
+    if self.name != "gdtopk":
+      return np.full([len(pairs)], self.ratio, np.float32)
+    return np.array([self(w, k) for w, k in pairs], np.float32)
+
+  def flushes(self, pairs: list) -> np.ndarray:
+    """``[n]`` bool: which of the jobs in ``pairs`` flush (:meth:`flush`)."""
+    if self.name != "gdtopk":
+      return np.zeros([len(pairs)], bool)
+    return np.array([self.flush(w, k) for w, k in pairs], bool)
+
 
 def _calibrate(job_fn, state, arrays, batch_size, local=None) -> float:
   """Seconds of one worker's iteration on this machine (best of 5, after compilation).
@@ -104,19 +116,28 @@ def _calibrate(job_fn, state, arrays, batch_size, local=None) -> float:
 # Rounds the per-round runner buffers before the device runs them; a flush also happens before
 # anything reads the device state (an evaluation, a checkpoint, DGC's byte counts).
 MAX_BUFFERED_ROUNDS = 256
+# Rounds whose accounting waits for the next evaluation, at most (they are held in memory).
+MAX_UNACCOUNTED_ROUNDS = 4096
 
 
 class _StepFeed:
-  """The per-round runner's buffer of ``executor.Step`` objects (``levels.LevelRunner``'s API)."""
+  """The per-round runner's buffer of ``executor.Step`` objects (``levels.LevelRunner``'s API).
 
-  def __init__(self, run_steps):
-    self.run_steps = run_steps
+  ``make_jobs``: ``(workers, job numbers) -> executor.Jobs``.
+  """
+
+  def __init__(self, run_steps, make_jobs):
+    self.run_steps, self.make_jobs = run_steps, make_jobs
     self.steps: list[executor.Step] = []
 
-  def add(self, rnd, args: dict | None, jobs: executor.Jobs | None) -> None:
-    """A round's args (None: no round) and the jobs it released (None: none)."""
-    del rnd
-    self.steps.append(executor.Step(args, jobs))
+  def add(self, rnd, learning_rate: float, workers: np.ndarray, ks: np.ndarray) -> None:
+    """Round ``rnd`` (None: no round) at ``learning_rate``, then job ``ks[i]`` of each of
+    ``workers`` (those it released)."""
+    args = None
+    if rnd is not None:
+      args = sync.round_args(rnd)
+      args["learning_rate"] = np.float32(learning_rate)
+    self.steps.append(executor.Step(args, self.make_jobs(workers, ks) if workers.size else None))
 
   def run_ready(self, state, arrays):
     if len(self.steps) < MAX_BUFFERED_ROUNDS:
@@ -196,7 +217,10 @@ def job_indices(batches: sharding.WorkerBatches, w: int, k: int, h: int,
   if local is None:
     return batches.indices(w, k)
   first = k * h
-  return np.stack([batches.indices(w, first + min(j, h - 1)) for j in range(local.max_steps)])
+  rows = batches.span(w, first, h)   # [h, B]
+  if h < local.max_steps:
+    rows = np.concatenate([rows, np.repeat(rows[-1:], local.max_steps - h, 0)])
+  return rows
 
 
 def job_time(cluster: cluster_lib.Cluster, w: int, k: int, h: int) -> float:
@@ -244,6 +268,7 @@ class Simulation:
     self.shards, self.spe = plan.shards, plan.spe
     self.total_pushes, self.eval_pushes, self.end_pushes = (plan.total_pushes, plan.eval_pushes,
                                                             plan.end_pushes)
+    self._stop_after = self.config.train.stop_after_updates
 
   def _build_model(self) -> None:
     """The cluster, the scheme, the learning rates, the model's initial weights and sizes."""
@@ -309,6 +334,8 @@ class Simulation:
     config, W, scheme = self.config, self.W, self.scheme
     self._sent_job = np.full([W], -1, np.int64)
     self._sent_counts = np.zeros([W], np.int64)   # DGC: job_bytes as last read
+    self._unaccounted: list = []                  # rounds not yet accounted (_account)
+    self._sparse_bytes: dict = {}                 # top-k and GDTopK: bytes of a push by ratio
     self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
@@ -331,7 +358,8 @@ class Simulation:
     """The device runner: the per-round one, or the level runner sized by a dry run."""
     if runner == "rounds":
       self.feed = _StepFeed(executor.make_round_runner(self.job_fn,
-                                                       executor.make_round_fn(self.tx)))
+                                                       executor.make_round_fn(self.tx)),
+                            self._make_jobs)
       return
     config, W, scheme = self.config, self.W, self.scheme
     protocol = scheme.make_protocol()
@@ -349,7 +377,7 @@ class Simulation:
         dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
         num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
-        local=self.local)
+        local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields)
     self.host["layout"] = "flat"
     logging.info("levels executor: %s", levels.describe(shape))
 
@@ -392,7 +420,8 @@ class Simulation:
     if "ratio_groups" in self.host:   # resumed after a regrouping
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
     if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
-      self.feed.add(None, None, self._next_jobs(np.arange(self.W)))
+      first = np.arange(self.W)
+      self.feed.add(None, 0.0, first, self._dispatch(first))
     self._session_start = time.perf_counter()
     self._wall_base = self.host["wall_time"]
     self._eta = workdir_lib.Eta(self._iterations(), (self._iterations(), self._wall_base))
@@ -403,7 +432,7 @@ class Simulation:
     return int(self.engine.num_pushes)
 
   def finished(self) -> bool:
-    stop = self.config.train.stop_after_updates   # in pushes, for every scheme
+    stop = self._stop_after   # train.stop_after_updates, in pushes for every scheme
     return self.completed() or bool(stop and self.engine.num_pushes >= stop)
 
   def completed(self) -> bool:
@@ -412,7 +441,12 @@ class Simulation:
   def advance(self) -> bool:
     engine, host = self.engine, self.host
     while not self.finished():
-      for rnd in engine.step():
+      # Events up to the next that pushes or emits rounds: only those change what is checked.
+      pushes = engine.num_pushes
+      rounds = engine.step()
+      while not rounds and engine.num_pushes == pushes:
+        rounds = engine.step()
+      for rnd in rounds:
         self._apply_round(rnd)
       done = self._iterations()
       if done >= host["next_epoch_end"]:
@@ -429,6 +463,7 @@ class Simulation:
 
   def evaluate(self) -> dict[str, Any]:
     self._flush()
+    self._account()
     engine, host, W = self.engine, self.host, self.W
     # One call: the counters since the last evaluation (zeroed on the device) and the weights.
     self.state, counters, params_eval, ms_eval = self.harvest(self.state)
@@ -470,6 +505,7 @@ class Simulation:
     # (evaluations, DGC's reads, full chunks) then do not depend on where a session stopped,
     # so the levels runner, whose float sums depend on how jobs are grouped into pieces,
     # resumes bit for bit too.
+    self._account()
     step, host = self.engine.num_pushes, self.host
     host["wall_time"] = self._wall_time()
     self.checkpointer.save(step, self.state, {"pushes": step}, host={
@@ -481,6 +517,7 @@ class Simulation:
     self.checkpointer.close()
 
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
+    self._account()
     engine, host = self.engine, self.host
     fields = records.summary_fields(
         history=history, reached=reached, metric=self.metric_name, target=self.target,
@@ -497,18 +534,38 @@ class Simulation:
   # -- the steps of a round -------------------------------------------------------------------
 
   def _apply_round(self, rnd) -> None:
-    """Host bookkeeping of one round, and its device step (the round, then the pulled jobs)."""
+    """Host bookkeeping of one round, and its device step (the round, then the pulled jobs).
+
+    Its accounting (staleness, updates, bytes) waits, with the rounds before it,
+    for the next evaluation or checkpoint (:meth:`_account`, vectorised), unless
+    its traffic depends on the protocol's state now (InHAD, CASP).
+    """
     engine = self.engine
-    # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
     if self.local is not None:
-      self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
-    args = records.account_round(
-        rnd, host=self.host, acct=self.acct, protocol=engine.protocol, links=self.links,
-        iteration=engine.iteration, learning_rate=self.schedule(self._iterations() // self.W),
-        pull_bytes=self.pull_bytes)
-    pulled = np.flatnonzero(rnd.pulls)
-    self.feed.add(rnd, args, self._next_jobs(pulled) if pulled.size else None)
+      self.host["iterations"] += int(self.steps[rnd.arrived].sum())
+    learning_rate = self.schedule(self._iterations() // self.W)
+    if self.links.counts_per_round:
+      self.links.count_round(engine.protocol, rnd, engine.iteration, self.host)
+    self._unaccounted.append(rnd)
+    if len(self._unaccounted) >= MAX_UNACCOUNTED_ROUNDS:
+      self._account()
+    # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
+    pulled = rnd.pulls.nonzero()[0]
+    self.feed.add(rnd, learning_rate, pulled, self._dispatch(pulled))
     self.state = self.feed.run_ready(self.state, self.arrays)
+
+  def _account(self) -> None:
+    """Accounts for the rounds since the last call (``records.account_rounds``)."""
+    records.account_rounds(self._unaccounted, host=self.host, acct=self.acct,
+                           protocol=self.engine.protocol, links=self.links,
+                           pull_bytes=self.pull_bytes)
+    self._unaccounted = []
+
+  def flush_host(self) -> None:
+    """Accounts for every round and dispatches every planned row (what an evaluation does
+    first); the host's share of an evaluation, for ``benchmarks/sim_overhead.py``."""
+    self._flush()
+    self._account()
 
   def _flush(self, jobs: bool = False) -> None:
     """Runs everything planned on the device, in order (before anything reads its state).
@@ -517,23 +574,24 @@ class Simulation:
     """
     self.state = self.feed.flush(self.state, self.arrays, jobs=jobs)
 
-  def _next_jobs(self, workers: np.ndarray) -> executor.Jobs:
-    """The next job of each of ``workers`` (they just pulled); counts them as dispatched."""
-    workers = np.asarray(workers, np.int64)
-    ks = self.host["jobs"][workers].copy()
+  def _dispatch(self, workers: np.ndarray) -> np.ndarray:
+    """The numbers of the next jobs of ``workers`` (they just pulled); counts them as dispatched."""
+    ks = self.host["jobs"][workers]
     self.host["jobs"][workers] += 1
-    pairs = [(int(w), int(k)) for w, k in zip(workers, ks)]
+    return ks
+
+  def _make_jobs(self, workers: np.ndarray, ks: np.ndarray) -> executor.Jobs:
+    """Job ``ks[i]`` of each of ``workers``: its batch, first iteration, keep-ratio, flush."""
+    workers = np.asarray(workers, np.int64)
+    pairs = list(zip(workers.tolist(), np.asarray(ks).tolist()))
     # Job k of worker w: its data iterations k H_w .. k H_w + H_w - 1 (H_w = 1 but for the
     # local-update schemes, whose jobs are padded to H_max with the last, skipped by the job).
     steps = self.steps[workers]
-    firsts = ks * steps
-    idx = np.stack([job_indices(self.batches, w, k, int(h), self.local)
-                    for (w, k), h in zip(pairs, steps.tolist())])
+    idx = np.stack([job_indices(self.batches, w, k, h, self.local)
+                    for (w, k), h in zip(pairs, steps.tolist())]).astype(np.int32)
     return executor.Jobs(
-        workers=workers.astype(np.int32), idx=idx.astype(np.int32),
-        iters=firsts.astype(np.int32),
-        ratios=np.array([self.ratio_of(w, k) for w, k in pairs], np.float32),
-        flushes=np.array([self.ratio_of.flush(w, k) for w, k in pairs], bool),
+        workers=workers.astype(np.int32), idx=idx, iters=(ks * steps).astype(np.int32),
+        ratios=self.ratio_of.of(pairs), flushes=self.ratio_of.flushes(pairs),
         steps=None if self.local is None else steps.astype(np.int32))
 
   def _job_time(self, w: int, k: int) -> float:
@@ -583,13 +641,17 @@ class Simulation:
 
   def _push_payload(self, w: int, k: int) -> int:
     """Bytes of push ``(w, k)``, equal to what its job adds to ``bytes_pushed``."""
-    name = self.config.compress.name
+    name = self.ratio_of.name   # config.compress.name
     if name == "none" or self.ratio_of.flush(w, k):
       return self.dense_bytes + self.stats_bytes
     if name == "dgc":
       return self._sent_bytes(w, k)   # the job's slot already includes stats_bytes
-    return compress.expected_push_bytes(self.sizes, self.ratio_of(w, k),
-                                        scope=self.config.compress.scope) + self.stats_bytes
+    ratio = self.ratio_of(w, k)
+    sent = self._sparse_bytes.get(ratio)   # a few distinct ratios per run (GDTopK's classes)
+    if sent is None:
+      sent = self._sparse_bytes[ratio] = compress.expected_push_bytes(
+          self.sizes, ratio, scope=self.config.compress.scope) + self.stats_bytes
+    return sent
 
   def _wall_time(self) -> float:
     return self._wall_base + time.perf_counter() - self._session_start

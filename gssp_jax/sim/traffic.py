@@ -57,6 +57,8 @@ class Traffic:
                dense_payload: int, pull_bytes: int, shared: bool = False):
     self.scheme, self.cluster, self.shared = scheme, cluster, bool(shared)
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
+    # Per worker, as Python floats: a routed transfer reads them at every push and pull.
+    self._caps, self._latencies = cluster.bandwidth.tolist(), cluster.latency.tolist()
 
   # ------------------------------------------------------------ time
 
@@ -88,7 +90,8 @@ class Traffic:
         message_delay=lambda m: self.message_delay(engine.protocol, m, engine.iteration),
         record=record, link_bandwidth=self.cluster.server_bandwidth,
         route=((lambda kind, w, k: self.route(engine.protocol, kind, w, k))
-               if self.shared else None))
+               if self.shared else None),
+        equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])))
     return engine
 
   def route(self, protocol, kind: str, worker: int, iteration: int):
@@ -103,10 +106,9 @@ class Traffic:
       return None   # to the node's aggregator
     if self.scheme == "casp" and protocol.members(worker).size > 1:
       return None   # through the community's leader
-    c = self.cluster
     num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
-    return ((int(protocol.route[worker]), kind), num_bytes, float(c.bandwidth[worker]),
-            float(c.latency[worker]))
+    return ((int(protocol.route[worker]), kind), num_bytes, self._caps[worker],
+            self._latencies[worker])
 
   def message_delay(self, protocol, message, iteration: np.ndarray) -> float:
     """``iteration``: pushes per worker so far (the engine's), to size a community's push."""
@@ -124,6 +126,16 @@ class Traffic:
                    sum(self.push_payload(int(w), int(iteration[w]) - 1) for w in members)))
 
   # ------------------------------------------------------------ bytes
+
+  @property
+  def counts_per_round(self) -> bool:
+    """Whether a round's bytes depend on the protocol's state then (InHAD's, CASP's): such
+    rounds are counted as they happen (:meth:`count_round`), others may be counted later."""
+    return self.scheme in ("inhad", "casp")
+
+  def count_pulls(self, pulls: np.ndarray, host: dict) -> None:
+    """Adds the pulls of rounds (``[n, W]`` bool) of a scheme without ``counts_per_round``."""
+    host["pulls_per_worker"] += pulls.sum(0)
 
   @property
   def counts_device_pushes(self) -> bool:

@@ -36,6 +36,10 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync.rounds import Round
+from gssp_jax.sync.rounds import stack_fields
+
+# The round fields Accounting.apply_many reads.
+STACKED = ("arrived", "pulls", "applies", "groups", "forward", "deliver", "adopt", "average")
 
 
 class Accounting:
@@ -152,6 +156,121 @@ class Accounting:
     adopt = rnd.adopt >= 0
     self.data = np.where(adopt, self.data[np.maximum(rnd.adopt, 0)], self.data)
 
+  def apply_many(self, rounds, stacked: dict | None = None) -> None:
+    """Accounts for ``rounds`` in order: what :meth:`apply` does one by one, vectorised.
+
+    The simulator accounts for the rounds between two evaluations in one call
+    (a few microseconds of host time per round instead of ~100). Stretches of
+    rounds in which no replica adopts or averages are done with cumulative sums
+    (versions and data grow by addition there; a read is the value at the
+    worker's last pull before the round, found by a sorted search); GSSP's
+    forwards and deliveries are followed event by event. A round that adopts or
+    averages, and every round of an aggregating scheme, goes through
+    :meth:`apply`. The result is the same, exactly (integers throughout).
+
+    ``stacked``: the rounds' fields :data:`STACKED`, already stacked
+    (``rounds.stack_fields``); else they are stacked here.
+    """
+    rounds = list(rounds)
+    if not rounds:
+      return
+    if self.aggregating:
+      for rnd in rounds:
+        self.apply(rnd)
+      return
+    if stacked is None:
+      stacked = stack_fields(rounds, STACKED)
+    stacked = _Stacked(stacked, self.version.size)
+    special = np.flatnonzero(stacked.special)
+    start = 0
+    for k in special.tolist() + [len(rounds)]:
+      if k > start:
+        self._apply_plain(stacked.part(start, k))
+      if k < len(rounds):
+        self.apply(rounds[k])
+      start = k + 1
+
+  def _apply_plain(self, s: "_Stacked") -> None:
+    """:meth:`apply_many` on rounds in which no replica adopts or averages."""
+    n, R, G = s.arrived.shape[0], self.version.size, s.forward.shape[1]
+    inc = s.applies.astype(np.int64)                                   # [n, R]
+    v_after = self.version + np.cumsum(inc, axis=0)
+    ka, wa = np.nonzero(s.arrived)                                     # round, worker
+    ra = s.replicas[ka, wa]
+    iters = self.push_iterations[wa]
+    taken = np.zeros([n, R], np.int64)
+    np.add.at(taken, (ka, ra), iters * s.applies[ka, ra])
+    if self.group_pending is None:   # GSSP's forwards (other schemes never forward)
+      self.group_pending = np.zeros([G], np.int64)
+      self.group_outbox = np.zeros([G], np.int64)
+    if G > 1 or s.forward.any():
+      self._exchanges(s, ka, np.minimum(ra, G - 1), iters, taken)
+    d_after = self.data + np.cumsum(taken, axis=0)
+    kp, wp = np.nonzero(s.pulls)
+    rp = s.replicas[kp, wp]
+    read = _last_before(kp, wp, v_after[kp, rp], ka, wa, self.read, n)
+    read_data = _last_before(kp, wp, d_after[kp, rp], ka, wa, self.read_data, n)
+    values = (v_after - inc)[ka, ra] - read
+    data_values = (d_after - taken)[ka, ra] - read_data
+    self.version = v_after[-1].copy()
+    self.data = d_after[-1].copy()
+    # Each worker's read after the stretch: its last pull's value (the pulls come sorted
+    # by round, so the last write per worker wins).
+    self.read[wp] = v_after[kp, rp]
+    self.read_data[wp] = d_after[kp, rp]
+    self._count(values, data_values)
+
+  def _exchanges(self, s: "_Stacked", ka, ga, iters, taken) -> None:
+    """GSSP's group bookkeeping over plain rounds: pending sums, forwards, deliveries.
+
+    ``ka``, ``ga``, ``iters``: each arrival's round, group and data iterations.
+    Adds every delivery to ``taken`` (peer: the other group servers that apply;
+    global: the global server ``G``) in the round it happens.
+    """
+    n, G = s.forward.shape
+    R = taken.shape[1]
+    arrivals = np.zeros([n, G], np.int64)
+    np.add.at(arrivals, (ka, ga), iters)
+    total = np.zeros([n + 1, G], np.int64)       # total[b] - total[a]: rounds a .. b - 1
+    np.cumsum(arrivals, axis=0, out=total[1:])
+    # Event by event in plain Python: a handful of groups, one event every few rounds.
+    pending, outbox = self.group_pending.tolist(), self.group_outbox.tolist()
+    events = np.flatnonzero(s.forward.any(1) | s.deliver.any(1))
+    totals = total[events + 1].tolist()
+    forward, deliver = s.forward[events].tolist(), s.deliver[events].tolist()
+    applies = s.applies[events].tolist()
+    upto = np.zeros([G], np.int64).tolist()   # ``total`` at the last event: what pending holds
+    is_global = R == 2 * G + 1
+    for i, k in enumerate(events.tolist()):
+      sent = [o if d else 0 for o, d in zip(outbox, deliver[i])]   # before this round's forward
+      whole = sum(sent)
+      if whole:
+        if is_global:   # GSSP global: the global server takes every delivered sum
+          taken[k, G] += whole if applies[i][G] else 0
+        else:           # peer: every other group server takes it
+          taken[k, :G] += [whole - x if a else 0 for x, a in zip(sent, applies[i][:G])]
+      pending = [p + t - u for p, t, u in zip(pending, totals[i], upto)]
+      upto = totals[i]
+      outbox = [0 if d else o for o, d in zip(outbox, deliver[i])]
+      outbox = [o + p if f else o for o, p, f in zip(outbox, pending, forward[i])]
+      pending = [0 if f else p for p, f in zip(pending, forward[i])]
+    self.group_pending = np.asarray(pending, np.int64) + total[n] - np.asarray(upto, np.int64)
+    self.group_outbox = np.asarray(outbox, np.int64)
+
+  def _count(self, values: np.ndarray, data_values: np.ndarray) -> None:
+    """Adds applied gradients' staleness (updates, data) to the histograms and totals."""
+    if not values.size:
+      return
+    self.hist += np.bincount(np.minimum(values, self.hist.size - 1),
+                             minlength=self.hist.size)
+    self.applied += values.size
+    self.staleness_sum += int(values.sum())
+    self.staleness_max = max(self.staleness_max, int(values.max()))
+    self.data_hist += np.bincount(np.minimum(data_values, self.data_hist.size - 1),
+                                  minlength=self.data_hist.size)
+    self.data_sum += int(data_values.sum())
+    self.data_max = max(self.data_max, int(data_values.max()))
+
   def data_summary(self) -> dict:
     """Staleness in worker iterations of data: ``mean``, ``max``, ``hist`` (see the module)."""
     last = int(np.max(np.flatnonzero(self.data_hist), initial=0))
@@ -178,3 +297,39 @@ class Accounting:
 def _replica_route(groups: np.ndarray, num_replicas: int) -> np.ndarray:
   """``rounds.replica_route`` on the host: one replica means every worker's is 0."""
   return np.zeros_like(groups) if num_replicas == 1 else groups
+
+
+def _last_before(kp, wp, pulled, ka, wa, initial: np.ndarray, n: int) -> np.ndarray:
+  """For each arrival ``(ka, wa)``: the value its worker read at its last pull in an earlier
+  round of the stretch (``pulled``, one per pull ``(kp, wp)``), else ``initial[wa]``."""
+  if not ka.size:
+    return np.zeros([0], np.int64)
+  out = initial[wa].astype(np.int64)
+  if not kp.size:
+    return out
+  keys = wp.astype(np.int64) * (n + 1) + kp            # pulls by worker, then round
+  order = np.argsort(keys, kind="stable")
+  keys, pulled = keys[order], pulled[order]
+  at = np.searchsorted(keys, wa.astype(np.int64) * (n + 1) + ka, side="left") - 1
+  hit = at >= 0
+  hit[hit] = keys[at[hit]] // (n + 1) == wa[hit]       # the same worker, an earlier round
+  out[hit] = pulled[at[hit]]
+  return out
+
+
+class _Stacked:
+  """The fields :meth:`Accounting.apply_many` reads, stacked over rounds (leading axis)."""
+
+  def __init__(self, fields: dict, num_replicas: int):
+    self.arrived, self.pulls = fields["arrived"], fields["pulls"]
+    self.applies, self.forward, self.deliver = (fields["applies"], fields["forward"],
+                                                fields["deliver"])
+    # ``rounds.replica_route``: with one replica every worker's is 0.
+    self.replicas = (np.zeros(self.arrived.shape, np.int64) if num_replicas == 1
+                     else fields["groups"].astype(np.int64))
+    self.special = (fields["adopt"] >= 0).any(1) | (fields["average"] >= 0).any(1)
+
+  def part(self, start: int, stop: int) -> "_Stacked":
+    out = object.__new__(_Stacked)
+    out.__dict__.update({k: v[start:stop] for k, v in vars(self).items()})
+    return out

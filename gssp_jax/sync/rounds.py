@@ -7,6 +7,7 @@ field, so a stack of rounds of any scheme has one static shape.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -54,17 +55,65 @@ class Round(NamedTuple):
   adopt_weight: np.ndarray
 
 
+# The fields a protocol may leave as they are: every round carries them, most schemes use few.
+OPTIONAL_FIELDS = ("forward", "deliver", "aggregate", "adopt", "average", "stats_mean",
+                   "adopt_weight")
+
+
+@functools.lru_cache(maxsize=64)
+def empty_fields(num_workers: int, num_replicas: int, num_groups: int) -> dict:
+  """An empty round's fields but ``time`` and ``groups``, read-only (shared templates)."""
+  fields = {"arrived": np.zeros([num_workers], bool), "pulls": np.zeros([num_workers], bool),
+            "applies": np.zeros([num_replicas], bool),
+            "forward": np.zeros([num_groups], bool), "deliver": np.zeros([num_groups], bool),
+            "aggregate": np.zeros([], bool), "adopt": np.full([num_replicas], -1, np.int32),
+            "average": np.full([num_replicas], -1, np.int32),
+            "stats_mean": np.full([num_replicas], -1, np.int32),
+            "adopt_weight": np.ones([num_replicas], np.float32)}
+  for x in fields.values():
+    x.flags.writeable = False
+  return fields
+
+
+@functools.lru_cache(maxsize=256)
+def _templates(num_workers: int, num_replicas: int, num_groups: int, writable: tuple) -> tuple:
+  """``(arrived, pulls, applies, [(optional field's template, copy it?)])`` for :func:`empty_round`."""
+  t = empty_fields(num_workers, num_replicas, num_groups)
+  return (t["arrived"], t["pulls"], t["applies"],
+          tuple((t[name], name in writable) for name in OPTIONAL_FIELDS))
+
+
 def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: int,
-                groups: np.ndarray) -> Round:
-  """A round in which nothing happens; protocols fill in the fields they use."""
-  return Round(time=float(time), arrived=np.zeros([num_workers], bool),
-               pulls=np.zeros([num_workers], bool), groups=np.asarray(groups, np.int32).copy(),
-               applies=np.zeros([num_replicas], bool), forward=np.zeros([num_groups], bool),
-               deliver=np.zeros([num_groups], bool), aggregate=np.zeros([], bool),
-               adopt=np.full([num_replicas], -1, np.int32),
-               average=np.full([num_replicas], -1, np.int32),
-               stats_mean=np.full([num_replicas], -1, np.int32),
-               adopt_weight=np.ones([num_replicas], np.float32))
+                groups: np.ndarray, writable: Sequence[str] = OPTIONAL_FIELDS) -> Round:
+  """A round in which nothing happens; protocols fill in the fields they use.
+
+  ``arrived``, ``pulls``, ``applies`` and ``groups`` are the round's own;
+  of :data:`OPTIONAL_FIELDS`, those in ``writable`` too, and the others are
+  the shared read-only empty values (``Protocol.round_fields`` declares a
+  protocol's: writing another raises at once, and the simulator never copies
+  or stacks them).
+  """
+  arrived, pulls, applies, optional = _templates(num_workers, num_replicas, num_groups,
+                                                 tuple(writable))
+  return Round(float(time), arrived.copy(), pulls.copy(), np.array(groups, np.int32),
+               applies.copy(), *[x.copy() if own else x for x, own in optional])
+
+
+def stack_fields(rounds: Sequence[Round], names: Sequence[str],
+                 writable: Sequence[str] = OPTIONAL_FIELDS) -> dict[str, np.ndarray]:
+  """``{name: [n, ...]}`` of ``rounds``' fields ``names`` (leading axis = round).
+
+  A field its protocol does not write (not in ``writable``) is every round's
+  empty value: broadcast, read-only, with nothing stacked.
+  """
+  out = {}
+  for name in names:
+    if name in OPTIONAL_FIELDS and name not in writable:
+      first = getattr(rounds[0], name)
+      out[name] = np.broadcast_to(first, (len(rounds), *first.shape))
+    else:
+      out[name] = np.stack([getattr(r, name) for r in rounds])
+  return out
 
 
 # The index args of a sparse round (``round_indices``): each lists, ascending and padded with

@@ -64,6 +64,9 @@ class TimelineEngine:
       bytes/s, then ``latency`` seconds. A transfer routed None (and every
       one without ``route``) takes ``push_delay`` / ``pull_delay`` alone.
     link_bandwidth: bytes/s of every shared link (with ``route``).
+    equal_caps: every routed transfer has the same cap (every worker's link the
+      same bandwidth): the links are ``links.EqualShareLinks``, whose events
+      cost ``O(log n)`` instead of ``O(n)`` in the transfers in progress.
   """
 
   def __init__(self, protocol: Protocol, compute_time: Callable[[int, int], float], *,
@@ -71,10 +74,11 @@ class TimelineEngine:
                pull_delay: Callable[[int], float] = lambda w: 0.0,
                message_delay: Callable[[Message], float] = lambda m: 0.0,
                record: bool = True, route: Callable | None = None,
-               link_bandwidth: float = 1.25e9):
+               link_bandwidth: float = 1.25e9, equal_caps: bool = False):
     self.protocol = protocol
     self.route = route
-    self.links = links_lib.SharedLinks(link_bandwidth) if route is not None else None
+    links = links_lib.EqualShareLinks if equal_caps else links_lib.SharedLinks
+    self.links = links(link_bandwidth) if route is not None else None
     self.compute_time, self.push_delay = compute_time, push_delay
     self.pull_delay, self.message_delay = pull_delay, message_delay
     self.record = record
@@ -172,7 +176,10 @@ class TimelineEngine:
       raise RuntimeError(f"{self.protocol.name} timeline has no pending event: every worker "
                          "waits and no message is in flight (a protocol deadlock)")
     self.now, _, kind, payload = heapq.heappop(self.queue)
-    if self.record and kind not in ("sent", "link"):   # a link's own events are not recorded
+    if kind == "link":   # the most frequent (a shared link's transfers), and never recorded
+      self._link_event(*payload)
+      return []
+    if self.record and kind != "sent":   # a link's own events are not recorded
       self.events.append((kind, self.now, payload))
     if kind == "start":
       w = payload
@@ -194,9 +201,6 @@ class TimelineEngine:
         self._schedule(self.now + self.push_delay(w, k), "push", w)
       else:
         self._transfer(self.now, path, ("push", w))
-      return []
-    if kind == "link":
-      self._link_event(*payload)
       return []
     if kind == "push":
       w = payload

@@ -69,7 +69,8 @@ def _allowed_classes() -> dict[str, type]:
   from gssp_jax.sync.protocols import base, casp
   # pylint: enable=g-import-not-at-top
   own = [executor.Step, executor.Jobs, rounds.Round, base.Message, casp.ActorCritic,
-         links.SharedLinks, links._Transfer]   # pylint: disable=protected-access
+         links.SharedLinks, links._Transfer,   # pylint: disable=protected-access
+         links.EqualShareLinks, links._Link]   # pylint: disable=protected-access
   classes = [*own, sync.Protocol, *_subclasses(sync.Protocol)]
   return {**{_name(c): c for c in classes}, **_ALLOWED}
 

@@ -66,6 +66,9 @@ class Protocol:
   """
 
   name = "protocol"
+  # The optional round fields (rounds.OPTIONAL_FIELDS) this protocol's rounds set; the others
+  # stay read-only (writing one raises) and the simulator never copies or stacks them.
+  round_fields: tuple = rounds_lib.OPTIONAL_FIELDS
   supports_membership = False
   # Why a scheme cannot drop workers (its ValueError says it).
   membership_unsupported = "it has no rule for workers that leave"
@@ -96,7 +99,7 @@ class Protocol:
 
   def new_round(self, time: float) -> rounds_lib.Round:
     return rounds_lib.empty_round(time, self.num_workers, self.num_replicas, self.num_groups,
-                                  self.route)
+                                  self.route, self.round_fields)
 
   def on_push(self, worker: int, time: float) -> Reaction:
     raise NotImplementedError
@@ -117,7 +120,13 @@ class Protocol:
 
   def server_payloads(self, rnd: rounds_lib.Round) -> int:
     """Payloads sent between servers in ``rnd`` (the simulator counts their bytes)."""
-    return int(rnd.deliver.sum() + (rnd.adopt >= 0).sum())
+    return self.server_payloads_of(rnd.deliver[None], rnd.adopt[None])
+
+  def server_payloads_of(self, deliver: np.ndarray, adopt: np.ndarray) -> int:
+    """:meth:`server_payloads` of many rounds at once: their ``deliver`` ``[n, G]`` and
+    ``adopt`` ``[n, R]`` stacked. A protocol whose count depends on more than these
+    overrides :meth:`server_payloads` instead (then it is called round by round)."""
+    return int(deliver.sum() + (adopt >= 0).sum())
 
   def check_worker(self, worker: int) -> int:
     if not 0 <= int(worker) < self.num_workers:
@@ -219,7 +228,11 @@ def alive_min(clock: np.ndarray, members: np.ndarray) -> int:
 def release_where(protocol: Protocol, rnd: rounds_lib.Round, ok: np.ndarray,
                   reaction: Reaction) -> None:
   """Releases every blocked worker with ``ok[w]``: it pulls in ``rnd``."""
-  free = np.flatnonzero(protocol.blocked & ok)
+  release_ids(protocol, rnd, np.flatnonzero(protocol.blocked & ok), reaction)
+
+
+def release_ids(protocol: Protocol, rnd: rounds_lib.Round, free, reaction: Reaction) -> None:
+  """Releases the blocked workers ``free`` (ascending ids): they pull in ``rnd``."""
   protocol.blocked[free] = False
   rnd.pulls[free] = True
   reaction.release.extend(int(w) for w in free)

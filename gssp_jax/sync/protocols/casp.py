@@ -95,6 +95,7 @@ class CASPProtocol(Protocol):
   """
 
   name = "casp"
+  round_fields = ()
   membership_unsupported = (
       "a community pushes through its leader once every member has pushed, and the drain "
       "and the agent's partitions cover all workers: dropping a member (or the leader, "

@@ -42,6 +42,7 @@ class DSSyncProtocol(Protocol):
   """
 
   name = "dssync"
+  round_fields = ("average",)
   membership_unsupported = (
       "a worker's group of iteration i is fixed by the shared shuffle, so its mates wait "
       "for it at i, and a rejoining worker (its replica is its own weights, stale since it "

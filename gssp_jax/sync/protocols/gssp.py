@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import alive_min
 from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync.protocols.base import release_ids
 from gssp_jax.sync.protocols.base import release_where
 
 
@@ -60,6 +60,7 @@ class GSSPProtocol(Protocol):
   """
 
   name = "gssp"
+  round_fields = ("forward", "deliver", "adopt", "stats_mean")
   supports_membership = True
 
   def __init__(self, num_workers: int, groups, staleness: int = 3, *,
@@ -119,16 +120,16 @@ class GSSPProtocol(Protocol):
     the global server and its reply slot."""
     return 1, (max(1, self.num_groups - 1) if self.inter_group == "peer" else 2)
 
-  def server_payloads(self, rnd) -> int:
-    """Server-to-server payloads sent in ``rnd``.
+  def server_payloads_of(self, deliver, adopt) -> int:
+    """Server-to-server payloads sent in rounds (``deliver`` ``[n, G]``, ``adopt`` ``[n, R]``).
 
     peer: each delivery goes to the G - 1 other group servers; global: one sum
     to the global server per delivery and one reply (weights) per adopt.
     Copies into the reply slots stay inside the global server.
     """
     if self.inter_group == "peer":
-      return int(rnd.deliver.sum()) * (self.num_groups - 1)
-    return int(rnd.deliver.sum() + (rnd.adopt[:self.num_groups] >= 0).sum())
+      return int(deliver.sum()) * (self.num_groups - 1)
+    return int(deliver.sum() + (adopt[:, :self.num_groups] >= 0).sum())
 
   def _busy(self, group: int) -> bool:
     """The group server waits for the global server's reply (global only)."""
@@ -149,10 +150,17 @@ class GSSPProtocol(Protocol):
 
   def _release_group(self, group: int, rnd, reaction) -> None:
     """SSP inside ``group``: release its blocked workers within ``s`` of its slowest."""
-    mine = self.route == group
-    clock = self.clock - self.baseline
-    ahead = clock - alive_min(clock, mine & self.alive)
-    release_where(self, rnd, mine & (ahead <= self.staleness) & ~self._held_mask(), reaction)
+    members = (self.route == group).nonzero()[0]
+    blocked = members[self.blocked[members]]
+    if not blocked.size:
+      return
+    clock = self.clock[members] - self.baseline[members]
+    alive = self.alive[members]
+    slowest = clock[alive].min() if alive.any() else 0
+    free = blocked[self.clock[blocked] - self.baseline[blocked] - slowest <= self.staleness]
+    if any(self.held):   # a held push's worker waits for its group server's reply
+      free = free[~self._held_mask()[free]]
+    release_ids(self, rnd, free, reaction)
 
   def _maybe_regroup(self, time, reaction) -> None:
     """The regrouping barrier: every alive worker blocked, nothing held."""

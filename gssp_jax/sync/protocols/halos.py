@@ -44,6 +44,7 @@ class HALoSProtocol(Protocol):
   """
 
   name = "halos"
+  round_fields = ("forward", "deliver", "adopt", "stats_mean", "adopt_weight")
   # Nobody waits on anybody: a worker that leaves holds no one back, and a local server's count
   # towards its next exchange is of its own updates, whoever sent them. A group whose workers
   # are all lost stops updating; the global server goes on with the other groups' progress.
@@ -83,9 +84,9 @@ class HALoSProtocol(Protocol):
     """One push per round; a delivery touches the global server and the group's reply slot."""
     return 1, 2
 
-  def server_payloads(self, rnd) -> int:
+  def server_payloads_of(self, deliver, adopt) -> int:
     """One progress sum per delivery, one set of weights per reply."""
-    return int(rnd.deliver.sum() + (rnd.adopt[:self.num_groups] >= 0).sum())
+    return int(deliver.sum() + (adopt[:, :self.num_groups] >= 0).sum())
 
   def on_push(self, worker, time):
     worker = self.check_worker(worker)

@@ -36,6 +36,7 @@ class InHADProtocol(Protocol):
   """
 
   name = "inhad"
+  round_fields = ("aggregate",)
   supports_membership = True
 
   def __init__(self, num_workers: int, nodes, threshold: int | None = None):

@@ -8,6 +8,7 @@ from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import alive_min
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync.protocols.base import release_ids
 from gssp_jax.sync.protocols.base import release_where
 
 
@@ -23,6 +24,7 @@ class BSPProtocol(Protocol):
   """
 
   name = "bsp"
+  round_fields = ()
   supports_membership = True
 
   def __init__(self, num_workers: int):
@@ -76,6 +78,7 @@ class SSPProtocol(Protocol):
   """
 
   name = "ssp"
+  round_fields = ()
   supports_membership = True
 
   def __init__(self, num_workers: int, staleness: int | None = 3):
@@ -107,10 +110,21 @@ class SSPProtocol(Protocol):
     return reaction
 
   def _release_within_bound(self, rnd, reaction, time) -> None:
-    ahead = self.ahead()
-    ok = np.array([ahead[w] <= self.allowance(w, time) if self.blocked[w] else False
-                   for w in range(self.num_workers)])
-    release_where(self, rnd, ok, reaction)
+    """Releases the blocked workers within their allowance of the slowest alive one."""
+    blocked = self.blocked.nonzero()[0]
+    if not blocked.size:
+      return
+    if self.staleness is None and type(self).allowance is SSPProtocol.allowance:
+      release_ids(self, rnd, blocked, reaction)   # ASP: no bound, everyone goes on
+      return
+    ahead = self.clock[blocked] - alive_min(self.clock, self.alive)
+    release_ids(self, rnd, blocked[ahead <= self._allowances(blocked, time)], reaction)
+
+  def _allowances(self, blocked: np.ndarray, time: float):
+    """:meth:`allowance` of each of the ``blocked`` workers (ascending), called in that order."""
+    if type(self).allowance is SSPProtocol.allowance:
+      return self.staleness   # the same bound for everyone
+    return np.array([self.allowance(w, time) for w in blocked.tolist()], np.float64)
 
   def _after_drop(self, worker, time, was_blocked):
     rnd = self.new_round(time)
@@ -216,6 +230,15 @@ class DSSPProtocol(SSPProtocol):
     slow_pushes = self.last[slow] + np.arange(1, num_slow + 1) * i_slow
     wait = np.abs(fast[:, None] - slow_pushes[None, :]).min(axis=1)
     return int(np.argmin(wait))   # the first minimum: ties go to the smaller r
+
+  def _allowances(self, blocked, time):
+    """Only the pusher's allowance is more than ``s_L`` (:meth:`allowance`): one call, not one
+    per waiting worker (which returned ``s_L`` and changed nothing)."""
+    out = np.full([blocked.size], self.low, np.float64)
+    mine = np.flatnonzero(blocked == self._pusher)
+    if mine.size:
+      out[mine[0]] = self.allowance(self._pusher, time)
+    return out
 
   def allowance(self, worker, time):
     if worker != self._pusher:      # a waiting worker waits until it is within s_L
