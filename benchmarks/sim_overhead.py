@@ -20,11 +20,11 @@ dominates, so this benchmark measures what predicts it, on any machine:
   varies by up to 2x between identical runs: the minimum is the least
   disturbed).
 * ``proxies``: a real run of a negligible model (one dense layer) on the same
-  cluster, 3 epochs of 2,048 examples, evaluated 6 times: eager JAX
-  operations and device-to-host transfers between evaluations (each advance
-  runs under ``jax.transfer_guard_device_to_host('disallow_explicit')``; a
-  transfer stops the run and is reported), compilations in all and after the
-  first evaluation (``jax.monitoring``).
+  cluster, 3 epochs of 2,048 examples (128 per worker at 256 workers),
+  evaluated 6 times: eager JAX operations (``watch.EagerOps``) and
+  device-to-host reads between evaluations (``watch.HostReads``; on an
+  accelerator also ``jax.transfer_guard_device_to_host``, which stops the
+  run), compilations in all and after the first evaluation (``jax.monitoring``).
 
 Targets (issue 33): at most 40 µs per gradient at 16 workers and 60 at 256;
 no eager operation and no transfer between evaluations; at most 8 compilations
@@ -51,13 +51,18 @@ from gssp_jax.train import run as run_lib
 
 from benchmarks import common
 
-_WORKERS = flags.DEFINE_list("workers", ["16", "256"], "worker counts")
-_SCHEMES = flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "dssp", "gssp", "async_local_sgd"],
-                             "schemes")
-_PUSHES = flags.DEFINE_integer("pushes", 3000, "pushes timed per run (host part)")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "timings per run; their median and range printed")
-_EXECUTOR = flags.DEFINE_enum("executor", "levels", list(simulate.RUNNERS), "the simulator's runner")
-_PARTS = flags.DEFINE_list("parts", ["host", "proxies"], "host, proxies")
+
+
+def _define_flags() -> None:
+  """The command line's flags (defined only when run as a program: the tests import this
+  module beside ``sim_efficiency``, whose flags share names)."""
+  flags.DEFINE_list("workers", ["16", "256"], "worker counts")
+  flags.DEFINE_list("schemes", ["bsp", "asp", "ssp", "dssp", "gssp", "async_local_sgd"],
+                    "schemes")
+  flags.DEFINE_integer("pushes", 3000, "pushes timed per run (host part)")
+  flags.DEFINE_integer("repeats", 5, "timings per run; their median and range printed")
+  flags.DEFINE_enum("executor", "levels", list(simulate.RUNNERS), "the simulator's runner")
+  flags.DEFINE_list("parts", ["host", "proxies"], "host, proxies")
 
 
 class Linear(nn.Module):
@@ -119,20 +124,22 @@ def host_us_per_gradient(scheme: str, workers: int, executor: str, pushes: int) 
 def proxies(scheme: str, workers: int, executor: str) -> dict:
   """Eager ops, transfers and compilations of a short real run of a negligible model."""
   config = run_config(scheme, workers, executor, **{
-      "model": "benchmark_linear", "data.train_size": 2048, "train.num_epochs": 3.0,
+      "model": "benchmark_linear", "data.train_size": max(2048, 128 * workers),
+      "train.num_epochs": 3.0,
       "train.eval_every": 0.5})
   compilations = watch.compilations()
   start = compilations.mark()
-  eager, transfers, evaluations, after_first = [], 0, 0, 0
+  eager, reads, transfers, evaluations, after_first = [], 0, 0, 0, 0
   with tempfile.TemporaryDirectory() as workdir:
     config_lib.validate_config(config)
     task = run_lib.prepare_run(config, workdir)
     run = executors.make_executor(config, task, workdir)
     run.restore()
     while not run.finished():
-      ops, mark = watch.EagerOps(), compilations.mark()
+      ops, host_reads, mark = watch.EagerOps(), watch.HostReads(), compilations.mark()
       try:
-        with ops.active(), jax.transfer_guard_device_to_host("disallow_explicit"):
+        with ops.active(), host_reads.active(), \
+            jax.transfer_guard_device_to_host("disallow_explicit"):
           run.advance()
       except Exception as e:  # pylint: disable=broad-except  (a disallowed transfer)
         if "transfer" not in str(e).lower():
@@ -140,47 +147,50 @@ def proxies(scheme: str, workers: int, executor: str) -> dict:
         transfers += 1
         break
       eager += ops.names
+      reads += host_reads.count
       if evaluations:
         after_first += len(compilations.since(mark))
       run.evaluate()
       evaluations += 1
     run.close()
-  return {"eager": len(eager), "eager_names": sorted(set(eager)), "transfers": transfers,
+  return {"eager": len(eager), "eager_names": sorted(set(eager)),
+          "transfers": transfers + reads,
           "compilations": len(compilations.since(start)), "after_first": after_first,
           "evaluations": evaluations}
 
 
 def main(argv):
   del argv
+  f = flags.FLAGS
   logging.set_verbosity(logging.ERROR)
   models.register_model("benchmark_linear", Linear)
   print(common.describe_backend())
-  print(f"executor {_EXECUTOR.value}")
-  workers = [int(w) for w in _WORKERS.value]
-  if "host" in _PARTS.value:
-    print(f"\nhost µs per simulated gradient, device work stubbed, {_PUSHES.value} pushes "
-          f"(median, min-max of {_REPEATS.value}):")
+  print(f"executor {f.executor}")
+  workers = [int(w) for w in f.workers]
+  if "host" in f.parts:
+    print(f"\nhost µs per simulated gradient, device work stubbed, {f.pushes} pushes "
+          f"(median, min-max of {f.repeats}):")
     print("| scheme | " + " | ".join(f"{w} workers" for w in workers) + " |")
     print("|---|" + "---|" * len(workers))
-    for scheme in _SCHEMES.value:
+    for scheme in f.schemes:
       cells = []
       for w in workers:
-        times = [host_us_per_gradient(scheme, w, _EXECUTOR.value, _PUSHES.value)
-                 for _ in range(_REPEATS.value)]
+        times = [host_us_per_gradient(scheme, w, f.executor, f.pushes) for _ in range(f.repeats)]
         cells.append(f"{np.median(times):,.1f} ({min(times):,.1f}-{max(times):,.1f})")
       print(f"| {scheme} | " + " | ".join(cells) + " |", flush=True)
-  if "proxies" in _PARTS.value:
+  if "proxies" in f.parts:
     print("\nthe hot path of a real run (negligible model, 3 epochs, 6 evaluations):")
     print("| scheme | workers | eager ops between evaluations | device-to-host transfers |"
           " compilations per run | after the first evaluation |")
     print("|---|---|---|---|---|---|")
-    for scheme in _SCHEMES.value:
+    for scheme in f.schemes:
       for w in workers:
-        r = proxies(scheme, w, _EXECUTOR.value)
+        r = proxies(scheme, w, f.executor)
         names = f" ({', '.join(r['eager_names'][:6])})" if r["eager"] else ""
         print(f"| {scheme} | {w} | {r['eager']}{names} | {r['transfers']} |"
               f" {r['compilations']} | {r['after_first']} |", flush=True)
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

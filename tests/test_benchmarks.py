@@ -60,3 +60,21 @@ def test_flight_probe_moves_the_bytes_all_three_ways(tmp_path):
           if line.startswith("| ") and not line.startswith("| variant")]
   assert [row.split("|")[1].strip() for row in rows] == ["raw stream", "grpc copy", "flight"]
   assert rows[0].rstrip().endswith("| 1.00 |")
+
+
+@pytest.mark.parametrize("executor", ["levels", "rounds"])
+def test_sim_overhead_times_the_host_path_with_the_device_stubbed(data_dir, monkeypatch, executor):
+  """A few hundred stubbed pushes run end to end: a positive figure, and no device call made."""
+  from benchmarks import sim_overhead  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  calls = []
+  stub = sim_overhead._stub
+
+  def counting_stub(sim):
+    stub(sim)
+    name = "chunk_fn" if executor == "levels" else "run_steps"
+    inner = getattr(sim.feed, name)
+    setattr(sim.feed, name, lambda *args: (calls.append(1), inner(*args))[1])
+  monkeypatch.setattr(sim_overhead, "_stub", counting_stub)
+  us = sim_overhead.host_us_per_gradient("gssp", 8, executor, 200)
+  assert 0 < us < 1e5 and calls   # the stub ran in place of the device

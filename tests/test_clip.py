@@ -20,8 +20,8 @@ import helpers
 from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax import sync
-from gssp_jax.sim import executor
 from gssp_jax.sim import chunk
+from gssp_jax.sim import executor
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
 from test_decay import _rounds_of_pushes
@@ -235,3 +235,19 @@ def test_a_real_runtime_mesh_clips_its_gradient():
     jax.tree.map(lambda g, c: np.testing.assert_allclose(g, np.asarray(c) / 3, rtol=1e-6),
                  plain, C)
   jax.tree.map(lambda g, c: np.testing.assert_allclose(g, np.asarray(c) / 3, rtol=1e-6), grad, C)
+
+
+@pytest.mark.parametrize("schedule,warmup", [("constant", 0.0), ("cosine", 0.0),
+                                             ("cosine", 0.5)])
+def test_the_learning_rate_table_is_the_schedule_and_holds_its_last_value(schedule, warmup):
+  """The simulator's and the real runtime's rates: ``learning_rate_schedule`` at every step,
+  from one jitted call (to float rounding: an eager schedule rounds 1 ulp apart), constant past
+  the last step as the schedule is."""
+  cfg = _sgd_config()
+  cfg.learning_rate, cfg.schedule, cfg.warmup_epochs = 0.1, schedule, warmup
+  table = optim.learning_rate_table(cfg, 10, 100)
+  schedule_fn = optim.learning_rate_schedule(cfg, 10, 100)
+  for step in (0, 1, 4, 5, 6, 50, 99, 100):
+    assert table(step) == pytest.approx(float(schedule_fn(step)), rel=1e-6, abs=1e-9)
+  assert table(100) == table(10_000) == pytest.approx(float(schedule_fn(10_000)), abs=1e-9)
+  assert table.values.dtype == np.float32 and table.values.size == 101

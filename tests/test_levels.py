@@ -543,8 +543,11 @@ def test_levels_executor_resumes_exactly_and_levels_per_call_changes_nothing(tmp
 
 
 def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
-  """No eager op, no device-to-host transfer, no implicit host-to-device one and no compilation
-  between evaluations; a handful of compilations in all, none after the first evaluation."""
+  """No eager op, no device-to-host read, no implicit host-to-device transfer and no compilation
+  between evaluations; a handful of compilations in all, none after the first evaluation.
+
+  The transfer guards hold on an accelerator; on a CPU, whose arrays live in host memory, JAX
+  guards nothing, so the reads are counted (``watch.HostReads``)."""
   from gssp_jax.train import executors, run as run_lib  # pylint: disable=g-import-not-at-top
   config = _run_config("gssp", "none", executor="levels", data_dir=data_dir,
                        **{"train.num_epochs": 3.0})
@@ -555,12 +558,14 @@ def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
   run.restore()
   evaluations, first_evaluation = 0, None
   while not run.finished():
-    eager, mark = watch.EagerOps(), compilations.mark()
-    with eager.active(), jax.transfer_guard_device_to_host("disallow_explicit"), \
+    eager, reads, mark = watch.EagerOps(), watch.HostReads(), compilations.mark()
+    with eager.active(), reads.active(), \
+        jax.transfer_guard_device_to_host("disallow_explicit"), \
         jax.transfer_guard_host_to_device("disallow"), \
         jax.transfer_guard_device_to_device("disallow"):
       run.advance()
     assert eager.names == [], "eager operations between evaluations"
+    assert reads.shapes == [], "device-to-host reads between evaluations"
     if evaluations:
       assert not compilations.since(mark), "a compilation after the first evaluation"
     run.evaluate()

@@ -161,3 +161,56 @@ def test_inhads_gradients_stay_on_their_node_and_only_its_pulls_share_the_server
   assert engine.route("push", 0, 0) is None
   assert engine.route("pull", 0, 0)[0] == (0, "pull")
 
+
+
+def _transfers(links, events):
+  """Runs ``events`` (``(time, "start", key, tag, bytes, cap)`` or ``(time, "cancel", tag)``) on
+  ``links`` and every end on the way; returns ``[(end time, tag)]`` in the order they end."""
+  ends, pending = [], sorted(events, key=lambda e: e[0])
+  while pending or any(links.next_end(k) is not None for k in list(links.version)):
+    nxt = min(((links.next_end(k), k) for k in list(links.version)
+               if links.next_end(k) is not None), default=(float("inf"), None))
+    if pending and pending[0][0] <= nxt[0]:
+      event = pending.pop(0)
+      if event[1] == "start":
+        links.start(event[2], event[0], event[3], event[4], event[5])
+      else:
+        links.cancel(event[0], lambda tag, gone=event[2]: tag == gone)
+      continue
+    ends += [(nxt[0], tag) for tag in links.finish(nxt[1], nxt[0])]
+  return ends
+
+
+def test_equal_share_links_end_every_transfer_when_shared_links_do():
+  """Random transfers of one cap on two links, some cancelled: the O(log n) links give the
+  general max-min links' schedule, ends and order, to float rounding."""
+  rng = np.random.default_rng(0)
+  events = [(float(t), "start", ("s", int(rng.integers(2))), i, float(b), 2 * MB)
+            for i, (t, b) in enumerate(zip(np.sort(rng.uniform(0, 20, 60)),
+                                           rng.uniform(0.1, 3.0, 60) * MB))]
+  events += [(float(t), "cancel", int(i)) for t, i in zip(rng.uniform(0, 20, 5),
+                                                            rng.choice(60, 5, replace=False))]
+  want = _transfers(links_lib.SharedLinks(5 * MB), events)
+  got = _transfers(links_lib.EqualShareLinks(5 * MB), events)
+  assert [tag for _, tag in got] == [tag for _, tag in want]
+  np.testing.assert_allclose([t for t, _ in got], [t for t, _ in want], rtol=1e-9)
+  assert len(want) >= 50
+
+
+def test_equal_share_links_refuse_a_second_cap_on_one_link():
+  links = links_lib.EqualShareLinks(5 * MB)
+  links.start("s", 0.0, "a", MB, MB)
+  with pytest.raises(ValueError, match="cap of 2000000.0 bytes/s on a link whose transfers have"):
+    links.start("s", 0.1, "b", MB, 2 * MB)
+
+
+def test_the_simulator_uses_equal_share_links_only_when_every_worker_link_is_the_same():
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  scheme = sync.build_scheme("asp", 3)
+  for bandwidth, kind in ((MB, links_lib.EqualShareLinks),
+                          ([MB, MB, 2 * MB], links_lib.SharedLinks)):
+    cluster = cluster_lib.Cluster(speeds=np.ones([3]), base_time=1.0, bandwidth=bandwidth)
+    engine = traffic.Traffic("asp", cluster, lambda w, k: MB, MB, MB, shared=True).engine(
+        scheme.make_protocol(), cluster.compute_time)
+    assert type(engine.links) is kind

@@ -36,3 +36,11 @@ def test_each_epoch_reshuffles_within_the_workers_own_shard():
 def test_bad_sizes_are_rejected(n, w):
   with pytest.raises(ValueError, match="workers"):
     sharding.worker_shards(n, w, 0)
+
+
+def test_a_span_of_batches_is_the_batches_one_by_one_across_an_epoch_end():
+  shards = sharding.worker_shards(700, 3, seed=4)
+  batches = sharding.WorkerBatches(shards, seed=4, batch_size=32)   # 7 batches per epoch
+  for k, n in ((0, 4), (5, 2), (5, 5), (13, 3)):
+    np.testing.assert_array_equal(batches.span(1, k, n),
+                                  np.stack([batches.indices(1, k + j) for j in range(n)]))

@@ -851,3 +851,33 @@ def test_kmeans_grouping_separates_speed_classes():
   assert groups.tolist() == [0, 0, 1, 1, 0, 2]
   assert sync.make_groups("speed", 4, 2, [3.0, 1.0, 2.0, 4.0]).tolist() == [1, 0, 0, 1]
   assert sync.make_groups("round_robin", 4, 2).tolist() == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("name,inter_group", [(n, "peer") for n in sync.SCHEMES]
+                         + [("gssp", "global")])
+def test_every_round_keeps_to_its_protocols_declared_bounds_and_fields(name, inter_group):
+  """``round_bounds`` (the level executor's slots) and ``round_fields`` hold for every round a
+  built-in protocol emits, drops and rejoins included: at most that many arrivals and touched
+  replicas, and every optional field it does not declare is the shared read-only empty one."""
+  speeds = [1.0, 1.37, 1.91, 2.53, 1.2, 2.9]
+  scheme = sync.build_scheme(name, 6, worker_times=speeds, num_groups=3 if name in (
+      "gssp", "halos") else 2, num_nodes=2, casp_reconfigure_every=4, casp_max_communities=2,
+      inter_group=inter_group)
+  protocol = scheme.make_protocol()
+  engine = sync.TimelineEngine(protocol, lambda w, k: speeds[w], message_delay=lambda m: 0.45,
+                               record=False)
+  if protocol.supports_membership:
+    engine.drop_at(7.3, 4)
+    engine.rejoin_at(15.1, 4)
+  rounds = []
+  while engine.num_pushes < 200:
+    rounds.extend(engine.step())
+  arrivals, replicas = protocol.round_bounds()
+  assert max(int(r.arrived.sum()) for r in rounds) <= arrivals
+  touched = [int((r.applies | (r.average >= 0) | (r.adopt >= 0)).sum()) for r in rounds]
+  assert max(touched) <= replicas
+  for field in rounds_lib.OPTIONAL_FIELDS:
+    if field not in protocol.round_fields:
+      assert not any(getattr(r, field).flags.writeable for r in rounds), field
+  with pytest.raises(ValueError, match="read-only"):
+    sync.SSPProtocol(4).new_round(0.0).adopt[0] = 1   # SSP declares no optional field

@@ -334,7 +334,7 @@ class Planner:
     """
     if self.cutter.used:
       self.cutter.cut()
-    if jobs and self.cutter.current:
+    while jobs and (self.cutter.current or self.cutter.fresh):   # fresh ones: one piece more
       self.cutter.cut()
     if self.piece:
       self._emit(self.piece)

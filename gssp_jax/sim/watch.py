@@ -4,31 +4,45 @@ On an accelerator every eager operation is a dispatch the device waits for,
 and every compilation after the start is seconds lost; neither shows on a CPU
 timer. The level executor promises none of the first between evaluations and
 a handful of the second per run; the tests and ``benchmarks/sim_overhead.py``
-hold it to that with these counters (transfers are watched by
-``jax.transfer_guard``, which JAX provides).
+hold it to that with these counters (and device-to-host reads, which
+``jax.transfer_guard`` does not catch on a CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 
 import jax
+from jax._src import array as jax_array   # a device array's host value: no public hook
 from jax._src import core as jax_core   # the eager interpreter: no public hook counts its ops
 
 # Primitives that are not eager computation: a jitted call's own dispatch, an explicit transfer.
 _NOT_EAGER = frozenset({"pjit", "jit", "device_put"})
+# Where JAX's operations start (numpy, lax, random, nn): a call into them outside any trace runs
+# an operation on the device.
+_JAX_DIR = os.path.dirname(os.path.dirname(jax_core.__file__))   # .../jax
+_API_DIRS = tuple(os.path.join(os.path.dirname(jax_core.__file__), d)
+                  for d in ("numpy" + os.sep, "lax" + os.sep, "random.py", "nn" + os.sep,
+                            "ops" + os.sep))
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 class EagerOps:
-  """Counts primitives run eagerly (op by op, outside any jitted program) while active.
+  """Counts JAX operations run eagerly (op by op, outside any jitted program) while active.
 
-  ``names`` lists them in order. Counting wraps JAX's eager interpreter
-  (``EvalTrace.process_primitive``); a jitted call whose program is cached
-  never reaches it, a first call does as one ``pjit``, which is not counted.
+  ``names`` lists them in order. Two ways in, since JAX dispatches an eager
+  operation either from Python (a primitive bound outside any trace: JAX's
+  eager interpreter, ``EvalTrace.process_primitive``) or through a cached
+  jitted wrapper that runs in C++ (``jnp.cos``, ``x + 1``); the second is
+  seen as a call into JAX's numpy, lax or random API from outside JAX, with
+  no trace active (a profile hook on this thread). A jitted call of one's
+  own whose program is cached (the chunk program) reaches neither; its first
+  call traces and lowers, JAX calling itself, which is not counted.
   """
 
   _lock = threading.Lock()
@@ -50,11 +64,58 @@ class EagerOps:
         if primitive.name not in _NOT_EAGER:
           names.append(primitive.name)
         return original(trace, primitive, args, params)
+
+      def profile(frame, event, arg):
+        del arg
+        # A JAX operation called from outside JAX (not JAX calling itself: lowering, tracing).
+        if (event == "call" and frame.f_code.co_filename.startswith(_API_DIRS)
+            and frame.f_back is not None
+            and not frame.f_back.f_code.co_filename.startswith(_JAX_DIR)
+            and jax_core.trace_state_clean()):
+          names.append(frame.f_code.co_name)
       jax_core.EvalTrace.process_primitive = process_primitive
+      previous = sys.getprofile()
+      sys.setprofile(profile)
       try:
         yield self
       finally:
+        sys.setprofile(previous)
         jax_core.EvalTrace.process_primitive = original
+
+
+class HostReads:
+  """Counts reads of a device array's value on the host (``np.asarray``, ``float``,
+  ``jax.device_get``, ``.tolist()``...) while active.
+
+  ``jax.transfer_guard`` does not guard the CPU backend (its arrays live in
+  host memory), so the tests and benchmarks count the reads themselves: every
+  one goes through ``jax.Array``'s cached host value (``ArrayImpl._value``).
+  ``shapes`` lists each read array's shape.
+  """
+
+  _lock = threading.Lock()
+
+  def __init__(self):
+    self.shapes: list[tuple] = []
+
+  @property
+  def count(self) -> int:
+    return len(self.shapes)
+
+  @contextlib.contextmanager
+  def active(self):
+    with self._lock:
+      original = jax_array.ArrayImpl._value
+      shapes = self.shapes
+
+      def value(array):
+        shapes.append(tuple(array.shape))
+        return original.fget(array)
+      jax_array.ArrayImpl._value = property(value)
+      try:
+        yield self
+      finally:
+        jax_array.ArrayImpl._value = original
 
 
 class Compilations:
