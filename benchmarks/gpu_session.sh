@@ -10,6 +10,12 @@
 # "steady": LeNet-5 `levels` rates with compilation counted apart, for two levels_per_call;
 # "transport": benchmarks.dist_transport's ratio, server and shards parts with jax on the GPU
 # (the server's apply on the GPU). SUITE_S sets the suite's seconds (default 270), SUITE_N its xdist workers (8), FIRST test files to start with.
+# Issue 33's checks of the rebuilt levels executor (STAGES="determinism levels33 resnet33
+# proxies33 tests33", about 8 minutes): "levels33": LeNet-5 at 16 workers (SSP, GSSP; target
+# steady >= 0.2 of the batched step) and at 256 (GSSP); "resnet33": ResNet-18 at 16 workers, GSSP
+# (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
+# guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
+# tests/test_sim.py on the GPU.
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
 # the tails of their stderr to $OUT/errs.txt. The parameter server's throughput (CPU only) runs
@@ -61,6 +67,20 @@ if want suite; then
   stage suite ${SUITE_S:-270} timeout -s INT -k 40 $(( ${SUITE_S:-270} - 60 )) python3 -m pytest \
       -v -n ${SUITE_N:-8} ${FIRST:-} tests --ignore=tests/test_notebooks.py -p no:cacheprovider \
       --timeout=240 -rfE --tb=short --durations=15
+fi
+want levels33 && stage levels33 150 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
+    --schemes=ssp,gssp --epochs=1
+want levels33 && stage levels33 90 $P benchmarks.sim_efficiency --executor=levels --workers=256 \
+    --schemes=gssp --epochs=0.25
+want resnet33 && stage resnet33 150 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
+    --workers=16 --schemes=gssp --epochs=0.2
+want proxies33 && stage proxies33 60 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
+    --schemes=ssp,gssp
+if want tests33; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation .gpu/whl/*.whl -e . \
+      >> $OUT/log.txt 2>&1
+  stage tests33 150 python3 -m pytest -q -n 4 tests/test_levels.py tests/test_sim.py \
+      -p no:cacheprovider -rfE --tb=short
 fi
 want steady && stage steady 130 $P benchmarks.sim_efficiency --executor=levels --workers=16,256 --schemes=ssp,gssp \
     --levels_per_call=1,8 --epochs=0.25

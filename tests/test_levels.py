@@ -227,6 +227,45 @@ def test_level_runner_runs_local_update_jobs_as_the_round_runner():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+def test_level_runner_equals_round_runner_through_drops_and_rejoins():
+  """GSSP and SSP losing a worker mid-run and getting it back: the drop's releases and the
+  rejoin's pull-only round are rounds like the others (BatchNorm, 4 workers)."""
+  for name in ("gssp", "ssp"):
+    scheme, tx, compressor, state, arrays, loss_fn, dense, stats, params, ms = _setup(
+        name, batch_norm=True)
+    engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: SPEEDS[w],
+                                 message_delay=lambda m: 0.45, record=False)
+    engine.drop_at(6.1, 2)
+    engine.rejoin_at(13.7, 2)
+    rng, dispatched = np.random.default_rng(7), np.zeros([W], np.int64)
+
+    def jobs(workers):
+      ks = dispatched[workers].copy()
+      dispatched[workers] += 1
+      return executor.Jobs(workers=workers.astype(np.int32),
+                           idx=rng.integers(0, N, (workers.size, B)).astype(np.int32),
+                           iters=ks.astype(np.int32),
+                           ratios=np.ones([workers.size], np.float32),
+                           flushes=np.zeros([workers.size], bool))
+    steps = [executor.Step(None, jobs(np.arange(W)))]
+    while engine.num_pushes < 40:
+      for rnd in engine.step():
+        args = sync.round_args(rnd)
+        args["learning_rate"] = np.float32(0.05)
+        pulled = np.flatnonzero(rnd.pulls)
+        steps.append(executor.Step(args, jobs(pulled) if pulled.size else None))
+    assert not engine.protocol.alive.all() or dispatched[2] > 3   # it left and came back
+    reference = executor.make_round_runner(executor.make_job_fn(loss_fn, None, dense, stats),
+                                           executor.make_round_fn(tx))
+    flat_state, run, layout = helpers.level_runner(loss_fn, None, tx, dense, stats, scheme,
+                                                   params, ms, jax.random.key(3),
+                                                   job_shape=(B,))
+    with jax.default_matmul_precision("highest"):
+      want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
+      got = run(flat_state, arrays, steps)
+    _assert_same_state(helpers.as_trees(layout, got), want)
+
+
 # -- the planner -----------------------------------------------------------------------------
 
 
@@ -489,13 +528,18 @@ def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
     ("diloco", "none", 4, {"local.steps": 2, "local.optimizer.name": "adamw",
                            "local.optimizer.learning_rate": 1e-3}),
     ("gssp", "none", 4, {"sync.inter_group": "global", "optimizer.name": "lion",
-                         "optimizer.learning_rate": 1e-3})])
+                         "optimizer.learning_rate": 1e-3}),
+    ("gssp", "none", 4, {"sync.regroup_every_epoch": True, "train.num_epochs": 2.0,
+                         "train.eval_every": 1.0, "cluster.jitter": 0.5,
+                         "cluster.profile": "lognormal", "cluster.sigma": 0.3,
+                         "cluster.tiers": (1.0, 1.5, 2.0, 3.0)})])
 def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, scheme,
                                                             compressor, workers, extra):
   # DGC's push times read its sent bytes from the device, which flushes the planned pieces at
   # every read; GDTopK flushes its residual at each worker's epoch end; DiLoCo's jobs are
   # local-update jobs; Lion is a per-tensor-agnostic optax optimizer named by the config (the
-  # replicas step it through the model's pytree, flat.on_tree, since it is not a built-in).
+  # replicas step it through the model's pytree, flat.on_tree, since it is not a built-in);
+  # the last regroups GSSP at its first epoch's end (a new route: the planner cuts there).
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   runs = {}
   for name in ("rounds", "levels"):
@@ -520,6 +564,10 @@ def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, 
     assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
     assert a["test_accuracy"] == pytest.approx(b["test_accuracy"], abs=0.01)
   assert runs["levels"]["status"] == runs["rounds"]["status"] == "done"
+  history = runs["levels"]["scheme"]["groups_history"]
+  assert history == runs["rounds"]["scheme"]["groups_history"]
+  if extra.get("sync.regroup_every_epoch"):
+    assert len(history) == 2   # it did regroup: [[0, 0, 1, 1], [0, 1, 1, 0]]
 
 
 @pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32

@@ -173,7 +173,7 @@ def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Ar
   args["pull_ids"] = row["pull_ids"] if shape.pulls < num_workers else None
   if shape.replicas < num_replicas:
     args["replica_ids"] = row["replica_ids"]
-    args["static_loops"] = True   # transforms.replicated: a loop of Kr steps, not data-bound
+  args["no_branches"] = True   # masks and fixed trip counts in the transforms (no host trips)
   return args
 
 

@@ -97,7 +97,7 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
              forward=None, deliver=None, adopt=None, worker_ids=None, learning_rate=None,
-             **extra):
+             no_branches=False, **extra):
     del params, extra
     arrived = transforms.mask(arrived, [W], bool, True)
     route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
@@ -115,14 +115,22 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
                           state.outbox, progress)
     any_deliver = jnp.any(deliver)
 
-    # The global server's step on the delivered progress, kept only in rounds that deliver
-    # (a mask, not a conditional: see ``transforms.gssp``).
-    sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
-                        state.outbox)
-    stepped, stepped_state = global_opt.update(sent, state.global_opt)
-    global_upd = jax.tree.map(lambda u: jnp.where(any_deliver, u * lr, 0.0), stepped)
-    global_state = jax.tree.map(lambda n, o: jnp.where(any_deliver, n, o), stepped_state,
-                                state.global_opt)
+    def global_step(opt_state):
+      """The global server's step on the delivered progress: only in rounds that deliver."""
+      sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
+                          state.outbox)
+      upd, new_state = global_opt.update(sent, opt_state)
+      upd = jax.tree.map(lambda u: jnp.where(any_deliver, u * lr, 0.0), upd)
+      return upd, jax.tree.map(lambda n, o: jnp.where(any_deliver, n, o), new_state, opt_state)
+
+    def no_step(opt_state):
+      return jax.tree.map(lambda o: jnp.zeros_like(o[0]), state.outbox), opt_state
+
+    if no_branches:   # masks (``transforms.gssp``): the step is kept only where a sum arrives
+      global_upd, global_state = global_step(state.global_opt)
+    else:
+      global_upd, global_state = jax.lax.cond(any_deliver, global_step, no_step,
+                                              state.global_opt)
     # The reply's merge happens after this update (apply_round): the progress restarts there.
     merged = adopt[:G] >= 0
     progress = jax.tree.map(lambda p: jnp.where(transforms.rows(merged, p), 0.0, p), progress)

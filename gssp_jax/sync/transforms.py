@@ -25,6 +25,12 @@ transform never branches in Python on arrays and never recompiles:
 * ``forward``/``deliver`` ``[G]`` bool (GSSP), ``aggregate`` ``[]`` bool
   (InHAD), ``adopt`` ``[R]`` int32 (GSSP global: the source replica a replica
   copies, -1 for none).
+* ``no_branches`` (a Python bool, default False): the round runs inside a
+  device program of many rounds (the level executor's chunk), where a
+  ``lax.cond`` or a data-dependent loop costs a round trip to the host on a
+  GPU; the transforms then use masks and fixed trip counts, with the same
+  result. One round per call (the ``rounds`` executor, the real runtime)
+  keeps the branches, which skip work a round does not need.
 
 ``init`` takes ONE replica's parameters (no replica axis); ``update`` takes the
 replicas' parameters ``[R, ...]`` (only the optimizer behind uses them).
@@ -362,7 +368,8 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
                      since_forward=jnp.zeros([num_groups], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
-             forward=None, deliver=None, adopt=None, worker_ids=None, **extra):
+             forward=None, deliver=None, adopt=None, worker_ids=None, no_branches=False,
+             **extra):
     del params, extra
     arrived = _mask(arrived, [num_workers], bool, True)
     route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
@@ -374,18 +381,33 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
     pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
     arrived_at = jnp.zeros([num_groups], bool).at[route].max(arrived)
 
-    # Deliveries and forwards as masks, in every round: a round without either gives
-    # exactly the no-exchange result, and no conditional leaves the device program (on a GPU
-    # each is a round trip to the host; ``sim/levels.py`` runs thousands of rounds per call).
-    sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), state.outbox)
-    if is_global:   # groups, the global server, the (never applied) reply slots
-      incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
-                                                            jnp.zeros_like(c)]), contrib, sent)
-    else:  # Every group server applies the other groups' delivered sums.
-      incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
-    outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), state.outbox)
-    outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
-    pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
+    def exchange(operand):
+      """Deliveries and forwards, as masks: a round with neither gives ``no_exchange``'s result."""
+      contrib, pending, outbox = operand
+      sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
+      if is_global:   # groups, the global server, the (never applied) reply slots
+        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
+                                                              jnp.zeros_like(c)]), contrib, sent)
+      else:  # Every group server applies the other groups' delivered sums.
+        incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+      outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
+      outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
+      pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
+      return incoming, pending, outbox
+
+    def no_exchange(operand):
+      contrib, pending, outbox = operand
+      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1]),
+                                                          jnp.zeros_like(c)]), contrib)
+                  if is_global else contrib)
+      return incoming, pending, outbox
+
+    operand = (contrib, pending, state.outbox)
+    if no_branches:   # a device program of many rounds: no round trip to the host (a GPU's cond)
+      incoming, pending, outbox = exchange(operand)
+    else:             # one round per call: skip the exchange's passes where it has none
+      incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
+                                               no_exchange, operand)
     if is_global:
       derived = jnp.concatenate([arrived_at, jnp.any(deliver)[None],
                                  jnp.zeros([num_groups], bool)])
@@ -524,7 +546,7 @@ def replicated(inner: optax.GradientTransformation,
   every applying replica listed, as ``rounds.round_indices`` builds it) the
   inner optimizer runs on those ``Kr`` replicas only, written back one at a
   time and in place (``_listed_update``), so its cost follows the replicas
-  that apply. The extra arg ``static_loops=True`` (a Python bool: the level
+  that apply. The extra arg ``no_branches=True`` (a Python bool: the level
   executor's rounds set it) writes them back in a loop of exactly ``Kr``
   steps rather than one that stops at the listed count: no data-dependent
   loop, which on a GPU would return to the host every step.
@@ -537,11 +559,11 @@ def replicated(inner: optax.GradientTransformation,
     return ReplicatedState(inner=jax.vmap(inner.init)(stack(params, num_replicas)))
 
   def update(updates, state, params=None, *, applies=None, replica_ids=None,
-             static_loops=False, **extra):
+             no_branches=False, **extra):
     del extra  # The inner optimizer sees one replica; round masks are not its business.
     applies = _mask(applies, [num_replicas], bool, True)
     if replica_ids is not None:
-      listed = _listed_update_static if static_loops else _listed_update
+      listed = _listed_update_static if no_branches else _listed_update
       return listed(inner, num_replicas, updates, state, params, applies, replica_ids)
     if params is None:
       new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
