@@ -50,7 +50,7 @@ def simulate_events(config, workdir: str):
   sim.restore()
   while not sim.finished():   # one evaluation point, at the end: never evaluated (it resets
     sim.advance()             # the loss sums the comparison reads)
-  sim._flush()   # pylint: disable=protected-access
+  sim.flush_host()   # the planned device steps run, the deferred accounting done
   return sim
 
 
