@@ -256,6 +256,7 @@ class Planner:
     self.piece -= count
     if not self.rounds:   # else (a resume into smaller chunks) they index the same table
       self.routes = self.routes[-1:]   # the route in force goes on
+
   def _rows(self, rounds: list, jobs: list, count: int) -> Chunk:
     """A chunk's rows from what was noted in its pieces (see :class:`Chunk`)."""
     s, W, R, G = self.shape, self.W, self.R, self.G

@@ -563,8 +563,8 @@ def replicated(inner: optax.GradientTransformation,
     del extra  # The inner optimizer sees one replica; round masks are not its business.
     applies = _mask(applies, [num_replicas], bool, True)
     if replica_ids is not None:
-      listed = _listed_update_static if no_branches else _listed_update
-      return listed(inner, num_replicas, updates, state, params, applies, replica_ids)
+      return _listed_update(inner, num_replicas, updates, state, params, applies, replica_ids,
+                            static_trips=no_branches)
     if params is None:
       new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(updates, state.inner)
     else:
@@ -579,8 +579,8 @@ def replicated(inner: optax.GradientTransformation,
 
 
 def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, params,
-                   applies: jax.Array, replica_ids):
-  """``replicated``'s update for the listed replicas only (``replica_ids``, padded with ``R``).
+                   applies: jax.Array, replica_ids, static_trips: bool = False):
+  """``replicated``'s update for the listed replicas only (``replica_ids``, padded past ``R``).
 
   The listed replicas' rows are gathered (``[Kr, ...]``), their optimizers
   stepped (``vmap``), and the new rows written back one id at a time by a
@@ -591,6 +591,11 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
   stepping all replicas). A loop body cannot be fused with what precedes it,
   so its ``dynamic_update_slice`` writes happen in place: the round costs
   ``Kr x params`` in the optimizer plus one zero-filled ``[R, ...]`` update tree.
+
+  ``static_trips``: the loop runs exactly ``Kr`` steps (a device program of
+  many rounds, ``sim/chunk.py``: a trip count that is data costs a round trip
+  to the host on a GPU); a padding step writes the last listed replica's new
+  rows again (a no-op; an empty list writes row ``R - 1``'s own rows back).
   """
   ids, safe, valid = ids_or_all(replica_ids, num_replicas)
   pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
@@ -599,51 +604,18 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
     new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
   else:
     new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
-  # A listed replica that is only averaged keeps its state and gets a zero update.
+  # A listed replica that is only averaged or adopted keeps its state and gets a zero update.
   step = valid & applies[safe]                                             # [Kr]
   new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
   new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
                              new_updates)
-  row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
-                                     tree)
-  put = lambda tree, r, new: jax.tree.map(
-      lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), tree, new)
-
-  def write(i, carry):
-    full_inner, full_updates = carry
-    return (put(full_inner, ids[i], row(new_inner, i)),
-            put(full_updates, ids[i], row(new_updates, i)))
-
-  zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
-  # Listed ids come first, ascending; the loop stops before the padding.
+  # Listed ids come first, ascending: the loop stops before the padding, or repeats the last.
   count = jnp.sum(valid, dtype=jnp.int32)
-  full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
-  return full_updates, ReplicatedState(inner=full_inner)
-
-
-def _listed_update_static(inner, num_replicas: int, updates, state: ReplicatedState, params,
-                          applies: jax.Array, replica_ids):
-  """:func:`_listed_update` with a static trip count (``Kr``): no host round trip on a GPU.
-
-  For device programs of many rounds (``sim/chunk.py``). The listed rows are
-  stepped together (``vmap``), then written back by a loop of ``Kr`` steps in
-  which a padding step writes the last listed replica's new rows again (a
-  no-op; an empty list writes row ``R - 1``'s own rows back).
-  """
-  ids, safe, valid = ids_or_all(replica_ids, num_replicas)
-  pick = lambda tree: jax.tree.map(lambda x: x[safe], tree)
-  old_inner = pick(state.inner)
-  if params is None:
-    new_updates, new_inner = jax.vmap(lambda u, s: inner.update(u, s))(pick(updates), old_inner)
-  else:
-    new_updates, new_inner = jax.vmap(inner.update)(pick(updates), old_inner, pick(params))
-  step = valid & applies[safe]                                             # [Kr]
-  new_inner = jax.tree.map(lambda n, o: jnp.where(rows(step, n), n, o), new_inner, old_inner)
-  new_updates = jax.tree.map(lambda u: jnp.where(rows(step, u), u, jnp.zeros_like(u)),
-                             new_updates)
-  src = jnp.where(valid, jnp.arange(ids.shape[0]), jnp.maximum(jnp.sum(valid) - 1, 0))
-  target = safe[src]
-  new_inner, new_updates = (jax.tree.map(lambda x: x[src], t) for t in (new_inner, new_updates))
+  target = ids
+  if static_trips:
+    src = jnp.where(valid, jnp.arange(ids.shape[0]), jnp.maximum(count - 1, 0))
+    target, count = safe[src], ids.shape[0]
+    new_inner, new_updates = (jax.tree.map(lambda x: x[src], t) for t in (new_inner, new_updates))
   row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
                                      tree)
   put = lambda tree, r, new: jax.tree.map(
@@ -655,7 +627,7 @@ def _listed_update_static(inner, num_replicas: int, updates, state: ReplicatedSt
             put(full_updates, target[i], row(new_updates, i)))
 
   zeros = jax.tree.map(lambda u: jnp.zeros((num_replicas, *u.shape[1:]), u.dtype), new_updates)
-  full_inner, full_updates = lax.fori_loop(0, ids.shape[0], write, (state.inner, zeros))
+  full_inner, full_updates = lax.fori_loop(0, count, write, (state.inner, zeros))
   return full_updates, ReplicatedState(inner=full_inner)
 
 
