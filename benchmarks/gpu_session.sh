@@ -15,7 +15,8 @@
 # steady >= 0.2 of the batched step) and at 256 (GSSP); "resnet33": ResNet-18 at 16 workers, GSSP
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
-# tests/test_sim.py on the GPU.
+# tests/test_sim.py on the GPU. "chunks33" (about 3.5 minutes): benchmarks.chunk_profile's
+# device time per piece and top kernels, ResNet-18 and LeNet-5 at 16 workers, LeNet-5 at 256.
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
 # the tails of their stderr to $OUT/errs.txt. The parameter server's throughput (CPU only) runs
@@ -68,20 +69,27 @@ if want suite; then
       -v -n ${SUITE_N:-8} ${FIRST:-} tests --ignore=tests/test_notebooks.py -p no:cacheprovider \
       --timeout=240 -rfE --tb=short --durations=15
 fi
-want levels33 && stage levels33 150 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
+want levels33 && stage levels33 120 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
     --schemes=ssp,gssp --epochs=1
-want levels33 && stage levels33 90 $P benchmarks.sim_efficiency --executor=levels --workers=256 \
+want levels33 && stage levels33 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 \
     --schemes=gssp --epochs=0.25
-want resnet33 && stage resnet33 150 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
+want resnet33 && stage resnet33 130 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
     --workers=16 --schemes=gssp --epochs=0.2
-want proxies33 && stage proxies33 60 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
+want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation .gpu/whl/*.whl -e . \
       >> $OUT/log.txt 2>&1
-  stage tests33 150 python3 -m pytest -q -n 4 tests/test_levels.py tests/test_sim.py \
+  stage tests33 130 python3 -m pytest -q -n 4 tests/test_levels.py tests/test_sim.py \
       -p no:cacheprovider -rfE --tb=short
 fi
+# Where a chunk's device time goes (benchmarks/chunk_profile.py): per-piece time, slot fill, the
+# top kernels of one traced chunk; ResNet-18 and LeNet-5 at 16 workers, LeNet-5 at 256.
+want chunks33 && stage chunks33 100 $P benchmarks.chunk_profile --model=resnet18 --epochs=0.05 \
+    --skip=3 --trace=1
+want chunks33 && stage chunks33 45 $P benchmarks.chunk_profile --epochs=0.25 --trace=0
+want chunks33 && stage chunks33 60 $P benchmarks.chunk_profile --workers=256 --epochs=0.1 \
+    --skip=2 --trace=1
 want steady && stage steady 130 $P benchmarks.sim_efficiency --executor=levels --workers=16,256 --schemes=ssp,gssp \
     --levels_per_call=1,8 --epochs=0.25
 want transport && stage transport 150 python3 -m benchmarks.dist_transport --parts=ratio,server,shards \

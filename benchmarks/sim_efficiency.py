@@ -23,12 +23,15 @@ compile some programs lazily (a ``levels`` bucket, a sparse round's id size, the
 first time one occurs), so compilations can fall inside the measured span: the
 compilations in it (tracing, lowering, XLA) are counted and timed
 (``jax.monitoring``), and the rate is printed twice, as run and without that time
-("steady"). A short run (small
+and the checkpoint saves inside the span ("steady"; the saves' and the evaluations'
+seconds in the span are printed: a run checkpoints at every evaluation by default,
+``train.checkpoint_every``, and a 16-worker ResNet-18 state is about 2 GB). A short run (small
 ``--epochs``) with many compilations in its span measures mostly compilation. The header
 names the backend, the device and whether XLA's deterministic-ops flag is set.
 Peak memory is the process's maximum resident set size.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -47,6 +50,8 @@ from configs import cifar10_vgg19
 from configs import mnist_lenet5
 from gssp_jax import config as config_lib
 from gssp_jax import models
+from gssp_jax.sim import simulate
+from gssp_jax.train import tasks
 from gssp_jax.train import loop
 
 from benchmarks import common
@@ -173,20 +178,67 @@ def _eval_times(path: str, done: threading.Event, out: list) -> None:
     time.sleep(0.01)
 
 
+class PhaseClock:
+  """Wall intervals of some methods (wrapped while ``wrapped()`` is open), by name.
+
+  The simulator's checkpoint saves (``Simulation.save``) and the model's evaluations
+  (the tasks' ``evaluate``: the test set's forward passes, not the device work queued
+  before it, which ``Simulation.evaluate`` waits for first).
+  """
+
+  def __init__(self, methods):
+    self.methods = list(methods)          # (class, method name, label)
+    self.intervals: dict[str, list[tuple[float, float]]] = {m[2]: [] for m in self.methods}
+
+  @contextlib.contextmanager
+  def wrapped(self):
+    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self.methods]
+    try:
+      for cls, name, label in self.methods:
+        setattr(cls, name, self._timed(label, cls.__dict__[name]))
+      yield self
+    finally:
+      for cls, name, original in originals:
+        setattr(cls, name, original)
+
+  def _timed(self, label, method):
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return method(*args, **kwargs)
+      finally:
+        self.intervals[label].append((start, time.perf_counter()))
+    return timed
+
+  def between(self, label: str, start: float, end: float) -> float:
+    """Seconds of ``label``'s intervals inside [start, end]."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.intervals[label])
+
+
+def _phases() -> PhaseClock:
+  return PhaseClock([(simulate.Simulation, "save", "save"),
+                     (tasks.ClassificationTask, "evaluate", "evaluate"),
+                     (tasks.TranslationTask, "evaluate", "evaluate")])
+
+
 def simulated(config, clock: CompileClock) -> dict:
   """Runs ``config``; returns its rates between its first and last evaluation.
 
   Keys: ``rate`` (simulated samples/s as run), ``steady`` (the same without the XLA
-  compilations that ended inside that span), ``compiles`` and ``compile_s`` (those
-  compilations), ``first`` (seconds from the call to the first evaluation).
+  compilations and the checkpoint saves inside that span: what the simulator
+  itself does), ``compiles`` and ``compile_s`` (those compilations),
+  ``save_s`` and ``eval_s`` (seconds of checkpoint saves and of evaluations in the
+  span), ``first`` (seconds from the call to the first evaluation).
   """
+  phases = _phases()
   with tempfile.TemporaryDirectory() as workdir:
     path, times, done = os.path.join(workdir, "metrics.jsonl"), [], threading.Event()
     start = time.perf_counter()
     watcher = threading.Thread(target=_eval_times, args=(path, done, times), daemon=True)
     watcher.start()
     try:
-      loop.train_and_evaluate(config, workdir)
+      with phases.wrapped():
+        loop.train_and_evaluate(config, workdir)
     finally:
       done.set()
       watcher.join()
@@ -195,8 +247,10 @@ def simulated(config, clock: CompileClock) -> dict:
   samples = (last["pushes"] - first["pushes"]) * config.batch_size
   span = last["wall_time"] - first["wall_time"]
   compiles, compile_s = clock.between(times[0], times[-1]) if times else (0, 0.0)
-  return {"rate": samples / span, "steady": samples / max(span - compile_s, 1e-9),
-          "compiles": compiles, "compile_s": compile_s,
+  save_s = phases.between("save", times[0], times[-1]) if times else 0.0
+  eval_s = phases.between("evaluate", times[0], times[-1]) if times else 0.0
+  return {"rate": samples / span, "steady": samples / max(span - compile_s - save_s, 1e-9),
+          "compiles": compiles, "compile_s": compile_s, "save_s": save_s, "eval_s": eval_s,
           "first": times[0] - start if times else float("nan")}
 
 
@@ -216,8 +270,9 @@ def main(argv):
   jax.monitoring.register_event_duration_secs_listener(clock)
   print("| workers | levels per call | scheme | simulated samples/s | batched step samples/s |"
         " efficiency | µs per simulated sample | compilations in the span (s) |"
+        " checkpoint saves, evaluations in the span (s) |"
         " steady samples/s | steady efficiency | to first evaluation (s) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for w in map(int, _WORKERS.value):
     base = baseline(name, width, w * 32)
     for k in per_call:
@@ -225,6 +280,7 @@ def main(argv):
         r = simulated(configs[(w, k, scheme)], clock)
         print(f"| {w} | {k} | {scheme} | {r['rate']:,.0f} | {base:,.0f} | {r['rate'] / base:.2f} |"
               f" {1e6 / r['rate']:,.1f} | {r['compiles']} ({r['compile_s']:.1f}) |"
+              f" {r['save_s']:.1f}, {r['eval_s']:.1f} |"
               f" {r['steady']:,.0f} | {r['steady'] / base:.2f} | {r['first']:.1f} |", flush=True)
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"peak resident memory: {peak:,.0f} MiB")

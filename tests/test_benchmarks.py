@@ -78,3 +78,21 @@ def test_sim_overhead_times_the_host_path_with_the_device_stubbed(data_dir, monk
   monkeypatch.setattr(sim_overhead, "_stub", counting_stub)
   us = sim_overhead.host_us_per_gradient("gssp", 8, executor, 200)
   assert 0 < us < 1e5 and calls   # the stub ran in place of the device
+
+
+def test_chunk_profile_times_chunks_and_tables_the_traced_kernels(tmp_path, data_dir):
+  """A tiny levels run: every chunk timed, slot fill in (0, 1], and the traced chunk's XLA
+  work listed (on a CPU, the XLA threads' events)."""
+  import helpers  # pylint: disable=g-import-not-at-top
+  from benchmarks import chunk_profile  # pylint: disable=g-import-not-at-top
+  config = helpers.cluster_config("gssp", data_dir, executor="levels", model="helpers:TinyCNN",
+                                  levels_per_call=2)
+  clock = chunk_profile.ChunkClock(skip=1, trace=1, trace_dir=str(tmp_path / "trace"))
+  runner = chunk_profile.profile_run(config, clock, str(tmp_path / "run"))
+  stats = chunk_profile.fill(runner)
+  assert len(clock.times) == runner.chunks >= 2 and min(clock.times) > 0
+  assert 0 < stats["job_fill"] <= 1 and 0 < stats["round_fill"] <= 1
+  assert stats["pieces"] >= stats["chunks"]
+  table = chunk_profile.kernel_table(str(tmp_path / "trace"), top=5)
+  assert table and all(0 < len(rows) <= 5 for _, _, rows in table)
+  assert all(ms >= 0 and n >= 1 for _, _, rows in table for ms, n, _ in rows)

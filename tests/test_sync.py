@@ -281,6 +281,44 @@ def test_gssp_forwards_conserve_gradient_mass():
   assert any(r.deliver.any() for r in rounds)
 
 
+@pytest.mark.parametrize("inter_group", ["peer", "global"])
+def test_gssp_listed_rows_equal_the_masks_bit_for_bit(inter_group):
+  """The level executor's GSSP round (``no_branches`` with the arrival's id: pending and
+  outbox rows of the one exchanging group) gives the mask path's updates and state exactly,
+  over a real timeline with forwards, deliveries (and, global, adopts)."""
+  scheme = _scheme("gssp", inter_group=inter_group)
+  protocol = scheme.make_protocol()
+  assert protocol.one_exchange_per_round
+  tx = scheme.transform
+  rounds = _timeline(protocol, SPEEDS4, 24, 0.7).rounds
+  assert any(r.deliver.any() for r in rounds) and any(r.forward.any() for r in rounds)
+  masks = listed = tx.init(PARAMS)
+  for i, rnd in enumerate(rounds):
+    g = _worker_grads(i)
+    args = {**rounds_lib.round_args(rnd), "no_branches": True}
+    assert np.count_nonzero(rnd.forward | rnd.deliver) <= 1
+    arrived = np.flatnonzero(rnd.arrived)
+    ids = np.asarray(arrived.tolist() or [4], np.int32)     # padding: past W
+    want, masks = tx.update(g, masks, None, **args)
+    got, listed = tx.update(g, listed, None, worker_ids=ids, **args)
+    _equal(got, want)
+    _equal(listed, masks)
+
+
+def test_level_planner_rejects_a_round_with_two_exchanging_groups():
+  from gssp_jax.sim import chunk, planner as planner_lib  # pylint: disable=g-import-not-at-top
+  shape = chunk.Shape(pieces=2, jobs=4, rounds=4, arrivals=1, pulls=4, replicas=2)
+  plan = planner_lib.Planner(shape, num_workers=4, num_replicas=2, num_groups=2, job_shape=(2,),
+                             local=False,
+                             route=np.array([0, 0, 1, 1]), one_exchange=True,
+                             round_fields=("forward", "deliver", "adopt", "stats_mean"))
+  rnd = rounds_lib.empty_round(1.5, 4, 2, 2, np.array([0, 0, 1, 1]),
+                               writable=("forward", "deliver"))
+  rnd.forward[0] = rnd.deliver[1] = True
+  with pytest.raises(ValueError, match=r"exchanges groups \[0, 1\].*one_exchange_per_round"):
+    plan.add_round(rnd, 0.1)
+
+
 def test_dssync_one_group_of_everyone_equals_bsp_with_momentum():
   opt = optax.sgd(0.05, momentum=0.9)
   _, ds = _run(sync.dssync(4), sync.DSSyncProtocol(4, 4), 4, SPEEDS4, 24, TARGETS4, opt)

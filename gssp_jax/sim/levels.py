@@ -57,6 +57,7 @@ class LevelRunner:
     local: the local-update job, or None.
     make_jobs: ``(workers, job numbers) -> executor.Jobs`` (``Planner``'s).
     round_fields: the protocol's ``Protocol.round_fields`` (``Planner``'s).
+    one_exchange: the protocol's ``Protocol.one_exchange_per_round`` (``Planner``'s).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
@@ -64,13 +65,14 @@ class LevelRunner:
                num_workers: int, num_replicas: int, num_groups: int, shape: chunk_lib.Shape,
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
                local: executor.LocalJob | None = None, make_jobs=None,
-               round_fields=rounds_lib.OPTIONAL_FIELDS):
+               round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False):
     self.shape = shape
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
                                        num_replicas=num_replicas, num_groups=num_groups,
                                        job_shape=job_shape, local=local is not None, route=route,
-                                       make_jobs=make_jobs, round_fields=round_fields)
+                                       make_jobs=make_jobs, round_fields=round_fields,
+                                       one_exchange=one_exchange)
 
     def count():
       self.traces += 1

@@ -147,11 +147,14 @@ class Planner:
       made for a whole chunk at once when it is written.
     round_fields: the optional round fields the protocol sets
       (``Protocol.round_fields``); the others keep their empty value in every slot.
+    one_exchange: the protocol's ``Protocol.one_exchange_per_round``, checked on every
+      round (GSSP's chunk rounds rely on it).
   """
 
   def __init__(self, shape: chunk_lib.Shape, *, num_workers: int, num_replicas: int,
                num_groups: int, job_shape: tuple, local: bool, route: np.ndarray,
-               make_jobs=None, round_fields=rounds_lib.OPTIONAL_FIELDS):
+               make_jobs=None, round_fields=rounds_lib.OPTIONAL_FIELDS,
+               one_exchange: bool = False):
     self.shape = chunk_lib.check_shape(shape, num_workers, num_replicas)
     if shape.rounds * shape.pulls < num_workers:
       raise ValueError(f"chunk shape rounds={shape.rounds} x pulls={shape.pulls} is invalid "
@@ -161,6 +164,7 @@ class Planner:
     self.job_shape, self.local = tuple(job_shape), bool(local)
     self.make_jobs = make_jobs
     self.round_fields = tuple(round_fields)
+    self.one_exchange = bool(one_exchange)
     self.cutter = Cutter(num_workers, shape.jobs, shape.rounds, self._after_cut)
     self.piece = 0                   # the open piece, counted from the chunk's first
     self.routes = [np.asarray(route, np.int32).copy()]
@@ -184,6 +188,13 @@ class Planner:
     pulls = rnd.pulls.nonzero()[0].tolist()
     if len(arrived) > s.arrivals:
       self._over_bounds(rnd, "arrivals", len(arrived), s.arrivals)
+    if self.one_exchange:
+      exchanging = np.flatnonzero(rnd.forward | rnd.deliver)
+      if exchanging.size > 1:
+        raise ValueError(f"the round at virtual time {rnd.time} exchanges groups "
+                         f"{exchanging.tolist()}; this protocol declares one exchanging group "
+                         "per round (Protocol.one_exchange_per_round), which the level "
+                         "executor's rounds rely on")
     slots = max(1, -(-len(pulls) // s.pulls))
     key = rnd.groups.tobytes()
     if key != self._route_key and self.cutter.used:

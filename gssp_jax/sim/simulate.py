@@ -377,7 +377,8 @@ class Simulation:
         dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
         num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
-        local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields)
+        local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
+        one_exchange=protocol.one_exchange_per_round)
     self.host["layout"] = "flat"
     logging.info("levels executor: %s", levels.describe(shape))
 
@@ -508,10 +509,12 @@ class Simulation:
     self._account()
     step, host = self.engine.num_pushes, self.host
     host["wall_time"] = self._wall_time()
+    # Orbax writes the host copy in the background, overlapping the simulation (a 16-worker
+    # ResNet-18 state is about 2 GB); the next save and close() wait for it. A step is
+    # complete or absent, and a resume truncates the metrics to the step it finds.
     self.checkpointer.save(step, self.state, {"pushes": step}, host={
         "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
         "feed": self.feed.state_dict()})
-    self.checkpointer.wait()
 
   def close(self) -> None:
     self.checkpointer.close()

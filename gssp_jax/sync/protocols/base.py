@@ -69,6 +69,10 @@ class Protocol:
   # The optional round fields (rounds.OPTIONAL_FIELDS) this protocol's rounds set; the others
   # stay read-only (writing one raises) and the simulator never copies or stacks them.
   round_fields: tuple = rounds_lib.OPTIONAL_FIELDS
+  # At most one group forwards or delivers in a round, and it is the same group when both do:
+  # GSSP's level-executor rounds update that group's exchange rows only (transforms.gssp's
+  # no_branches path); the level planner checks it on every round.
+  one_exchange_per_round = False
   supports_membership = False
   # Why a scheme cannot drop workers (its ValueError says it).
   membership_unsupported = "it has no rule for workers that leave"

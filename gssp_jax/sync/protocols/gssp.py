@@ -61,6 +61,8 @@ class GSSPProtocol(Protocol):
 
   name = "gssp"
   round_fields = ("forward", "deliver", "adopt", "stats_mean")
+  # Every round is one push, one message or a regrouping, each about one group (or none).
+  one_exchange_per_round = True
   supports_membership = True
 
   def __init__(self, num_workers: int, groups, staleness: int = 3, *,
