@@ -97,7 +97,7 @@ _SHARD_MODEL = flags.DEFINE_string("shard_model", "resnet18", "the model of serv
 _QUICK = flags.DEFINE_bool("quick", False, "a smoke test in under a minute: lenet5 only, few "
                            "repetitions, S = 1, 2, 2 clients, 2 s runs")
 
-CREDENTIALS = auth.Credentials(bytes(range(32)))   # a fixed secret: loopback only
+CREDENTIALS = auth.Credentials(bytes(range(32)), "dist-transport")   # fixed: loopback only
 RAW_SERVICE = "gssp.RawBench"
 MB = 1e6
 _UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]

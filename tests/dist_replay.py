@@ -29,7 +29,8 @@ from gssp_jax.dist import worker as worker_lib
 from gssp_jax.sim import simulate
 from gssp_jax.train import run as run_lib
 
-CREDENTIALS = auth.Credentials(bytes(range(32)))
+RUN_ID = "replay-run"
+CREDENTIALS = auth.Credentials(bytes(range(32)), RUN_ID)
 
 
 class Clock:
@@ -234,4 +235,4 @@ def differences(real_state, expected: dict) -> list[str]:
 
 
 def env_with_secret() -> dict:
-  return {**os.environ, auth.SECRET_ENV: bytes(range(32)).hex()}
+  return {**os.environ, auth.SECRET_ENV: bytes(range(32)).hex(), auth.RUN_ID_ENV: RUN_ID}

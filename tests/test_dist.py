@@ -358,7 +358,8 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
     pids = _pids(workdir)
     assert "shard1" in pids
     address = json.load(open(workdir / "server_address.json"))["address"]
-    secret = {"GSSP_SECRET_FILE": str(workdir / launch.SECRET_FILE)}
+    secret = {"GSSP_SECRET_FILE": str(workdir / launch.SECRET_FILE),
+              "GSSP_RUN_ID": json.load(open(workdir / "server_address.json"))["run_id"]}
     assert os.stat(secret["GSSP_SECRET_FILE"]).st_mode & 0o777 == 0o600
     # The kill and restart first, the duplicate while the restarted mesh starts up: a loaded
     # machine once took so long over both that the run ended before the mesh could rejoin.
@@ -441,7 +442,7 @@ def test_a_server_restart_is_rejoined_within_two_seconds_and_losing_every_mesh_e
   workdir = tmp_path / "run"
   port = launch.free_port()
   address = f"127.0.0.1:{port}"
-  secret = {"GSSP_SECRET": "ab" * 32}
+  secret = {"GSSP_SECRET": "ab" * 32, "GSSP_RUN_ID": "two-meshes"}
   config_flags = ["--config.num_workers=2", "--config.sync.scheme=asp",
                   "--config.cluster.profile=none", "--config.train.num_epochs=100.0",
                   "--config.train.eval_every=0.25", "--config.dist.heartbeat_timeout=2.0",

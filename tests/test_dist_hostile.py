@@ -94,7 +94,7 @@ def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(serve
           b"", metadata=((wire.HEADER_KEY, header),), timeout=10)
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
   channel.close()
-  other = wire.Client(address, auth.Credentials(os.urandom(32)), retry_seconds=1)
+  other = wire.Client(address, auth.Credentials(os.urandom(32), "replay-run"), retry_seconds=1)
   with pytest.raises(wire.CallError) as raised:   # another run's secret
     other.call("Join", {"mesh": 0, "instance": "x", "config": server_lib.config_id(
         server.config)}, reply_limit=1 << 20)
@@ -237,7 +237,7 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
       _join(srv, w)
     grad = _gradient(srv)
     size = srv.layout.push_limit(1, -1)
-    forged = auth.Credentials(os.urandom(32)).receipt(1, 0, 1, srv.session, size)
+    forged = auth.Credentials(os.urandom(32), "replay-run").receipt(1, 0, 1, srv.session, size)
     for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.session, size)],
                      [CREDENTIALS.receipt(1, 0, 1, srv.session, size + 4)]):
       with pytest.raises(wire.BadMessage, match="receipt"):
@@ -764,3 +764,154 @@ def test_a_round_op_is_checked_field_by_field_the_merge_weight_included():
   for value in ([1.5] + [1.0] * (R - 1), [float("nan")] * R, [1] * R, [1.0] * (R - 1), None):
     with pytest.raises(wire.BadMessage, match="round field adopt_weight"):
       shard_lib.decode_round({**args, "adopt_weight": value}, W, R, G)
+
+
+# -- a hostile user of the same host (issue 34): the coordinator's address, files ------------
+
+
+_LISTEN_SCRIPT = r"""
+import sys, jax
+from gssp_jax import config as config_lib
+from gssp_jax.dist import launch
+port = int(sys.argv[1])
+topo = launch.Topology(role="worker", processes_per_mesh=1, mesh=0,
+                       coordinator_address=f"127.0.0.1:{port}")
+jax.distributed.initialize(**launch.distributed_kwargs(config_lib.default_config(), topo, 0))
+listening = []
+for table, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+  try:
+    lines = open(table).read().splitlines()[1:]
+  except OSError:
+    continue
+  for line in lines:
+    local, state = line.split()[1], line.split()[3]
+    address, hexport = local.rsplit(":", 1)
+    if state == "0A" and int(hexport, 16) == port:
+      listening.append(f"{family}:{address}")
+print("LISTEN", ",".join(sorted(listening)), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_a_mesh_coordinator_listens_only_on_the_address_it_advertises(tmp_path):
+  """jax's coordination service has no authentication: with ``--coordinator_address`` it
+  must not listen on every interface (jax's default ``[::]``) but on that address only."""
+  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  port = launch.free_port()
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", _LISTEN_SCRIPT, str(port)], env=env,
+                       capture_output=True, text=True, timeout=120)
+  lines = [l for l in out.stdout.splitlines() if l.startswith("LISTEN")]
+  assert lines, out.stdout[-2000:] + out.stderr[-3000:]
+  listeners = lines[0].split(" ", 1)[1].split(",")
+  # 127.0.0.1 in /proc/net/tcp's little-endian hex, or as tcp6's IPv4-mapped ::ffff:127.0.0.1;
+  # jax's default was tcp6's any-address (::, all zeros): every interface.
+  loopback = {"4:0100007F", "6:0000000000000000FFFF00000100007F"}
+  assert listeners and set(listeners) <= loopback, listeners
+
+
+def test_distributed_kwargs_bind_the_advertised_coordinator_address():
+  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  topo = launch.Topology(role="worker", processes_per_mesh=2, mesh=0,
+                         coordinator_address="127.0.0.1:4567")
+  kwargs = launch.distributed_kwargs(config_lib.default_config(), topo, 1)
+  assert kwargs["coordinator_bind_address"] == kwargs["coordinator_address"] == "127.0.0.1:4567"
+  assert (kwargs["num_processes"], kwargs["process_id"]) == (2, 1)
+  detected = launch.distributed_kwargs(config_lib.default_config(),
+                                       launch.Topology(role="worker", processes_per_mesh=2), 0)
+  assert "coordinator_bind_address" not in detected   # jax detects the cluster and chooses
+
+
+def _secret_file(path, mode=0o600):
+  auth.write_secret_file(str(path), auth.new_secret())
+  os.chmod(path, mode)
+  return str(path)
+
+
+def test_a_secret_file_of_another_user_or_behind_a_symlink_is_refused(tmp_path, monkeypatch):
+  good = _secret_file(tmp_path / "secret")
+  assert len(auth.read_secret_file(good)) == 32
+  link = tmp_path / "link"
+  os.symlink(good, link)
+  with pytest.raises(auth.SecretError, match="symbolic link"):
+    auth.read_secret_file(str(link))
+  # A file of another user, even of mode 0600 (a stranger who made the workdir's file first).
+  monkeypatch.setattr(os, "geteuid", lambda: os.stat(good).st_uid + 1)
+  with pytest.raises(auth.SecretError, match="belongs to user id .* not to you"):
+    auth.read_secret_file(good)
+
+
+def test_the_launcher_refuses_a_workdir_others_may_write_or_that_is_not_the_users(
+    tmp_path, monkeypatch):
+  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  config = helpers.mnist_smoke(None, num_workers=2)
+  topo = launch.Topology(role="local", num_meshes=2)
+  monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+  monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  os.chmod(shared, 0o777)   # e.g. a workdir a stranger pre-created under /tmp for everyone
+  with pytest.raises(auth.SecretError, match="others may replace its files"):
+    launch.LocalLauncher([], str(shared), topo, config)
+  assert not (shared / launch.SECRET_FILE).exists()
+  other = tmp_path / "other"
+  other.mkdir()
+  uid = os.stat(other).st_uid
+  monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+  with pytest.raises(auth.SecretError, match="someone else made it"):
+    launch.LocalLauncher([], str(other), topo, config)
+  monkeypatch.undo()
+  fresh = tmp_path / "fresh" / "run"
+  launcher = launch.LocalLauncher([], str(fresh), topo, config)
+  assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o700
+  secret = launcher.secret_env[auth.SECRET_FILE_ENV]
+  assert len(auth.read_secret_file(secret)) == 32
+  launcher._remove_secret()   # pylint: disable=protected-access
+
+
+def test_a_log_file_replaced_by_a_symlink_is_refused(tmp_path):
+  target = tmp_path / "elsewhere.txt"
+  target.write_text("")
+  log = tmp_path / "server.txt"
+  os.symlink(target, log)
+  with pytest.raises(auth.SecretError, match="symbolic link"):
+    auth.open_private_append(str(log))
+  with auth.open_private_append(str(tmp_path / "mesh0.txt")) as f:
+    f.write(b"ok\n")
+  assert stat.S_IMODE(os.stat(tmp_path / "mesh0.txt").st_mode) == 0o600
+
+
+@pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
+def test_a_token_of_another_run_with_the_same_secret_is_refused(flight):
+  """The documented setup shares one secret file between runs: a token (or a receipt) seen in
+  one run must open no other. Both are HMACs of the secret over the run id."""
+  secret = bytes(range(32))
+  this, earlier = auth.Credentials(secret, "replay-run"), auth.Credentials(secret, "last-week")
+  assert this.token != earlier.token
+  assert not this.check_receipt(earlier.receipt(1, 0, 1, "s", 8), 1, 0, 1, "s", 8)
+  grpc_server, port = _echo_server(flight)   # this run's (dist_replay.RUN_ID)
+  replay = wire.Client(f"127.0.0.1:{port}", earlier, retry_seconds=1)
+  body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8)   # large: Flight's path where offered
+  try:
+    with pytest.raises(wire.CallError) as raised:
+      replay.call("Echo", {}, body, reply_limit=16 << 20)
+    assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
+  finally:
+    replay.close()
+  ours = wire.Client(f"127.0.0.1:{port}", this, retry_seconds=5)
+  try:
+    assert ours.call("Echo", {}, body, reply_limit=16 << 20)[0]["n"] == body.size
+  finally:
+    ours.close()
+    grpc_server.stop(0)
+
+
+def test_a_run_needs_a_run_id_and_refuses_a_malformed_one():
+  env = {auth.SECRET_ENV: "ab" * 32}
+  with pytest.raises(auth.SecretError, match="no run id: set GSSP_RUN_ID"):
+    auth.load_credentials(env)
+  with pytest.raises(auth.SecretError, match="GSSP_RUN_ID='a b' is invalid"):
+    auth.load_credentials({**env, auth.RUN_ID_ENV: "a b"})
+  credentials = auth.load_credentials({**env, auth.RUN_ID_ENV: "run-7"})
+  assert credentials.run_id == "run-7"

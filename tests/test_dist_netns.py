@@ -46,7 +46,7 @@ except grpc.RpcError as e:
 WRONG_SECRET = """
 import sys
 from gssp_jax.dist import auth, wire
-client = wire.Client(sys.argv[1], auth.Credentials(bytes.fromhex(auth.new_secret())),
+client = wire.Client(sys.argv[1], auth.Credentials(bytes.fromhex(auth.new_secret()), "outsider"),
                      retry_seconds=30)
 for method in ("Heartbeat", "Join"):
   try:
@@ -75,6 +75,7 @@ def test_multi_host_for_real_on_one_machine(tmp_path, data_dir):
   workdir, logs = tmp_path / "run", tmp_path / "logs"
   logs.mkdir()
   env = {"GSSP_DATA_DIR": data_dir, auth.SECRET_ENV: auth.new_secret(), "PYTHONUNBUFFERED": "1",
+         auth.RUN_ID_ENV: auth.new_run_id(),
          # The meshes compile the same programs: a shared cache (a size cap turns on jax's
          # file lock, which processes sharing the directory need), as the launcher sets it.
          "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"),

@@ -11,7 +11,9 @@ a cluster the user makes one file and points every host at it::
 
 The secret itself never travels and is never logged, nor written to
 ``summary.json`` or ``config.json``. Calls carry a token derived from it with
-HMAC-SHA256 (``Credentials.token``), checked by a server interceptor
+HMAC-SHA256 over the **run id** (``GSSP_RUN_ID``, the same on every process of
+a run, a new one per run; not secret; the one-host launcher makes one), so a
+token seen in one run opens no other (``Credentials.token``), checked by a server interceptor
 (:class:`TokenInterceptor`) in constant time before any handler runs. Without
 TLS the token crosses the network in clear text, so anyone who can read the
 cluster's traffic can replay it: on a network you do not trust, add TLS
@@ -29,6 +31,7 @@ written by hand.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -42,6 +45,9 @@ import grpc
 
 SECRET_ENV = "GSSP_SECRET"
 SECRET_FILE_ENV = "GSSP_SECRET_FILE"
+RUN_ID_ENV = "GSSP_RUN_ID"                 # names the run: tokens and receipts are this run's only
+RUN_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+MAKE_RUN_ID = ("export GSSP_RUN_ID=$(python -c \"import secrets; print(secrets.token_hex(8))\")")
 SECRET_HEX_CHARS = 64                      # 256 bits
 TOKEN_KEY = "gssp-token"                   # the call metadata that carries the token
 MAKE_ONE = ('umask 077; python -c "import secrets; print(secrets.token_hex(32))" > '
@@ -68,19 +74,67 @@ def parse_secret(text: str, source: str) -> bytes:
 
 
 def read_secret_file(path: str) -> bytes:
-  """The secret in ``path``; refuses a file that others than its owner may read or write."""
+  """The secret in ``path``: a regular file (not a symbolic link) of this user's, that no one
+  else may read or write.
+
+  The checks are made on the file opened (``fstat`` of its descriptor), so the
+  file cannot be swapped between the check and the read; a file of another
+  user (a stranger who made it first, say in a shared ``/tmp`` workdir) is
+  refused even with mode 0600.
+  """
+  where = f"{SECRET_FILE_ENV}={path!r}"
   try:
-    info = os.stat(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
   except OSError as e:
-    raise SecretError(f"{SECRET_FILE_ENV}={path!r} cannot be read ({e.strerror}); make one: "
-                      f"{MAKE_ONE}") from None
-  if not stat.S_ISREG(info.st_mode):
-    raise SecretError(f"{SECRET_FILE_ENV}={path!r} is not a regular file")
-  if info.st_mode & 0o077:
-    raise SecretError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(info.st_mode):04o};"
-                      f" allowed: readable by its owner only (chmod 600 {path})")
-  with open(path) as f:
-    return parse_secret(f.read(), f"{SECRET_FILE_ENV}={path!r}")
+    reason = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+    raise SecretError(f"{where} cannot be read ({reason}); allowed: a regular file of yours, "
+                      f"mode 0600. Make one: {MAKE_ONE}") from None
+  with os.fdopen(fd) as f:
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+      raise SecretError(f"{where} is not a regular file")
+    if info.st_uid != os.geteuid():
+      raise SecretError(f"{where} belongs to user id {info.st_uid}, not to you "
+                        f"({os.geteuid()}); allowed: a file of yours, mode 0600")
+    if info.st_mode & 0o077:
+      raise SecretError(f"{where} has mode {stat.S_IMODE(info.st_mode):04o}; allowed: "
+                        f"readable by its owner only (chmod 600 {path})")
+    return parse_secret(f.read(), where)
+
+
+def check_private_dir(path: str, what: str) -> None:
+  """Makes ``path`` (mode 0700) or checks that it is a directory of this user's that no one else
+  may write to (nor any symbolic link in its place): where the launcher puts a run secret and
+  its children's logs. Raises SecretError naming ``what`` and the fix."""
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    os.mkdir(path, 0o700)
+  except FileExistsError:
+    pass
+  info = os.lstat(path)
+  if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+    raise SecretError(f"{what} {path!r} is not a directory (a symbolic link or a file); "
+                      "allowed: a directory of yours")
+  if info.st_uid != os.geteuid():
+    raise SecretError(f"{what} {path!r} belongs to user id {info.st_uid}, not to you "
+                      f"({os.geteuid()}): someone else made it; allowed: a directory of yours "
+                      "(choose another --workdir)")
+  if info.st_mode & 0o022:
+    raise SecretError(f"{what} {path!r} has mode {stat.S_IMODE(info.st_mode):04o}: others may "
+                      f"replace its files; allowed: writable by you only (chmod go-w {path})")
+
+
+def open_private_append(path: str):
+  """``path`` opened to append (created mode 0600), refusing a symbolic link in its place."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                 | getattr(os, "O_CLOEXEC", 0), 0o600)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise SecretError(f"{path!r} is a symbolic link; allowed: a regular file (a log of the "
+                        "run)") from None
+    raise
+  return os.fdopen(fd, "ab")
 
 
 def write_secret_file(path: str, secret: str) -> None:
@@ -102,15 +156,51 @@ def load_secret(environ=None) -> bytes:
                     f"{MAKE_ONE}")
 
 
-class Credentials:
-  """What a process derives from the run secret: the call token and the receipt key."""
+def new_run_id() -> str:
+  """A fresh run id (64 random bits, hexadecimal): the one-host launcher's, one per launch."""
+  return secrets.token_hex(8)
 
-  def __init__(self, secret: bytes):
+
+def check_run_id(run_id: str, source: str = RUN_ID_ENV) -> str:
+  """``run_id`` if it is 1-64 characters of letters, digits, ``.``, ``_``, ``-``; else SecretError."""
+  if not isinstance(run_id, str) or not 1 <= len(run_id) <= 64 or not set(run_id) <= RUN_ID_CHARS:
+    raise SecretError(f"{source}={run_id!r} is invalid; allowed: 1-64 letters, digits, '.', '_' "
+                      f"or '-', the same on every process of the run. Make one: {MAKE_RUN_ID}")
+  return run_id
+
+
+def load_run_id(environ=None) -> str:
+  """The run id from ``GSSP_RUN_ID``; SecretError without one (it is not secret: it makes each
+  run's token its own, so a token seen in one run opens no other)."""
+  environ = os.environ if environ is None else environ
+  if not environ.get(RUN_ID_ENV):
+    raise SecretError(f"no run id: set {RUN_ID_ENV} to the same value on every process of this "
+                      "run and a new one for each run (the one-host launcher makes one); the "
+                      f"run's token is derived from it and the secret. Make one: {MAKE_RUN_ID}")
+  return check_run_id(environ[RUN_ID_ENV])
+
+
+def load_credentials(environ=None) -> "Credentials":
+  """The run's credentials from the environment: its secret and its run id."""
+  return Credentials(load_secret(environ), load_run_id(environ))
+
+
+class Credentials:
+  """What a process derives from the run secret and the run id: the call token, the receipt key.
+
+  Both are HMACs of the secret over the run id (and a label), so a token or a
+  receipt seen in one run is worthless in any other run, even one that shares
+  the secret (one ``~/.gssp_secret`` for every run of a cluster).
+  """
+
+  def __init__(self, secret: bytes, run_id: str):
     if len(secret) * 2 != SECRET_HEX_CHARS:
       raise SecretError(f"a run secret has {SECRET_HEX_CHARS // 2} bytes, not {len(secret)}")
-    derive = lambda label: hmac.new(secret, label, hashlib.sha256).digest()
-    self.token = derive(b"gssp call token v1").hex()
-    self._receipt_key = derive(b"gssp shard receipt v1")
+    self.run_id = check_run_id(run_id, "the run id")
+    derive = lambda label: hmac.new(secret, label + b"|" + run_id.encode(),
+                                    hashlib.sha256).digest()
+    self.token = derive(b"gssp call token v2").hex()
+    self._receipt_key = derive(b"gssp shard receipt v2")
 
   @property
   def metadata(self) -> tuple[tuple[str, str], ...]:

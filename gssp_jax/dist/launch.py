@@ -193,7 +193,7 @@ def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) 
   from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
   address = topo.server_address or "127.0.0.1:0"
   check_bindable("--server_address", address)
-  auth.load_secret()   # no secret: one line, before anything is built
+  auth.load_credentials()   # no secret or run id: one line, before anything is built
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   config.executor = "dist"
   config.dist.server_address = address
@@ -206,10 +206,28 @@ def run_shard(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -
   from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
   address = topo.shard_address or "127.0.0.1:0"
   check_bindable("--shard_address", address)
-  credentials = auth.Credentials(auth.load_secret())
+  credentials = auth.load_credentials()
   from gssp_jax.dist import shard_process  # pylint: disable=g-import-not-at-top
   shard_process.serve(config, workdir, topo.shard, topo.num_servers, topo.server_address,
                       address, credentials)
+
+
+def distributed_kwargs(config: ml_collections.ConfigDict, topo: Topology, rank: int) -> dict:
+  """``jax.distributed.initialize``'s arguments for a mesh of several processes.
+
+  With ``--coordinator_address`` the coordinator (rank 0) binds exactly that
+  address: jax's default is every interface (``[::]``), and its coordination
+  service has no authentication of its own (docs/REAL_RUNS.md says what an
+  operator does about it). Without it jax detects the cluster (SLURM, Open
+  MPI, Kubernetes) and chooses both.
+  """
+  kwargs = {"heartbeat_timeout_seconds": max(10, int(config.dist.heartbeat_timeout)),
+            "initialization_timeout": int(config.dist.join_timeout)}
+  if topo.coordinator_address:
+    kwargs.update(coordinator_address=topo.coordinator_address,
+                  coordinator_bind_address=topo.coordinator_address,
+                  num_processes=topo.processes_per_mesh, process_id=rank)
+  return kwargs
 
 
 def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
@@ -219,12 +237,7 @@ def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
   if topo.processes_per_mesh > 1:
     # Cross-process collectives of CPU devices (a GPU mesh uses NCCL; this changes nothing there).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = {"heartbeat_timeout_seconds": max(10, int(config.dist.heartbeat_timeout)),
-              "initialization_timeout": int(config.dist.join_timeout)}
-    if topo.coordinator_address:   # else: detected (SLURM, Open MPI, Kubernetes)
-      kwargs.update(coordinator_address=topo.coordinator_address,
-                    num_processes=topo.processes_per_mesh, process_id=rank)
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**distributed_kwargs(config, topo, rank))
     rank = jax.process_index()
   from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
   try:
@@ -266,23 +279,31 @@ class LocalLauncher:
     self.procs: dict[str, subprocess.Popen] = {}
     self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
+    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    # Ours, and no one else's to write: it will hold the run secret and the children's logs.
+    auth.check_private_dir(workdir, "the workdir")
+    auth.check_private_dir(self.logs, "the logs directory")
     self.secret_env = self._secret()
 
   def _secret(self) -> dict[str, str]:
-    """The run secret every child gets: the caller's (``GSSP_SECRET[_FILE]``), else a fresh one
-    in ``workdir/.secret`` (mode 0600, removed when the launcher exits)."""
+    """The run secret and run id every child gets (``GSSP_RUN_ID``: the caller's, else a fresh
+    one; the server writes it to ``server_address.json``). The secret: the caller's (``GSSP_SECRET[_FILE]``), else a fresh one
+    in ``workdir/.secret`` (mode 0600, removed when the launcher exits; the workdir is checked
+    to be the user's and writable by no one else, so no one can swap it)."""
     from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    # The run id: the caller's (to attach processes of their own), else a fresh one per launch.
+    run = {auth.RUN_ID_ENV: auth.check_run_id(os.environ[auth.RUN_ID_ENV])
+           if os.environ.get(auth.RUN_ID_ENV) else auth.new_run_id()}
     for key in (auth.SECRET_ENV, auth.SECRET_FILE_ENV):
       if os.environ.get(key):
         auth.load_secret()   # checked now: a bad one is one line, before anything starts
-        return {key: os.environ[key]}
-    os.makedirs(self.workdir, exist_ok=True)
+        return {key: os.environ[key], **run}
     path = os.path.join(os.path.abspath(self.workdir), SECRET_FILE)
     if os.path.exists(path):
       os.remove(path)   # a previous launcher's, killed before it could remove it
     auth.write_secret_file(path, auth.new_secret())
     self._secret_file = path
-    return {auth.SECRET_FILE_ENV: path}
+    return {auth.SECRET_FILE_ENV: path, **run}
 
   def _remove_secret(self) -> None:
     path = getattr(self, "_secret_file", None)
@@ -291,7 +312,7 @@ class LocalLauncher:
 
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None
              ) -> subprocess.Popen:
-    os.makedirs(self.logs, exist_ok=True)
+    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
     cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
            f"--workdir={self.workdir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -306,7 +327,7 @@ class LocalLauncher:
     # and resumed runs skip compilation (xla_env.compilation_cache_env: its size cap turns on
     # jax's file lock, which processes sharing the directory need).
     env.update(xla_env.compilation_cache_env(env, xla_env.default_cache_dir()))
-    log = open(os.path.join(self.logs, f"{name}.txt"), "ab")
+    log = auth.open_private_append(os.path.join(self.logs, f"{name}.txt"))   # no symlink
     # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
     # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
     # stop without its checkpoint (train/interrupt.py). SIGKILL if the launcher dies outright.

@@ -275,7 +275,7 @@ class DistServer:
   def credentials(self) -> auth.Credentials:
     """The run's (from the environment's secret when not given): needed only to serve."""
     if self._credentials is None:
-      self._credentials = auth.Credentials(auth.load_secret())
+      self._credentials = auth.load_credentials()
     return self._credentials
 
   # -- building the run -----------------------------------------------------------------------
@@ -622,7 +622,8 @@ class DistServer:
     host, _ = wire.check_address("--server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),
-                           {"address": self.address, "pid": os.getpid()})
+                           {"address": self.address, "pid": os.getpid(),
+                            "run_id": self.credentials.run_id})   # not secret: names the run
     return self.address
 
   def _serve(self) -> None:

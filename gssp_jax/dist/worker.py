@@ -209,8 +209,8 @@ class MeshWorker:
                server_address: str, credentials: auth.Credentials | None = None):
     self.config, self.w, self.rank, self.P = config, int(mesh), int(rank), int(num_processes)
     self.server_address = server_address
-    self.credentials = credentials if credentials is not None else auth.Credentials(
-        auth.load_secret())
+    self.credentials = (credentials if credentials is not None
+                        else auth.load_credentials())
     self.instance = uuid.uuid4().hex
     self.task = tasks.make_task(config)
     config_lib.validate_sizes(config, self.task.num_train)
