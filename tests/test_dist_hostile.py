@@ -15,6 +15,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -915,3 +916,97 @@ def test_a_run_needs_a_run_id_and_refuses_a_malformed_one():
     auth.load_credentials({**env, auth.RUN_ID_ENV: "a b"})
   credentials = auth.load_credentials({**env, auth.RUN_ID_ENV: "run-7"})
   assert credentials.run_id == "run-7"
+
+
+def test_callers_without_the_token_that_never_send_their_message_hold_no_thread():
+  """A refusal must not wait for the request: grpcio reads a unary request whole before a unary
+  handler runs, so a refusal written as one held a pool thread per silent stranger. Here
+  more strangers than the pool has threads open unary calls and never send their message; a
+  call of the run is still answered (a deadline, generous for a loaded machine, detects the
+  stall: without the fix it is never answered)."""
+  grpc_server, port = _echo_server(max_workers=2)
+  channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+  never = threading.Event()
+
+  def silent():   # a request stream that never yields: no message is ever sent
+    never.wait()
+    yield b""
+  strangers = [channel.stream_unary(f"/{wire.SERVICE}/Echo").future(silent(), timeout=120)
+               for _ in range(6)]
+  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=1)
+  try:
+    for stranger in strangers:   # each refused at once, without its message
+      with pytest.raises(grpc.RpcError) as raised:
+        stranger.result(timeout=60)
+      assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    header, _ = client.call("Echo", {}, np.arange(10, dtype=np.uint8), reply_limit=1 << 20,
+                            timeout=30)
+    assert header["n"] == 10
+  finally:
+    never.set()
+    for stranger in strangers:
+      stranger.cancel()
+    client.close()
+    channel.close()
+    grpc_server.stop(0)
+
+
+def _bind_as(uid: int, port: int) -> str:
+  """Tries to bind 127.0.0.1:``port`` (with SO_REUSEPORT, as a squatter would) as user ``uid``
+  in a forked child (a new interpreter as another user could not read this one's files);
+  returns 'bound' or the error."""
+  import socket  # pylint: disable=g-import-not-at-top
+  read, write = os.pipe()
+  pid = os.fork()
+  if pid == 0:   # the child: drop to ``uid``, try, report, exit at once (no Python cleanup)
+    try:
+      os.setgid(uid)
+      os.setuid(uid)
+      s = socket.socket()
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+      s.bind(("127.0.0.1", port))
+      answer = b"bound"
+    except OSError as e:
+      answer = str(e.strerror).encode()
+    os.write(write, answer)
+    os._exit(0)   # pylint: disable=protected-access
+  os.close(write)
+  os.waitpid(pid, 0)
+  with os.fdopen(read, "rb") as f:
+    return f.read().decode()
+
+
+@pytest.mark.filterwarnings("ignore:.*multi-threaded.*fork:DeprecationWarning")
+@pytest.mark.skipif(os.geteuid() != 0 or not hasattr(os, "fork"),
+                    reason="binds as another user (needs root to switch users)")
+def test_no_other_user_can_take_a_port_the_launcher_hands_a_child(tmp_path, monkeypatch):
+  """A port number on a child's command line is readable by anyone on the host: the launcher
+  holds each port it hands out until the run ends, so a squatter of another user cannot bind
+  it first; the shards bind their own (port 0) and report it."""
+  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  config = helpers.mnist_smoke(None, num_workers=2)
+  topo = launch.Topology(role="local", num_meshes=2, processes_per_mesh=2, num_servers=2)
+  monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+  monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+  launcher = launch.LocalLauncher([], str(tmp_path / "run"), topo, config)
+  spawned = []
+  monkeypatch.setattr(launcher, "_spawn", lambda name, flags, gpu=None, extra_env=None:
+                      spawned.append((name, flags, extra_env or {})))
+  try:
+    address = launcher.start_server()
+    launcher.start_shard(1, address)
+    launcher.start_mesh(0, address)
+    port = lambda flag: int(flag.rsplit(":", 1)[1])
+    server_port = port(address)
+    coordinator = [f for _, flags, _ in spawned for f in flags
+                   if f.startswith("--coordinator_address=")]
+    shard = [f for _, flags, _ in spawned for f in flags if f.startswith("--shard_address=")]
+    assert shard == ["--shard_address=127.0.0.1:0"]
+    assert len(set(coordinator)) == 1 and len(coordinator) == 2   # both ranks, one address
+    # The server is told its port is the launcher's to share; nobody else is.
+    assert spawned[0][2] == {wire.RESERVED_PORT_ENV: str(server_port)}
+    for p in (server_port, port(coordinator[0])):
+      assert _bind_as(65534, p) != "bound", p
+  finally:
+    launcher._release_ports()   # pylint: disable=protected-access
+    launcher._remove_secret()   # pylint: disable=protected-access

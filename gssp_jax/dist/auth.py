@@ -235,14 +235,15 @@ class TokenInterceptor(grpc.ServerInterceptor):
     self._lock = threading.Lock()
     self.refused = 0
 
-    def deny(request, context):
-      del request
+    def deny(request_iterator, context):
+      del request_iterator   # never read: the refusal does not wait for the caller's message
       context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-    self._deny = {
-        "unary": grpc.unary_unary_rpc_method_handler(deny),
-        "stream": grpc.stream_stream_rpc_method_handler(
-            lambda it, context: iter([deny(None, context)])),
-    }
+      yield b""   # pragma: no cover (abort raises)
+    # One streaming refusal for every method, unary ones too: grpcio reads a unary request
+    # whole before its handler runs, so a unary refusal held a pool thread for as long as a
+    # stranger took to send its message (or forever). A streaming handler runs at once and
+    # aborts; the caller sees UNAUTHENTICATED whatever its method's kind.
+    self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
   def check(self, given, method: str) -> bool:
     """Whether ``given`` (str or bytes) is the run's token; counts and logs a refusal."""
@@ -263,7 +264,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     method = handler_call_details.method
     if self.check(given, method):
       return continuation(handler_call_details)
-    return self._deny["stream" if method.endswith("~") else "unary"]
+    return self._deny
 
 
 # -- TLS (optional) ---------------------------------------------------------------------------

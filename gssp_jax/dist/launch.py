@@ -128,9 +128,25 @@ def check_topology(topo: Topology, config: ml_collections.ConfigDict) -> Topolog
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+  """A port free now (closed again at once: another process may take it before it is used;
+  the launcher reserves its children's ports instead, :func:`reserve_port`)."""
   with socket.socket() as s:
     s.bind((host, 0))
     return s.getsockname()[1]
+
+
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+  """A socket bound to a free port of ``host`` with SO_REUSEPORT, never listening: keep it open.
+
+  While it is open, Linux lets only sockets of this user with SO_REUSEPORT bind
+  the port (a child told so by ``wire.RESERVED_PORT_ENV``, jax's coordination
+  service), so another user who reads the port on a child's command line
+  cannot take it first. It never listens, so it takes no connections.
+  """
+  s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+  s.bind((host, 0))
+  return s
 
 
 def visible_gpus() -> list[str]:
@@ -181,6 +197,8 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
     pool.shutdown(wait=False)
   family, _, _, _, sockaddr = infos[0]
   with socket.socket(family, socket.SOCK_STREAM) as s:
+    if wire.port_reserved_for_us(address):   # beside the launcher's reservation, as grpc will
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
       s.bind(sockaddr)
     except OSError as e:
@@ -277,6 +295,7 @@ class LocalLauncher:
     self.argv_config, self.workdir, self.topo, self.config = (list(argv_config), workdir, topo,
                                                              config)
     self.procs: dict[str, subprocess.Popen] = {}
+    self.reserved: list[socket.socket] = []   # ports held for children until the run ends
     self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
     from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
@@ -310,8 +329,19 @@ class LocalLauncher:
     if path and os.path.exists(path):
       os.remove(path)
 
-  def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None
-             ) -> subprocess.Popen:
+  def _reserve(self, host: str) -> int:
+    """A port of ``host`` held for a child until the launcher ends (:func:`reserve_port`)."""
+    sock = reserve_port(host)
+    self.reserved.append(sock)
+    return sock.getsockname()[1]
+
+  def _release_ports(self) -> None:
+    for sock in self.reserved:
+      sock.close()
+    self.reserved = []
+
+  def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None,
+             extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
     cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
            f"--workdir={self.workdir}"]
@@ -319,6 +349,8 @@ class LocalLauncher:
     for key in ENV.values():
       env.pop(key, None)
     env.update(self.secret_env)
+    env.pop(wire.RESERVED_PORT_ENV, None)
+    env.update(extra_env or {})
     # Processes share a GPU: none preallocates (JAX's default takes 75 % of it at start-up).
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if gpu is not None:
@@ -353,26 +385,33 @@ class LocalLauncher:
     """
     host, port = wire.check_address("--server_address", self.topo.server_address or
                                     "127.0.0.1:0")
-    address = f"{host}:{port or free_port(host)}"
-    check_port_free(address)
+    extra = {}
+    if port:
+      check_port_free(f"{host}:{port}")   # the user's port: theirs to keep free
+    else:   # one this launcher holds until it ends: no one else can take it meanwhile
+      port = self._reserve(host)
+      extra[wire.RESERVED_PORT_ENV] = str(port)
+    address = f"{host}:{port}"
     self._spawn("server", ["--role=server", f"--server_address={address}",
-                           f"--num_servers={self.topo.num_servers}"], self._gpu(0))
+                           f"--num_servers={self.topo.num_servers}"], self._gpu(0), extra)
     return address
 
   def start_shard(self, shard: int, server_address: str) -> subprocess.Popen:
-    """Starts shard ``shard``'s process (a free loopback port; no GPU: it applies rounds)."""
+    """Starts shard ``shard``'s process (no GPU: it applies rounds). It binds a free loopback
+    port itself (port 0) and tells the server the one it got."""
     return self._spawn(f"shard{shard}", [
         "--role=shard", f"--shard={shard}", f"--num_servers={self.topo.num_servers}",
-        f"--server_address={server_address}", f"--shard_address=127.0.0.1:{free_port()}"],
+        f"--server_address={server_address}", "--shard_address=127.0.0.1:0"],
         self._gpu(0))
 
   def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
-    """Starts mesh ``mesh``'s processes (a fresh coordinator port when P > 1)."""
+    """Starts mesh ``mesh``'s processes (P > 1: a coordinator port this launcher holds until it
+    ends, which jax's coordination service binds beside the reservation)."""
     P = self.topo.processes_per_mesh
     flags = ["--role=worker", f"--mesh={mesh}", f"--server_address={server_address}",
              f"--processes_per_mesh={P}", f"--num_meshes={self.topo.num_meshes}"]
     if P > 1:
-      flags.append(f"--coordinator_address=127.0.0.1:{free_port()}")
+      flags.append(f"--coordinator_address=127.0.0.1:{self._reserve('127.0.0.1')}")
     return [self._spawn(f"mesh{mesh}_rank{r}", flags + [f"--rank={r}"], self._gpu(mesh * P + r))
             for r in range(P)]
 
@@ -396,6 +435,7 @@ class LocalLauncher:
     finally:
       self.shutdown()
       self._remove_secret()
+      self._release_ports()
 
   def _wait_meshes(self, timeout: float) -> None:
     deadline = time.monotonic() + timeout

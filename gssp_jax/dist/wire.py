@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from concurrent import futures
 import ctypes
+import os
 import struct
 import threading
 import time
@@ -67,6 +68,19 @@ MAX_HEADER_BYTES = 32 << 10
 FLIGHT_PORT_METHOD = "FlightPort"   # the method that tells a client its server's Flight port
 MAX_MESSAGE_BYTES = max(CHUNK_BYTES, SEGMENT_BYTES) + (64 << 10)
 _RECONNECT_MS = 250   # a restarted server is found within ~0.5 s (gRPC's default backoff: up to 120 s)
+# The one-host launcher holds the ports it hands its children (``launch.reserve_port``: bound
+# with SO_REUSEPORT, which Linux shares only between sockets of one user); a child told so by
+# this variable binds its port with SO_REUSEPORT too, and no other user can take the port in
+# between. Every other bind keeps SO_REUSEPORT off, so a port in use fails loudly.
+RESERVED_PORT_ENV = "GSSP_RESERVED_PORT"
+
+
+def port_reserved_for_us(address: str) -> bool:
+  """Whether the launcher reserved ``address``'s port for this process (``RESERVED_PORT_ENV``)."""
+  _, port = check_address("address", address)
+  return bool(port) and os.environ.get(RESERVED_PORT_ENV, "") == str(port)
+
+
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -443,6 +457,10 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
                 flight: bool = False, flight_tls: dict | None = None) -> tuple[Server, int]:
   """A started server of ``methods`` at ``address``, closed to callers without the token.
 
+  A port the launcher reserved for this process (:func:`port_reserved_for_us`)
+  is bound with SO_REUSEPORT beside the launcher's reservation; any other with
+  it off.
+
   Args:
     flight: serve the methods on Arrow Flight too (``dist/flight.py``), at a
       free port of the same host that clients ask for (``FlightPort``); they
@@ -466,9 +484,11 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
   for method in methods:
     handlers[method.name] = _unary(method)
     handlers[method.name + "~"] = _stream(method)
+  options = [(k, int(port_reserved_for_us(address)) if k == "grpc.so_reuseport" else v)
+             for k, v in SERVER_OPTIONS]
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        interceptors=[check],
-                       options=SERVER_OPTIONS, maximum_concurrent_rpcs=4 * max_workers)
+                       options=options, maximum_concurrent_rpcs=4 * max_workers)
   server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
   try:
     port = (server.add_secure_port(address, tls) if tls is not None
