@@ -70,12 +70,12 @@ import numpy as np
 
 from gssp_jax import config as config_lib
 from gssp_jax import models
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import shard_process
-from gssp_jax.dist import wire
-from gssp_jax.dist import worker as worker_lib
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import shard_process
+from gssp_jax.runtime import wire
+from gssp_jax.runtime import worker as worker_lib
 from gssp_jax.train import step as step_lib
 
 from benchmarks import common

@@ -2,7 +2,7 @@ r"""Would Arrow Flight carry the data plane closer to the wire? A push + pull ro
 
     python -m benchmarks.flight_probe [--mb=44.73] [--rounds=5] [--reps=0]
 
-The real runtime's wire (``gssp_jax/dist/wire.py``) moves a body through
+The real runtime's wire (``gssp_jax/runtime/wire.py``) moves a body through
 grpcio's Python API, which takes and gives ``bytes``: a sender copies its
 tensors into messages once, which the raw-channel baseline of
 ``benchmarks.dist_transport --parts=ratio`` (prebuilt ``bytes``) does not.
@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from benchmarks import dist_transport
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 
 _MB = flags.DEFINE_float("mb", 44.73, "megabytes each way (44.73: ResNet-18's push and pull)")
 

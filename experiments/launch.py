@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from gssp_jax import cli
 from gssp_jax import xla_env
-from gssp_jax.dist import launch
+from gssp_jax.runtime import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)
@@ -83,7 +83,7 @@ def main(argv):
   launch.check_topology(topo, config)
   workdir = _WORKDIR.value
   if topo.role == "server":
-    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
     with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
       try:
         summary = launch.run_server(config, workdir, topo)

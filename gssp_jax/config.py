@@ -29,7 +29,7 @@ SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
 # auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
 # CPU and the dependency-level batched runner on an accelerator (train/executors.py).
-# dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/dist).
+# dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/runtime).
 EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
 DATA_PLANES = ("flight", "grpc")
 
@@ -173,7 +173,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.log_every = 200         # updates between progress lines (chunk length cap)
   c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)
 
-  # The real multi-process runtime (python -m experiments.launch; gssp_jax/dist). Per-process
+  # The real multi-process runtime (python -m experiments.launch; gssp_jax/runtime). Per-process
   # settings: they may differ between the server and the meshes, and between sessions.
   c.dist = ml_collections.ConfigDict()
   c.dist.server_address = ""      # host:port the parameter server binds ('' = 127.0.0.1, free port)
@@ -586,16 +586,16 @@ def validate_dist(config: ml_collections.ConfigDict) -> None:
   if config.dist.get("data_plane", "grpc") not in DATA_PLANES:
     _fail("dist.data_plane", config.dist.data_plane, " or ".join(map(repr, DATA_PLANES)))
   if config.dist.get("data_plane", "grpc") == "flight":
-    from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import flight  # pylint: disable=g-import-not-at-top
     if not flight.available():
       _fail("dist.data_plane", "flight", "'grpc' where pyarrow (with Flight) is not installed "
             "(pip install pyarrow)")
   if config.dist.server_address:
-    from gssp_jax.dist import wire  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import wire  # pylint: disable=g-import-not-at-top
     wire.check_address("config.dist.server_address", config.dist.server_address)
   if config.get("executor", "auto") == "dist":
-    from gssp_jax import dist  # pylint: disable=g-import-not-at-top
-    dist.check_real_run(config)
+    from gssp_jax import runtime  # pylint: disable=g-import-not-at-top
+    runtime.check_real_run(config)
 
 
 def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:

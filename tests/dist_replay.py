@@ -20,12 +20,12 @@ import jax
 import numpy as np
 
 from gssp_jax import config as config_lib
-from gssp_jax.dist import auth
-from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import shard as shard_lib
-from gssp_jax.dist import shard_process
-from gssp_jax.dist import wire
-from gssp_jax.dist import worker as worker_lib
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import shard as shard_lib
+from gssp_jax.runtime import shard_process
+from gssp_jax.runtime import wire
+from gssp_jax.runtime import worker as worker_lib
 from gssp_jax.sim import simulate
 from gssp_jax.train import run as run_lib
 

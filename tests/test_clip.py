@@ -220,9 +220,9 @@ def test_fused_bsp_and_simulated_bsp_clip_alike():
 
 
 def test_a_real_runtime_mesh_clips_its_gradient():
-  """``dist/worker.make_mesh_step`` (a mesh of one device here) pushes the clipped gradient."""
+  """``runtime/worker.make_mesh_step`` (a mesh of one device here) pushes the clipped gradient."""
   from jax.sharding import Mesh
-  from gssp_jax.dist import worker as dist_worker
+  from gssp_jax.runtime import worker as dist_worker
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   step, _, _ = dist_worker.make_mesh_step(_linear_loss, None, mesh, DENSE_BYTES, grad_clip=CLIP)
   _, grad, _, _, _ = step(PARAMS, {}, (), {"x": jnp.zeros([1, 1])}, jax.random.PRNGKey(0),

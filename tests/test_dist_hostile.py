@@ -26,10 +26,10 @@ import pytest
 import dist_replay
 import helpers
 from gssp_jax import config as config_lib
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import wire
 from gssp_jax.train import run as run_lib
 
 CREDENTIALS = dist_replay.CREDENTIALS
@@ -422,7 +422,7 @@ def test_the_flight_data_plane_refuses_strangers_and_bad_bodies_before_any_handl
 _VANISHING_UPLOAD = {
     "grpc": """
 import sys, time, grpc
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 def parts():
   yield bytes(1 << 20)
   print("SENT", flush=True)
@@ -437,7 +437,7 @@ for _ in channel.stream_stream(f"/{wire.SERVICE}/EchoParts~")(parts(), metadata=
 import sys, time
 import pyarrow as pa
 from pyarrow import flight
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 client = flight.FlightClient("grpc://" + sys.argv[1])
 options = flight.FlightCallOptions(headers=[(sys.argv[2].encode(), sys.argv[3].encode())])
 command = wire.encode_header({"m": "EchoParts", "h": {"body_bytes": 3 << 20}})
@@ -454,7 +454,7 @@ time.sleep(120)
 _VANISHING_DOWNLOAD = {
     "grpc": """
 import sys, time, grpc
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 body = bytes(20 << 20)
 channel = grpc.insecure_channel(sys.argv[1], options=wire.CHANNEL_OPTIONS)
 metadata = ((sys.argv[2], sys.argv[3]), (wire.HEADER_KEY, wire.encode_header(
@@ -470,7 +470,7 @@ import sys, time
 import numpy as np
 import pyarrow as pa
 from pyarrow import flight
-from gssp_jax.dist import flight as flight_lib, wire
+from gssp_jax.runtime import flight as flight_lib, wire
 client = flight.FlightClient("grpc://" + sys.argv[1])
 options = flight.FlightCallOptions(headers=[(sys.argv[2].encode(), sys.argv[3].encode())])
 body = np.zeros([20 << 20], np.uint8)
@@ -538,7 +538,7 @@ def _vanishing_peer(plane: str, script: str, calls: list):
 def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatch):
   """Killed after a third of its body: the server stops receiving it at once, no handler runs,
   and it goes on serving (the gRPC server has one worker: the next call needs it back)."""
-  from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import flight  # pylint: disable=g-import-not-at-top
   receiving = []   # bodies being received now
   monkeypatch.setattr(wire, "receive", _tracked(receiving, wire.receive))
   monkeypatch.setattr(flight, "receive_views", _tracked(receiving, flight.receive_views))
@@ -557,14 +557,13 @@ def test_a_peer_that_vanishes_mid_upload_leaves_nothing_behind(plane, monkeypatc
 def test_a_peer_that_vanishes_while_its_reply_is_sent_leaves_nothing_behind(plane, monkeypatch):
   """A peer that stops reading a 20 MiB reply and is killed: the server stops sending it at
   once and goes on serving (the gRPC server has one worker: the next call needs it back)."""
-  from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import flight  # pylint: disable=g-import-not-at-top
   sending = []   # replies being sent now
   monkeypatch.setattr(wire, "chunks", _tracked(sending, wire.chunks))
   monkeypatch.setattr(flight, "batches", _tracked(sending, flight.batches))
   calls = []
   with _vanishing_peer(plane, _VANISHING_DOWNLOAD[plane], calls) as (client, peer):
-    time.sleep(1.0)
-    assert sending, "the server is not blocked on the unread reply"
+    assert _until(lambda: sending, 30), "the server is not blocked on the unread reply"
     peer.kill()
     peer.wait(10)
     assert _until(lambda: not sending, 15), "the server still sends to the vanished peer"
@@ -676,7 +675,7 @@ def test_tls_and_mutual_tls(tmp_path):
         plain.call("Echo", {}, timeout=5)
       plain.close()
       # Nor straight to the Flight port without TLS.
-      from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+      from gssp_jax.runtime import flight  # pylint: disable=g-import-not-at-top
       link = flight.Link("127.0.0.1", grpc_server.flight.port, CREDENTIALS.token, None)
       with pytest.raises(wire.StatusError):
         link.call("Echo", {"body_bytes": 0}, None, 0, 5.0, False)
@@ -724,7 +723,7 @@ def test_a_layout_of_more_shards_than_tensors_is_refused():
 def test_a_mesh_that_hung_stops_beating_and_beats_again_once_it_rejoins():
   """After ``dist.hang_timeout`` without progress the heartbeat thread stops (so the server
   drops the hung mesh); the rejoin that follows its recovery starts it again."""
-  from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import worker  # pylint: disable=g-import-not-at-top
   beats = []
   method = wire.Method("Heartbeat", lambda header, body, peer: (
       beats.append(header["session"]) or {"stop": False, "rejoin": False}, None))
@@ -754,7 +753,7 @@ def test_a_mesh_that_hung_stops_beating_and_beats_again_once_it_rejoins():
 def test_a_round_op_is_checked_field_by_field_the_merge_weight_included():
   """A shard applies a ``round`` op only if every field has its dtype, length and range; HALoS's
   merge weight (``adopt_weight``, [R] float32 in [0, 1]) travels and is checked like the rest."""
-  from gssp_jax.dist import shard as shard_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import shard as shard_lib  # pylint: disable=g-import-not-at-top
   from gssp_jax.sync import rounds  # pylint: disable=g-import-not-at-top
   W, R, G = 4, 5, 2
   rnd = rounds.empty_round(0.0, W, R, G, np.zeros([W], np.int32))
@@ -773,7 +772,7 @@ def test_a_round_op_is_checked_field_by_field_the_merge_weight_included():
 _LISTEN_SCRIPT = r"""
 import sys, jax
 from gssp_jax import config as config_lib
-from gssp_jax.dist import launch
+from gssp_jax.runtime import launch
 port = int(sys.argv[1])
 topo = launch.Topology(role="worker", processes_per_mesh=1, mesh=0,
                        coordinator_address=f"127.0.0.1:{port}")
@@ -798,7 +797,7 @@ jax.distributed.shutdown()
 def test_a_mesh_coordinator_listens_only_on_the_address_it_advertises(tmp_path):
   """jax's coordination service has no authentication: with ``--coordinator_address`` it
   must not listen on every interface (jax's default ``[::]``) but on that address only."""
-  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import launch  # pylint: disable=g-import-not-at-top
   port = launch.free_port()
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   out = subprocess.run([sys.executable, "-c", _LISTEN_SCRIPT, str(port)], env=env,
@@ -813,7 +812,7 @@ def test_a_mesh_coordinator_listens_only_on_the_address_it_advertises(tmp_path):
 
 
 def test_distributed_kwargs_bind_the_advertised_coordinator_address():
-  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import launch  # pylint: disable=g-import-not-at-top
   topo = launch.Topology(role="worker", processes_per_mesh=2, mesh=0,
                          coordinator_address="127.0.0.1:4567")
   kwargs = launch.distributed_kwargs(config_lib.default_config(), topo, 1)
@@ -845,7 +844,7 @@ def test_a_secret_file_of_another_user_or_behind_a_symlink_is_refused(tmp_path, 
 
 def test_the_launcher_refuses_a_workdir_others_may_write_or_that_is_not_the_users(
     tmp_path, monkeypatch):
-  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import launch  # pylint: disable=g-import-not-at-top
   config = helpers.mnist_smoke(None, num_workers=2)
   topo = launch.Topology(role="local", num_meshes=2)
   monkeypatch.delenv(auth.SECRET_ENV, raising=False)
@@ -983,7 +982,7 @@ def test_no_other_user_can_take_a_port_the_launcher_hands_a_child(tmp_path, monk
   """A port number on a child's command line is readable by anyone on the host: the launcher
   holds each port it hands out until the run ends, so a squatter of another user cannot bind
   it first; the shards bind their own (port 0) and report it."""
-  from gssp_jax.dist import launch  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import launch  # pylint: disable=g-import-not-at-top
   config = helpers.mnist_smoke(None, num_workers=2)
   topo = launch.Topology(role="local", num_meshes=2, processes_per_mesh=2, num_servers=2)
   monkeypatch.delenv(auth.SECRET_ENV, raising=False)
@@ -1010,3 +1009,21 @@ def test_no_other_user_can_take_a_port_the_launcher_hands_a_child(tmp_path, monk
   finally:
     launcher._release_ports()   # pylint: disable=protected-access
     launcher._remove_secret()   # pylint: disable=protected-access
+
+
+def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):
+  """``server.lock`` is a plain lock: a helper that must run under it refuses to run without
+  it, and taking it twice on one thread is reported, not nested."""
+  from gssp_jax.runtime import locks  # pylint: disable=g-import-not-at-top
+  with pytest.raises(locks.LockNotHeld, match="_emit runs under server.lock"):
+    server._emit({"k": "noop"})   # pylint: disable=protected-access
+  with pytest.raises(locks.LockNotHeld, match="_count_refused"):
+    server._count_refused("malformed", 0, "a test")   # pylint: disable=protected-access
+  with server.lock:
+    with pytest.raises(RuntimeError, match="taken again by the thread that holds it"):
+      server.lock.acquire()
+    assert server.lock.held()
+  assert not server.lock.held()
+  with server.changed:   # a Condition over it: wait releases and takes it back
+    server.changed.wait(timeout=0.01)
+    assert server.lock.held()

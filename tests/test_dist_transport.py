@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks import dist_transport as bench
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 
 TINY = ([jax.ShapeDtypeStruct((300, 100), np.float32), jax.ShapeDtypeStruct((10,), np.float32)],
         [jax.ShapeDtypeStruct((4,), np.float32)])   # 120 KB: streamed in 32 KiB chunks below

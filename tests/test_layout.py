@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import wire
 
 
 def _layout(num_shards: int):

@@ -21,8 +21,8 @@ import dist_replay
 from configs import mnist_lenet5_hetero
 from gssp_jax import config as config_lib
 from gssp_jax import models
-from gssp_jax.dist import flight
-from gssp_jax.dist import wire
+from gssp_jax.runtime import flight
+from gssp_jax.runtime import wire
 
 # Every scheme the runtime runs, each once; compression (GDTopK, DGC, top-k) and BatchNorm on
 # some of them; S = 1 and 4 shards each, and 2 where noted in the test.

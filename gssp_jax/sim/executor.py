@@ -159,7 +159,7 @@ def make_worker_gradient(loss_fn: Callable, compressor, dense_bytes: int, *,
   gradient: the clip bounds each worker's gradient, for every scheme (BSP's
   step is the mean of clipped gradients). The simulator's jobs (unrolled here,
   ``vmap``-ed in ``sim/levels.py``) and the real runtime's meshes
-  (``dist/worker.py``) all compute this function.
+  (``runtime/worker.py``) all compute this function.
 
   Raises:
     ValueError: ``grad_clip`` is not a finite number >= 0.

@@ -1,7 +1,7 @@
 """The host bookkeeping every scheme executor shares: a round's accounting, metrics, summaries.
 
 The simulator (``sim/simulate.py``) and the real runtime's control plane
-(``dist/server.py``) both drive a scheme's protocol and apply the rounds it
+(``runtime/server.py``) both drive a scheme's protocol and apply the rounds it
 emits; the only differences are where time comes from (virtual or wall) and
 where gradients come from. Everything they count is counted here, by the same
 functions, so a simulated and a real run of the same events report the same

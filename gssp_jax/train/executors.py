@@ -123,7 +123,7 @@ def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Exec
   if name == "fused":
     return FusedBSP(config, task, workdir)
   if name == "dist":
-    from gssp_jax.dist import server  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
     return server.DistServer(config, task, workdir,
                              num_servers=int(config.dist.get("num_servers", 1)))
   from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top

@@ -46,8 +46,8 @@ import grpc
 import msgpack
 import numpy as np
 
-from gssp_jax.dist import auth
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import wire
 
 ALONE_BYTES = 256 << 10    # tensors of at least this many bytes travel without a copy
 _CODES = {code.name: code for code in grpc.StatusCode}

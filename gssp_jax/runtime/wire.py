@@ -29,7 +29,7 @@ calls. A call has two parts:
 Every method therefore exists twice: ``Name`` (unary) and ``Name~`` (a stream
 both ways); the caller picks by size, the handler is the same. A server made
 with ``flight=True`` (``config.dist.data_plane='flight'``, the default) serves
-its methods a third time on Arrow Flight (``dist/flight.py``), and a client
+its methods a third time on Arrow Flight (``runtime/flight.py``), and a client
 sends there every call it would stream: Flight wraps the tensors' memory
 instead of copying it into ``bytes``, which grpcio's Python API cannot avoid
 (``docs/PERFORMANCE.md``: a ResNet-18 push + pull at the raw channel's speed). Every gRPC
@@ -40,7 +40,7 @@ its own, e.g. ``FAILED_PRECONDITION``).
 
 The client retries a call that failed with ``UNAVAILABLE`` (not connected, or
 the connection dropped mid-call) for up to ``retry_seconds``: every call is
-idempotent by design (pushes carry their number, ``dist/server.py``), so a
+idempotent by design (pushes carry their number, ``runtime/server.py``), so a
 retried push is acknowledged, never applied twice.
 """
 
@@ -58,7 +58,7 @@ import grpc
 import msgpack
 import numpy as np
 
-from gssp_jax.dist import auth
+from gssp_jax.runtime import auth
 
 SERVICE = "gssp.Run"
 HEADER_KEY = "gssp-header-bin"
@@ -165,7 +165,7 @@ class CallError(ConnectionError):
 
 class StatusError(Exception):
   """A Flight data-plane call that ended with a status: ``code()`` and ``details()`` as a
-  ``grpc.RpcError`` has them (``dist/flight.py``)."""
+  ``grpc.RpcError`` has them (``runtime/flight.py``)."""
 
   def __init__(self, code: grpc.StatusCode, details: str):
     super().__init__(f"{code.name}: {details}")
@@ -433,7 +433,7 @@ class Server:
 
   Attributes:
     grpc: the ``grpc.Server``.
-    flight: the Flight server (``dist/flight.py``), or None.
+    flight: the Flight server (``runtime/flight.py``), or None.
   """
 
   def __init__(self, grpc_server: grpc.Server, flight_server=None):
@@ -444,7 +444,7 @@ class Server:
     grpc_done = self.grpc.stop(grace)
     if self.flight is None:
       return grpc_done
-    from gssp_jax.dist import flight  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import flight  # pylint: disable=g-import-not-at-top
     flight_done = flight.stop_server(self.flight)
     done = threading.Event()
     threading.Thread(target=lambda: (grpc_done.wait(), flight_done.wait((grace or 0.0) + 1.0),
@@ -462,7 +462,7 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
   it off.
 
   Args:
-    flight: serve the methods on Arrow Flight too (``dist/flight.py``), at a
+    flight: serve the methods on Arrow Flight too (``runtime/flight.py``), at a
       free port of the same host that clients ask for (``FlightPort``); they
       carry large bodies there.
     flight_tls: the Flight server's TLS (``auth.flight_server_tls``), given
@@ -502,7 +502,7 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
                      "host:port of this machine (port 0 picks a free one)")
   flight_server = None
   if flight:
-    from gssp_jax.dist import flight as flight_lib  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import flight as flight_lib  # pylint: disable=g-import-not-at-top
     try:
       flight_server = flight_lib.start_server(methods[:-1], host, check, flight_tls)
     except Exception as e:  # pylint: disable=broad-except  (pyarrow's errors: ArrowException...)
@@ -552,7 +552,7 @@ class Client:
     self.bytes_received = 0
 
   def _flight_link(self):
-    """The Flight link of the server (``dist/flight.py``), or None where it serves none."""
+    """The Flight link of the server (``runtime/flight.py``), or None where it serves none."""
     with self._lock:
       flight = self._flight
     if flight is None:
@@ -565,7 +565,7 @@ class Client:
           raise
         flight = False
       else:
-        from gssp_jax.dist import flight as flight_lib  # pylint: disable=g-import-not-at-top
+        from gssp_jax.runtime import flight as flight_lib  # pylint: disable=g-import-not-at-top
         host, _ = check_address("server address", self.address)
         flight = flight_lib.Link(host, port, self._token, self._flight_tls, self._server_name)
       with self._lock:   # another thread may have asked meanwhile: keep one link

@@ -27,11 +27,11 @@ from absl import logging
 import grpc
 import numpy as np
 
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import shard as shard_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import shard as shard_lib
+from gssp_jax.runtime import wire
 
 
 class _Pending:

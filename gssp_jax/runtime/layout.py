@@ -44,7 +44,7 @@ import math
 import jax
 import numpy as np
 
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 
 F32 = np.dtype(np.float32)
 
@@ -202,6 +202,18 @@ class ShardLayout:
     stats = _cut(values[2 * nnz:], stats_sizes)
     _check_region(parts, size - 4 * sum(stats_sizes), size, stats, "the BatchNorm statistics sent")
     return self._shaped(s, grads, stats)
+
+  def assemble(self, bodies, treedefs) -> tuple:
+    """The model's ``(params, model_state)`` trees from every shard's pull body (``bodies[s]``,
+    as :meth:`unpack_pull` takes it); the statistics are shard 0's."""
+    leaves, stats = [None] * len(self.shapes), []
+    for s, body in enumerate(bodies):
+      tensors, shard_stats = self.unpack_pull(s, body)
+      for i, leaf in zip(self.leaves(s), tensors):
+        leaves[i] = leaf
+      if s == 0:
+        stats = shard_stats
+    return jax.tree.unflatten(treedefs[0], leaves), jax.tree.unflatten(treedefs[1], stats)
 
   def unpack_pull(self, s: int, body):
     """``(weight leaves, statistics leaves)`` of shard ``s``'s pull body (views where they can be).

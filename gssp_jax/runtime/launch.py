@@ -5,7 +5,7 @@
   and checkpoints.
 * ``shard``: parameter shard ``s`` (``1..S-1`` of ``--num_servers=S``; shard 0
   lives in the server): its tensors of every replica, fed the server's op
-  stream (``dist/shard.py``).
+  stream (``runtime/shard.py``).
 * ``worker``: one process (rank ``r``) of mesh ``m``; a mesh of several
   processes is one ``jax.distributed`` cluster of its own.
 * ``local``: this host starts the server, ``S - 1`` shards and ``M x P``
@@ -30,7 +30,7 @@ import ml_collections
 
 from gssp_jax import cli
 from gssp_jax import xla_env
-from gssp_jax.dist import wire
+from gssp_jax.runtime import wire
 
 ROLES = ("local", "server", "shard", "worker")
 PIDS_FILE = "pids.json"
@@ -208,7 +208,7 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
 
 def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
   """The server role: the training loop with the ``dist`` executor (and shard 0)."""
-  from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
   address = topo.server_address or "127.0.0.1:0"
   check_bindable("--server_address", address)
   auth.load_credentials()   # no secret or run id: one line, before anything is built
@@ -221,11 +221,11 @@ def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) 
 
 def run_shard(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> None:
   """The shard role: serves shard ``topo.shard`` until the server stops it (or goes silent)."""
-  from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
   address = topo.shard_address or "127.0.0.1:0"
   check_bindable("--shard_address", address)
   credentials = auth.load_credentials()
-  from gssp_jax.dist import shard_process  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import shard_process  # pylint: disable=g-import-not-at-top
   shard_process.serve(config, workdir, topo.shard, topo.num_servers, topo.server_address,
                       address, credentials)
 
@@ -257,7 +257,7 @@ def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**distributed_kwargs(config, topo, rank))
     rank = jax.process_index()
-  from gssp_jax.dist import worker  # pylint: disable=g-import-not-at-top
+  from gssp_jax.runtime import worker  # pylint: disable=g-import-not-at-top
   try:
     return worker.MeshWorker(config, topo.mesh, rank, topo.processes_per_mesh,
                              topo.server_address).run()
@@ -298,7 +298,7 @@ class LocalLauncher:
     self.reserved: list[socket.socket] = []   # ports held for children until the run ends
     self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
-    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
     # Ours, and no one else's to write: it will hold the run secret and the children's logs.
     auth.check_private_dir(workdir, "the workdir")
     auth.check_private_dir(self.logs, "the logs directory")
@@ -309,7 +309,7 @@ class LocalLauncher:
     one; the server writes it to ``server_address.json``). The secret: the caller's (``GSSP_SECRET[_FILE]``), else a fresh one
     in ``workdir/.secret`` (mode 0600, removed when the launcher exits; the workdir is checked
     to be the user's and writable by no one else, so no one can swap it)."""
-    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
     # The run id: the caller's (to attach processes of their own), else a fresh one per launch.
     run = {auth.RUN_ID_ENV: auth.check_run_id(os.environ[auth.RUN_ID_ENV])
            if os.environ.get(auth.RUN_ID_ENV) else auth.new_run_id()}
@@ -342,7 +342,7 @@ class LocalLauncher:
 
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None,
              extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    from gssp_jax.dist import auth  # pylint: disable=g-import-not-at-top
+    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
     cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
            f"--workdir={self.workdir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

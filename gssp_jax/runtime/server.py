@@ -3,7 +3,7 @@
 ``train/loop.py`` drives it like the simulator (``config.executor='dist'``; the
 launcher's ``server`` role sets it). It runs the scheme's **protocol** on the
 meshes' pushes with wall-clock times and turns every event into ops for the
-S parameter shards (``dist/shard.py``): ``put`` a push into its worker slot,
+S parameter shards (``runtime/shard.py``): ``put`` a push into its worker slot,
 apply a ``round``, take a ``snap``-shot, ``save``. The protocol sees only small
 control messages (who pushed, its loss and bytes); the gradient and weight
 bytes go straight between each mesh and each shard, in parallel. Shard 0 lives
@@ -16,7 +16,7 @@ shards apply the simulator's jitted ``put``/``round`` functions to whole
 tensors, so fed the same event sequence a real run reproduces the simulator
 bit for bit, for any S.
 
-Closed to strangers: every call carries the run's token (``dist/auth.py``);
+Closed to strangers: every call carries the run's token (``runtime/auth.py``);
 every push is checked before anything changes (the sender is this mesh's
 joined process, its session and push number, its body's size and
 finiteness against the model, its receipts from the other shards); a retried
@@ -43,7 +43,11 @@ Concurrency (what each thread owns; one lock orders the control plane):
 
 Lock order: ``self.lock`` may be held while taking a shard's lock (to stage a
 slice or enqueue an op: both brief); a shard never takes ``self.lock``, and no
-thread holds ``self.lock`` while it calls another process.
+thread holds ``self.lock`` while it calls another process (``on_register``
+closes a replaced shard's link after releasing it). ``self.lock`` is a plain
+lock (``runtime/locks.py``): taking it again on the thread that holds it
+raises, and the helpers that must run under it (``_emit``, ``_react``,
+``_accept_push``, ``_finish``, ``_count_refused``) check that they do.
 """
 
 from __future__ import annotations
@@ -67,10 +71,11 @@ import numpy as np
 
 from gssp_jax import config as config_lib
 from gssp_jax import sync
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import shard as shard_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import locks
+from gssp_jax.runtime import shard as shard_lib
+from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import records
 from gssp_jax.sim import simulate
@@ -334,7 +339,7 @@ class DistServer:
                  "blocked_time_per_worker": np.zeros([W]), "lost": [], "rejoined": [],
                  "refused": {"nonfinite": 0, "malformed": 0, "duplicate": 0},
                  "in_flight": []}   # server-to-server messages: (seconds left, message)
-    self.lock = threading.RLock()
+    self.lock = locks.OwnedLock("server.lock")   # plain: a helper that runs under it says so
     self.changed = threading.Condition(self.lock)
     self.session = os.urandom(16).hex()
     self.instance = [""] * W                  # the joined process of each mesh
@@ -395,21 +400,16 @@ class DistServer:
   def restore_served(self, step: int):
     """The served weights ``(params, model_state)`` of the checkpoint at ``step``, from every
     shard's own checkpoint in this workdir (``train.load_trained``); starts nothing."""
-    leaves, stats = [None] * len(self.layout.shapes), []
+    bodies = []
     for s in range(self.S):
       core = self.core0 if s == 0 else shard_lib.ShardCore(
           s, self.layout, self.config, [self.init_leaves[i] for i in self.layout.leaves(s)], [],
           shard_lib.checkpoint_dir(self.workdir, s))
       core.restore(step)
-      flat = np.asarray(core.served_fn(core.state))
-      grads, shard_stats = self.layout.unpack_pull(s, flat)
-      for i, leaf in zip(self.layout.leaves(s), grads):
-        leaves[i] = leaf
-      stats = shard_stats if s == 0 else stats
+      bodies.append(np.asarray(core.served_fn(core.state)))
       if s:
         core.checkpointer.close()
-    return (jax.tree.unflatten(self.treedefs[0], leaves),
-            jax.tree.unflatten(self.treedefs[1], stats))
+    return self.layout.assemble(bodies, self.treedefs)
 
   def finished(self) -> bool:
     return self._at_end(self.host["evaluated_iterations"], self.host["evaluated"])
@@ -499,15 +499,8 @@ class DistServer:
     timeout = float(self.config.dist.save_timeout)
     results = _parallel([lambda link=link: link.snapshot(snap_id, timeout)
                          for link in self.shards])
-    leaves = [None] * len(self.layout.shapes)
-    stats = []
-    for s, (flat, _) in enumerate(results):
-      grads, shard_stats = self.layout.unpack_pull(s, flat.view(np.uint8))
-      for i, leaf in zip(self.layout.leaves(s), grads):
-        leaves[i] = leaf
-      stats = stats if s else shard_stats
-    params = jax.tree.unflatten(self.treedefs[0], leaves)
-    model_state = jax.tree.unflatten(self.treedefs[1], stats)
+    params, model_state = self.layout.assemble([flat.view(np.uint8) for flat, _ in results],
+                                               self.treedefs)
     return params, model_state, results[0][1]
 
   @property
@@ -681,13 +674,13 @@ class DistServer:
         raise wire.Refused(grpc.StatusCode.ALREADY_EXISTS,
                            f"shard {s} is already registered (at {old.address}); each --shard "
                            "runs once")
-      if old is not None:
-        old.close()
       client = wire.Client(address, self.credentials,
                            retry_seconds=float(self.config.dist.retry_seconds),
                            **wire.client_settings(self.config.dist))
       self.shards[s] = _RemoteShard(s, address, client, self.session, self.layout)
       logging.info("shard %d registered at %s", s, address)
+    if old is not None:   # outside the lock: closing may call the old shard (Stop), up to 5 s
+      old.close()
     return {"session": self.session, "restore": int(self.restored_step),
             "layout": json.dumps(self.layout.describe())}, None
 
@@ -720,6 +713,7 @@ class DistServer:
 
   def _emit(self, op: dict) -> None:
     """Appends ``op`` to every shard's stream (under ``self.lock``: one order for all)."""
+    self.lock.check("_emit")
     index = self.ops
     self.ops += 1
     if self._op_log is not None:   # kept for shards that are not ready yet
@@ -827,7 +821,8 @@ class DistServer:
     try:
       return self._accept(header, body)
     except wire.BadMessage as e:
-      self._count_refused("malformed", header.get("mesh"), str(e))
+      with self.lock:
+        self._count_refused("malformed", header.get("mesh"), str(e))
       raise
 
   def _accept(self, header: dict, body) -> tuple[int, int, dict | None]:
@@ -902,6 +897,7 @@ class DistServer:
                               "invalid (its slice was not staged there)")
 
   def _accept_push(self, w, seq, grads, stats, loss, nbytes, wire_bytes) -> None:
+    self.lock.check("_accept_push")
     host = self.host
     self.core0.stage(w, seq, grads, stats)
     host["seq"][w] = seq
@@ -932,10 +928,10 @@ class DistServer:
       return {"stop": True, "refused": why}
 
   def _count_refused(self, kind: str, w: int, why: str) -> None:
-    with self.lock:
-      self.host["refused"][kind] += 1
-      if self.host["refused"][kind] <= 10:
-        logging.warning("refused a push of mesh %d (%s): %s", w, kind, why)
+    self.lock.check("_count_refused")
+    self.host["refused"][kind] += 1
+    if self.host["refused"][kind] <= 10:
+      logging.warning("refused a push of mesh %s (%s): %s", w, kind, why)
 
   def on_heartbeat(self, header, body, peer):
     del body, peer
@@ -1002,6 +998,7 @@ class DistServer:
 
   def _react(self, reaction, now: float) -> None:
     """Emits a reaction's rounds, releases its meshes, schedules its messages."""
+    self.lock.check("_react")
     for rnd in reaction.rounds:
       if self.local:   # as the simulator's _apply_round: before the round's learning rate
         self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
@@ -1046,6 +1043,7 @@ class DistServer:
 
   def _finish(self) -> None:
     """The run's pushes are all in: every mesh is told to stop."""
+    self.lock.check("_finish")
     if not self.done:
       self.done = True
       self.changed.notify_all()

@@ -226,7 +226,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
   Refusals are logged at most once a minute per method, without the token a
   caller sent (it might be another run's secret). The Flight data plane's
-  middleware (``dist/flight.py``) asks the same object (:meth:`check`).
+  middleware (``runtime/flight.py``) asks the same object (:meth:`check`).
   """
 
   def __init__(self, credentials: Credentials):

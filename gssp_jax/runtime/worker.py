@@ -60,10 +60,10 @@ from jax.sharding import PartitionSpec
 
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import server as server_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
@@ -212,6 +212,7 @@ class MeshWorker:
     self.credentials = (credentials if credentials is not None
                         else auth.load_credentials())
     self.instance = uuid.uuid4().hex
+    self._shard0 = None   # shard 0's weights from the last join or push reply (rank 0; _accept)
     self.task = tasks.make_task(config)
     config_lib.validate_sizes(config, self.task.num_train)
     self.B = config.batch_size
@@ -369,14 +370,8 @@ class MeshWorker:
     bodies = server_lib._parallel(calls) if calls else []   # pylint: disable=protected-access
     if shard0 is not None:
       bodies = [shard0] + bodies
-    leaves, stats = [None] * len(layout.shapes), []
-    for s, body in enumerate(bodies):
-      grads, shard_stats = layout.unpack_pull(s, body)
-      for i, leaf in zip(layout.leaves(s), grads):
-        leaves[i] = leaf
-      stats = shard_stats if s == 0 else stats
-    return (jax.tree.unflatten(self.treedefs[0], leaves),
-            jax.tree.unflatten(self.treedefs[1], stats), sum(wire.body_bytes(b) for b in bodies))
+    params, model_state = layout.assemble(bodies, self.treedefs)
+    return params, model_state, sum(wire.body_bytes(b) for b in bodies)
 
   def _share(self, job: dict | None) -> dict:
     """Broadcasts rank 0's job (small: iteration, ratio, watermark, shards) to every rank."""

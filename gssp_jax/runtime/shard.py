@@ -15,7 +15,7 @@ ordered stream of ops** with the simulator's own jitted functions:
   then cleared) for an evaluation;
 * ``save``: an Orbax checkpoint of the shard's state at a push count.
 
-The control plane (``dist/server.py``) decides the ops and numbers them; the
+The control plane (``runtime/server.py``) decides the ops and numbers them; the
 shard applies them in that order and nothing else changes its state. A
 mesh's pull names the op count (the *watermark*) at its release; the shard
 answers once it has applied that many ops. So S shards, each applying the
@@ -44,9 +44,9 @@ import msgpack
 import numpy as np
 
 from gssp_jax import sync
-from gssp_jax.dist import auth
-from gssp_jax.dist import layout as layout_lib
-from gssp_jax.dist import wire
+from gssp_jax.runtime import auth
+from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
 from gssp_jax.sync import local as local_lib
