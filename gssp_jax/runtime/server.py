@@ -388,9 +388,10 @@ class DistServer:
       logging.info("resumed from the server checkpoint at %d pushes", latest)
       # The meshes' iterations in flight belonged to the previous server: every mesh
       # rejoins from its replica's current weights.
-      now = self._now()
-      for w in np.flatnonzero(self.protocol.alive & self.host["started"]):
-        self._react(self.protocol.drop(int(w), now), now)
+      with self.lock:   # before anything serves, but _react's ops and releases need it
+        now = self._now()
+        for w in np.flatnonzero(self.protocol.alive & self.host["started"]):
+          self._react(self.protocol.drop(int(w), now), now)
     self.core0.start()
     self._wall_base = self.host["wall_time"]
     self._session_start = time.perf_counter()
