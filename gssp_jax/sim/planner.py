@@ -188,13 +188,12 @@ class Planner:
     pulls = rnd.pulls.nonzero()[0].tolist()
     if len(arrived) > s.arrivals:
       self._over_bounds(rnd, "arrivals", len(arrived), s.arrivals)
-    if self.one_exchange:
-      exchanging = np.flatnonzero(rnd.forward | rnd.deliver)
-      if exchanging.size > 1:
-        raise ValueError(f"the round at virtual time {rnd.time} exchanges groups "
-                         f"{exchanging.tolist()}; this protocol declares one exchanging group "
-                         "per round (Protocol.one_exchange_per_round), which the level "
-                         "executor's rounds rely on")
+    if self.one_exchange and np.count_nonzero(rnd.forward | rnd.deliver) > 1:
+      raise ValueError(f"the round at virtual time {rnd.time} exchanges groups "
+                       f"{np.flatnonzero(rnd.forward | rnd.deliver).tolist()}; this protocol "
+                       "declares one exchanging group per round "
+                       "(Protocol.one_exchange_per_round), which the level executor's rounds "
+                       "rely on")
     slots = max(1, -(-len(pulls) // s.pulls))
     key = rnd.groups.tobytes()
     if key != self._route_key and self.cutter.used:
