@@ -590,6 +590,31 @@ def test_levels_executor_resumes_exactly_and_levels_per_call_changes_nothing(tmp
   assert strip(_metric_lines(tmp_path / "4")) == strip(_metric_lines(tmp_path / "1"))
 
 
+def test_the_watch_counters_see_eager_ops_and_host_reads_and_stop_when_closed():
+  """The hot-path counters the quiet test relies on: eager ``jnp`` calls, array operators and a
+  primitive bound outside a trace are counted, a jitted call's cached program is not, a host
+  read is counted, and closing restores JAX (nothing counted after). (A jitted ufunc called
+  directly, ``jnp.cos(x)``, is not seen: ``watch.EagerOps`` says so.)"""
+  from jax._src import array as jax_array  # pylint: disable=g-import-not-at-top
+  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+  x = jnp.arange(3.0)
+  double = jax.jit(lambda v: v * 2)
+  double(x).block_until_ready()   # compiled before the watch
+  eager, reads = watch.EagerOps(), watch.HostReads()
+  before = (jax_core.EvalTrace.process_primitive, jax_array.ArrayImpl._value)
+  with eager.active(), reads.active():
+    y = jnp.zeros(3) + x
+    jax.lax.add_p.bind(x, x)
+    double(x)
+    jax.device_get(y)
+  assert {"zeros", "_operator_add", "add"} <= set(eager.names), eager.names
+  assert reads.shapes == [(3,)]
+  assert (jax_core.EvalTrace.process_primitive, jax_array.ArrayImpl._value) == before
+  counted = (eager.count, reads.count)
+  jax.device_get(jnp.zeros(3) + x)
+  assert (eager.count, reads.count) == counted
+
+
 def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
   """No eager op, no device-to-host read, no implicit host-to-device transfer and no compilation
   between evaluations; a handful of compilations in all, none after the first evaluation.

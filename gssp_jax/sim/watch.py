@@ -38,11 +38,15 @@ class EagerOps:
   ``names`` lists them in order. Two ways in, since JAX dispatches an eager
   operation either from Python (a primitive bound outside any trace: JAX's
   eager interpreter, ``EvalTrace.process_primitive``) or through a cached
-  jitted wrapper that runs in C++ (``jnp.cos``, ``x + 1``); the second is
-  seen as a call into JAX's numpy, lax or random API from outside JAX, with
-  no trace active (a profile hook on this thread). A jitted call of one's
-  own whose program is cached (the chunk program) reaches neither; its first
-  call traces and lowers, JAX calling itself, which is not counted.
+  jitted wrapper that runs in C++; the second is seen as a call into a
+  Python function of JAX's numpy, lax or random API from outside JAX, with
+  no trace active (a profile hook on this thread): ``x + 1``, ``x[1]``,
+  ``jnp.zeros``, ``jnp.sum``, ``jax.random.key``. **Not seen**: a jitted
+  ufunc called directly (``jnp.cos(x)``, ``jnp.exp(x)``), a C++ object that
+  runs without a Python frame or a profile event once its program is cached.
+  A jitted call of one's own whose program is cached (the chunk program)
+  reaches neither; its first call traces and lowers, JAX calling itself,
+  which is not counted.
   """
 
   _lock = threading.Lock()
@@ -56,41 +60,43 @@ class EagerOps:
 
   @contextlib.contextmanager
   def active(self):
-    with self._lock:
-      original = jax_core.EvalTrace.process_primitive
-      names = self.names
+    names = self.names
 
+    def counting(original):
       def process_primitive(trace, primitive, args, params, /):
         if primitive.name not in _NOT_EAGER:
           names.append(primitive.name)
         return original(trace, primitive, args, params)
+      return process_primitive
 
-      def profile(frame, event, arg):
-        del arg
-        # A JAX operation called from outside JAX (not JAX calling itself: lowering, tracing).
-        if (event == "call" and frame.f_code.co_filename.startswith(_API_DIRS)
-            and frame.f_back is not None
-            and not frame.f_back.f_code.co_filename.startswith(_JAX_DIR)
-            and jax_core.trace_state_clean()):
-          names.append(frame.f_code.co_name)
-      jax_core.EvalTrace.process_primitive = process_primitive
+    def profile(frame, event, arg):
+      del arg
+      # A JAX operation called from outside JAX (not JAX calling itself: lowering, tracing).
+      if (event == "call" and frame.f_code.co_filename.startswith(_API_DIRS)
+          and frame.f_back is not None
+          and not frame.f_back.f_code.co_filename.startswith(_JAX_DIR)
+          and jax_core.trace_state_clean()):
+        names.append(frame.f_code.co_name)
+
+    with self._lock, _patched(jax_core.EvalTrace, "process_primitive", counting):
       previous = sys.getprofile()
       sys.setprofile(profile)
       try:
         yield self
       finally:
         sys.setprofile(previous)
-        jax_core.EvalTrace.process_primitive = original
 
 
 class HostReads:
-  """Counts reads of a device array's value on the host (``np.asarray``, ``float``,
-  ``jax.device_get``, ``.tolist()``...) while active.
+  """Counts reads of a device array's value on the host (``float``, ``jax.device_get``,
+  ``.tolist()``...) while active.
 
   ``jax.transfer_guard`` does not guard the CPU backend (its arrays live in
-  host memory), so the tests and benchmarks count the reads themselves: every
-  one goes through ``jax.Array``'s cached host value (``ArrayImpl._value``).
-  ``shapes`` lists each read array's shape.
+  host memory), so the tests and benchmarks count the reads themselves: those
+  that go through ``jax.Array``'s cached host value (``ArrayImpl._value``).
+  **Not seen** on a CPU: ``np.asarray(x)``, which reads through the buffer
+  protocol, in C (on an accelerator it goes through ``_value``, and the
+  transfer guard stops it too). ``shapes`` lists each read array's shape.
   """
 
   _lock = threading.Lock()
@@ -104,18 +110,27 @@ class HostReads:
 
   @contextlib.contextmanager
   def active(self):
-    with self._lock:
-      original = jax_array.ArrayImpl._value
-      shapes = self.shapes
+    shapes = self.shapes
 
+    def counting(original):
       def value(array):
         shapes.append(tuple(array.shape))
         return original.fget(array)
-      jax_array.ArrayImpl._value = property(value)
-      try:
-        yield self
-      finally:
-        jax_array.ArrayImpl._value = original
+      return property(value)
+
+    with self._lock, _patched(jax_array.ArrayImpl, "_value", counting):
+      yield self
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, replace):
+  """``owner.name`` set to ``replace(original)`` while open, then the original again."""
+  original = getattr(owner, name)
+  setattr(owner, name, replace(original))
+  try:
+    yield
+  finally:
+    setattr(owner, name, original)
 
 
 class Compilations:
