@@ -218,7 +218,8 @@ class Credentials:
 
 
 REFUSAL = ("this call lacks the run's token: the caller is not part of this run (set "
-           f"{SECRET_FILE_ENV} or {SECRET_ENV} to the run's secret)")
+           f"{SECRET_FILE_ENV} or {SECRET_ENV} to the run's secret and {RUN_ID_ENV} to its "
+           "run id)")
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

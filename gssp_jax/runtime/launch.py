@@ -30,6 +30,7 @@ import ml_collections
 
 from gssp_jax import cli
 from gssp_jax import xla_env
+from gssp_jax.runtime import auth
 from gssp_jax.runtime import wire
 
 ROLES = ("local", "server", "shard", "worker")
@@ -208,7 +209,6 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
 
 def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
   """The server role: the training loop with the ``dist`` executor (and shard 0)."""
-  from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
   address = topo.server_address or "127.0.0.1:0"
   check_bindable("--server_address", address)
   auth.load_credentials()   # no secret or run id: one line, before anything is built
@@ -221,7 +221,6 @@ def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) 
 
 def run_shard(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> None:
   """The shard role: serves shard ``topo.shard`` until the server stops it (or goes silent)."""
-  from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
   address = topo.shard_address or "127.0.0.1:0"
   check_bindable("--shard_address", address)
   credentials = auth.load_credentials()
@@ -298,18 +297,18 @@ class LocalLauncher:
     self.reserved: list[socket.socket] = []   # ports held for children until the run ends
     self.gpus = visible_gpus()
     self.logs = os.path.join(workdir, "logs")
-    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
     # Ours, and no one else's to write: it will hold the run secret and the children's logs.
     auth.check_private_dir(workdir, "the workdir")
     auth.check_private_dir(self.logs, "the logs directory")
     self.secret_env = self._secret()
 
   def _secret(self) -> dict[str, str]:
-    """The run secret and run id every child gets (``GSSP_RUN_ID``: the caller's, else a fresh
-    one; the server writes it to ``server_address.json``). The secret: the caller's (``GSSP_SECRET[_FILE]``), else a fresh one
-    in ``workdir/.secret`` (mode 0600, removed when the launcher exits; the workdir is checked
-    to be the user's and writable by no one else, so no one can swap it)."""
-    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
+    """The run secret and run id every child gets.
+
+    The run id (``GSSP_RUN_ID``): the caller's, else a fresh one (the server writes it to
+    ``server_address.json``). The secret: the caller's (``GSSP_SECRET[_FILE]``), else a fresh
+    one in ``workdir/.secret`` (mode 0600, removed when the launcher exits; the workdir is
+    checked to be the user's and writable by no one else, so no one can swap it)."""
     # The run id: the caller's (to attach processes of their own), else a fresh one per launch.
     run = {auth.RUN_ID_ENV: auth.check_run_id(os.environ[auth.RUN_ID_ENV])
            if os.environ.get(auth.RUN_ID_ENV) else auth.new_run_id()}
@@ -342,7 +341,6 @@ class LocalLauncher:
 
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None,
              extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
     cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
            f"--workdir={self.workdir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
