@@ -44,3 +44,14 @@ def test_a_span_of_batches_is_the_batches_one_by_one_across_an_epoch_end():
   for k, n in ((0, 4), (5, 2), (5, 5), (13, 3)):
     np.testing.assert_array_equal(batches.span(1, k, n),
                                   np.stack([batches.indices(1, k + j) for j in range(n)]))
+
+
+def test_many_batches_at_once_are_the_batches_one_by_one():
+  shards = sharding.worker_shards(700, 3, seed=4)
+  batches = sharding.WorkerBatches(shards, seed=4, batch_size=32)   # 7 batches per epoch
+  workers = np.array([2, 0, 2, 1, 0, 2, 1])
+  ks = np.array([6, 0, 7, 13, 21, 15, 3])                           # epochs 0 to 3, unsorted
+  want = np.stack([sharding.WorkerBatches(shards, seed=4, batch_size=32).indices(w, k)
+                   for w, k in zip(workers.tolist(), ks.tolist())])
+  np.testing.assert_array_equal(batches.indices_many(workers, ks), want)
+  assert batches.indices_many(np.zeros([0], int), np.zeros([0], int)).shape == (0, 32)

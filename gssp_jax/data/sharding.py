@@ -62,6 +62,19 @@ class WorkerBatches:
     epoch, pos = divmod(int(k), self.spe)
     return self._order(w, epoch)[pos * self.B:(pos + 1) * self.B]
 
+  def indices_many(self, workers: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """``[n, B]``: :meth:`indices` of each ``(workers[i], ks[i])``, one gather per worker epoch."""
+    workers, ks = np.asarray(workers, np.int64), np.asarray(ks, np.int64)
+    out = np.empty((workers.size, self.B), self.shards.dtype)
+    epochs, positions = np.divmod(ks, self.spe)
+    keys = workers * (int(epochs.max(initial=0)) + 1) + epochs
+    for key in np.unique(keys).tolist():   # by worker, then epoch: each order made once
+      rows = np.flatnonzero(keys == key)
+      w, epoch = int(workers[rows[0]]), int(epochs[rows[0]])
+      order = self._order(w, epoch)[:self.spe * self.B].reshape(self.spe, self.B)
+      out[rows] = order[positions[rows]]
+    return out
+
   def span(self, w: int, k: int, n: int) -> np.ndarray:
     """``[n, B]``: worker ``w``'s batches of iterations ``k .. k + n - 1`` (:meth:`indices`)."""
     epoch, pos = divmod(int(k), self.spe)

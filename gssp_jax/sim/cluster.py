@@ -136,7 +136,20 @@ class Cluster:
     if self.trace is not None:
       return float(self.trace[iteration % self.trace.shape[0], worker])
     block, offset = divmod(int(iteration), _BLOCK)
-    return float(self.base_time * self.speeds[worker] * self._block(int(worker), block)[offset])
+    return self._block_times(int(worker), block)[offset]
+
+  def _block_times(self, worker: int, block: int) -> list:
+    """Seconds of iterations ``[block*B, (block+1)*B)`` of ``worker``, as Python floats.
+
+    The worker's current block is kept (a timeline asks for every iteration in
+    turn); the product is the one :meth:`_block`'s factors always gave.
+    """
+    cache = self.__dict__.setdefault("_times", {})
+    hit = cache.get(worker)
+    if hit is None or hit[0] != block or hit[1] != self.base_time:
+      times = (self.base_time * self.speeds[worker] * self._block(worker, block)).tolist()
+      hit = cache[worker] = (block, self.base_time, times)
+    return hit[2]
 
   def link_time(self, worker: int, num_bytes: int) -> float:
     return float(self.latency[worker] + num_bytes / self.bandwidth[worker])

@@ -105,6 +105,8 @@ class LevelRunner:
 
   def run_ready(self, state: executor.SimState, arrays) -> executor.SimState:
     """Dispatches every complete chunk; waits only for the one before the last dispatched."""
+    if not self.planner.ready:   # most rounds complete no chunk
+      return state
     for chunk in self.planner.take():
       plan = chunk_lib.pack(self.packing, chunk.device_tree())
       state, done = self.chunk_fn(state, arrays, jax.device_put(plan))

@@ -148,7 +148,7 @@ class Planner:
     round_fields: the optional round fields the protocol sets
       (``Protocol.round_fields``); the others keep their empty value in every slot.
     one_exchange: the protocol's ``Protocol.one_exchange_per_round``, checked on every
-      round (GSSP's chunk rounds rely on it).
+      round as its chunk is written (GSSP's chunk rounds rely on it).
   """
 
   def __init__(self, shape: chunk_lib.Shape, *, num_workers: int, num_replicas: int,
@@ -169,6 +169,7 @@ class Planner:
     self.piece = 0                   # the open piece, counted from the chunk's first
     self.routes = [np.asarray(route, np.int32).copy()]
     self._route_key = self.routes[-1].tobytes()
+    self._route_seen = None          # the read-only route array last seen to equal _route_key
     self.rounds: list = []           # (piece, slot, slots, round, learning rate, route) noted
     self.jobs: list = []             # (piece, first slot, workers, job numbers, fields) noted
     self.ready: list[Chunk] = []     # complete chunks, oldest first
@@ -188,24 +189,39 @@ class Planner:
     pulls = rnd.pulls.nonzero()[0].tolist()
     if len(arrived) > s.arrivals:
       self._over_bounds(rnd, "arrivals", len(arrived), s.arrivals)
-    if self.one_exchange and np.count_nonzero(rnd.forward | rnd.deliver) > 1:
-      raise ValueError(f"the round at virtual time {rnd.time} exchanges groups "
-                       f"{np.flatnonzero(rnd.forward | rnd.deliver).tolist()}; this protocol "
-                       "declares one exchanging group per round "
-                       "(Protocol.one_exchange_per_round), which the level executor's rounds "
-                       "rely on")
     slots = max(1, -(-len(pulls) // s.pulls))
-    key = rnd.groups.tobytes()
-    if key != self._route_key and self.cutter.used:
-      self.cutter.cut()   # a new route (a regrouping) starts a piece, wherever the chunk is
+    groups, changed = rnd.groups, False
+    if groups is not self._route_seen:   # protocols share one route array until they regroup
+      key = groups.tobytes()
+      changed = key != self._route_key
+      if changed and self.cutter.used:
+        self.cutter.cut()   # a new route (a regrouping) starts a piece, wherever the chunk is
     self.cutter.place_round(arrived + pulls, slots)
-    if key != self._route_key:
-      self._new_route(rnd.groups, key)
+    if changed:
+      self._new_route(groups, key)
+    if groups is not self._route_seen:
+      self._route_seen = None if groups.flags.writeable else groups
     self.rounds.append((self.piece, self.cutter.used, slots, rnd, learning_rate,
                         len(self.routes) - 1))
     self.cutter.take_round(slots)
     self.totals["rounds"] += 1
     self.totals["round_slots"] += slots
+
+  @staticmethod
+  def _check_one_exchange(rounds: list, fields: dict) -> None:
+    """Every round exchanges one group at most (``Protocol.one_exchange_per_round``); checked
+    as a chunk's rows are written, before the device runs any of them."""
+    if "forward" not in fields or "deliver" not in fields:
+      return   # a protocol that sets neither never exchanges
+    exchanging = fields["forward"] | fields["deliver"]
+    bad = np.flatnonzero(exchanging.sum(1) > 1)
+    if bad.size:
+      rnd = rounds[int(bad[0])]
+      raise ValueError(f"the round at virtual time {rnd.time} exchanges groups "
+                       f"{np.flatnonzero(exchanging[bad[0]]).tolist()}; this protocol "
+                       "declares one exchanging group per round "
+                       "(Protocol.one_exchange_per_round), which the level executor's rounds "
+                       "rely on")
 
   def _over_bounds(self, rnd, what: str, count: int, bound: int):
     raise ValueError(
@@ -223,7 +239,7 @@ class Planner:
   def _add_jobs(self, workers, ks, fields) -> None:
     workers = np.asarray(workers, np.int64)
     ids = workers.tolist()
-    if len(set(ids)) != len(ids):
+    if len(ids) > 1 and len(set(ids)) != len(ids):
       raise ValueError(f"a step's jobs must be for distinct workers; got workers={ids}")
     start = 0
     while start < len(ids):
@@ -321,6 +337,8 @@ class Planner:
     optional = [n for n in rounds_lib.OPTIONAL_FIELDS if n in self.round_fields]
     fields = rounds_lib.stack_fields(objs, ["arrived", "pulls", "applies", *optional],
                                      self.round_fields)
+    if self.one_exchange:
+      self._check_one_exchange(objs, fields)
     for name in ("applies", *optional):   # the others keep their empty value
       out[name][piece, slot] = fields[name]
     k, w, rank = _ranks(fields["arrived"])
@@ -375,6 +393,7 @@ class Planner:
     self.totals = dict(state["totals"])
     self.piece, self.routes = state["piece"], [np.asarray(r) for r in state["routes"]]
     self._route_key = self.routes[-1].tobytes()
+    self._route_seen = None
     self.rounds = [tuple(r) for r in state["rounds"]]
     self.jobs = [tuple(j) for j in state["jobs"]]
     while self.piece >= self.shape.pieces:   # fewer pieces per chunk than when saved

@@ -339,7 +339,8 @@ class Simulation:
     self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
-    self.engine = engine = links.engine(scheme.make_protocol(), self._job_time)
+    self._counts_per_round = links.counts_per_round   # read at every round
+    self.engine = engine = links.engine(scheme.make_protocol(), self._compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad",
                                            push_iterations=self.steps)
@@ -389,7 +390,7 @@ class Simulation:
                                   lambda w, k: self.dense_bytes + self.stats_bytes,
                                   self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                   shared=bool(self.config.cluster.shared_server_links))
-    engine = traffic.engine(self.scheme.make_protocol(), self._job_time)
+    engine = traffic.engine(self.scheme.make_protocol(), self._compute_time)
     pushes = min(self.total_pushes, max(8 * self.W, 256))
     rounds = []
     while engine.num_pushes < pushes and engine.queue:
@@ -434,22 +435,25 @@ class Simulation:
 
   def finished(self) -> bool:
     stop = self._stop_after   # train.stop_after_updates, in pushes for every scheme
-    return self.completed() or bool(stop and self.engine.num_pushes >= stop)
+    pushes = self.engine.num_pushes
+    done = pushes if self.local is None else self.host["iterations"]   # _iterations()
+    return done >= self.total_pushes or bool(stop and pushes >= stop)
 
   def completed(self) -> bool:
     return self._iterations() >= self.total_pushes
 
   def advance(self) -> bool:
     engine, host = self.engine, self.host
+    step, apply_round, iterations = engine.step, self._apply_round, self._iterations
     while not self.finished():
       # Events up to the next that pushes or emits rounds: only those change what is checked.
       pushes = engine.num_pushes
-      rounds = engine.step()
+      rounds = step()
       while not rounds and engine.num_pushes == pushes:
-        rounds = engine.step()
+        rounds = step()
       for rnd in rounds:
-        self._apply_round(rnd)
-      done = self._iterations()
+        apply_round(rnd)
+      done = iterations()
       if done >= host["next_epoch_end"]:
         while host["next_epoch_end"] <= done:
           host["next_epoch_end"] += self.W * self.spe
@@ -546,8 +550,10 @@ class Simulation:
     engine = self.engine
     if self.local is not None:
       self.host["iterations"] += int(self.steps[rnd.arrived].sum())
-    learning_rate = self.schedule(self._iterations() // self.W)
-    if self.links.counts_per_round:
+      learning_rate = self.schedule(self.host["iterations"] // self.W)
+    else:
+      learning_rate = self.schedule(engine.num_pushes // self.W)   # _iterations(), inline
+    if self._counts_per_round:
       self.links.count_round(engine.protocol, rnd, engine.iteration, self.host)
     self._unaccounted.append(rnd)
     if len(self._unaccounted) >= MAX_UNACCOUNTED_ROUNDS:
@@ -579,8 +585,9 @@ class Simulation:
 
   def _dispatch(self, workers: np.ndarray) -> np.ndarray:
     """The numbers of the next jobs of ``workers`` (they just pulled); counts them as dispatched."""
-    ks = self.host["jobs"][workers]
-    self.host["jobs"][workers] += 1
+    jobs = self.host["jobs"]
+    ks = jobs[workers]
+    jobs[workers] = ks + 1   # distinct workers: a set, not a gather-add-scatter
     return ks
 
   def _make_jobs(self, workers: np.ndarray, ks: np.ndarray) -> executor.Jobs:
@@ -590,8 +597,11 @@ class Simulation:
     # Job k of worker w: its data iterations k H_w .. k H_w + H_w - 1 (H_w = 1 but for the
     # local-update schemes, whose jobs are padded to H_max with the last, skipped by the job).
     steps = self.steps[workers]
-    idx = np.stack([job_indices(self.batches, w, k, h, self.local)
-                    for (w, k), h in zip(pairs, steps.tolist())]).astype(np.int32)
+    if self.local is None:
+      idx = self.batches.indices_many(workers, ks).astype(np.int32, copy=False)
+    else:
+      idx = np.array([job_indices(self.batches, w, k, h, self.local)
+                      for (w, k), h in zip(pairs, steps.tolist())], np.int32)
     return executor.Jobs(
         workers=workers.astype(np.int32), idx=idx, iters=(ks * steps).astype(np.int32),
         ratios=self.ratio_of.of(pairs), flushes=self.ratio_of.flushes(pairs),
@@ -600,6 +610,12 @@ class Simulation:
   def _job_time(self, w: int, k: int) -> float:
     """Seconds of worker ``w``'s job ``k`` (:func:`job_time`)."""
     return job_time(self.cluster, w, k, int(self.steps[w]))
+
+  @property
+  def _compute_time(self):
+    """The timeline's ``(worker, job) -> seconds``: :meth:`_job_time`, or the cluster's own
+    where every job is one iteration (no indirection at every start)."""
+    return self._job_time if self.local is not None else self.cluster.compute_time
 
   def _iterations(self) -> int:
     """Data iterations that reached a server so far (a local-update push: its job's ``H_w``).

@@ -102,12 +102,13 @@ class Traffic:
     """
     if not self.shared:
       return None
-    if kind == "push" and self.scheme == "inhad":
+    scheme = self.scheme
+    if scheme == "inhad" and kind == "push":
       return None   # to the node's aggregator
-    if self.scheme == "casp" and protocol.members(worker).size > 1:
+    if scheme == "casp" and protocol.members(worker).size > 1:
       return None   # through the community's leader
     num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
-    return ((int(protocol.route[worker]), kind), num_bytes, self._caps[worker],
+    return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
             self._latencies[worker])
 
   def message_delay(self, protocol, message, iteration: np.ndarray) -> float:

@@ -226,13 +226,64 @@ class Accounting:
     ``ka``, ``ga``, ``iters``: each arrival's round, group and data iterations.
     Adds every delivery to ``taken`` (peer: the other group servers that apply;
     global: the global server ``G``) in the round it happens.
+
+    Vectorised per group when each forward finds its group's outbox empty (one
+    forward in flight per group, as GSSP does): a forward then sends what
+    arrived since the previous one, and a delivery what the last forward before
+    it sent, unless a delivery came in between. Otherwise event by event
+    (:meth:`_exchange_events`).
     """
     n, G = s.forward.shape
-    R = taken.shape[1]
     arrivals = np.zeros([n, G], np.int64)
     np.add.at(arrivals, (ka, ga), iters)
     total = np.zeros([n + 1, G], np.int64)       # total[b] - total[a]: rounds a .. b - 1
     np.cumsum(arrivals, axis=0, out=total[1:])
+    sent = np.zeros([n, G], np.int64)            # what each round delivers, per group
+    pending, outbox = self.group_pending.copy(), self.group_outbox.copy()
+    for g in range(G):
+      f, d = np.flatnonzero(s.forward[:, g]), np.flatnonzero(s.deliver[:, g])
+      if not (f.size or d.size):
+        pending[g] += total[n, g]
+        continue
+      if f.size:
+        # Each forward must find the outbox empty: delivered in (previous forward, this one]
+        # (a delivery before the forward of its round), or empty at the start.
+        cleared = np.searchsorted(d, f, side="right") > np.searchsorted(
+            d, np.concatenate([[-1], f[:-1]]), side="right")
+        if not cleared[0] and outbox[g] == 0:
+          cleared[0] = True
+        if not cleared.all():
+          self._exchange_events(s, total, taken)
+          return
+        amounts = np.diff(total[f + 1, g], prepend=total[0, g])
+        amounts[0] += pending[g]
+      if d.size:
+        before = np.searchsorted(f, d, side="left") - 1      # the last forward before each
+        prev_d = np.concatenate([[-1], d[:-1]])
+        if f.size:
+          prev_f = np.where(before >= 0, f[np.maximum(before, 0)], -1)
+          value = np.where(before >= 0, amounts[np.maximum(before, 0)], outbox[g])
+        else:
+          prev_f, value = np.full(d.size, -1), np.full(d.size, outbox[g])
+        # Sent unless a delivery since that forward (or since the start) emptied the outbox.
+        sent[d, g] = np.where(np.where(before >= 0, prev_d <= prev_f, prev_d < 0), value, 0)
+      if f.size:
+        pending[g] = total[n, g] - total[f[-1] + 1, g]
+        outbox[g] = amounts[-1] if not d.size or f[-1] >= d[-1] else 0
+      else:
+        pending[g] += total[n, g]
+        outbox[g] = 0
+    whole = sent.sum(1)
+    if taken.shape[1] == 2 * G + 1:   # GSSP global: the global server takes every delivered sum
+      taken[:, G] += whole * s.applies[:, G]
+    else:                             # peer: every other group server takes it
+      taken[:, :G] += (whole[:, None] - sent) * s.applies[:, :G]
+    self.group_pending, self.group_outbox = pending, outbox
+
+  def _exchange_events(self, s: "_Stacked", total, taken) -> None:
+    """:meth:`_exchanges`, event by event in plain Python (any order of forwards and deliveries)."""
+    n, G = s.forward.shape
+    R = taken.shape[1]
     # Event by event in plain Python: a handful of groups, one event every few rounds.
     pending, outbox = self.group_pending.tolist(), self.group_outbox.tolist()
     events = np.flatnonzero(s.forward.any(1) | s.deliver.any(1))

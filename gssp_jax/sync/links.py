@@ -27,6 +27,10 @@ from typing import Hashable
 _DONE_SECONDS = 1e-9
 
 
+def _start_number(entry: tuple) -> int:
+  return entry[1]
+
+
 @dataclasses.dataclass
 class _Transfer:
   tag: Hashable
@@ -171,21 +175,26 @@ class EqualShareLinks:
     link.since = now
 
   def _share(self, key, link: _Link) -> None:
-    link.rate = min(link.cap, self.capacity / len(link.heap)) if link.heap else 0.0
-    self.version[key] = self.version.get(key, 0) + 1
+    heap = link.heap
+    link.rate = min(link.cap, self.capacity / len(heap)) if heap else 0.0
+    version = self.version
+    version[key] = version.get(key, 0) + 1
 
   def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float) -> int:
     """A transfer of ``num_bytes`` at most ``cap`` bytes/s starts on ``key``; returns its version."""
+    cap = float(cap)
     if not cap > 0:
       raise ValueError(f"transfer {tag!r} has a cap of {cap!r} bytes/s; allowed: > 0")
     link = self.links.get(key)
     if link is None:
-      link = self.links[key] = _Link(since=float(now), cap=float(cap))
-    self._advance(link, now)
-    if link.heap and float(cap) != link.cap:
+      link = self.links[key] = _Link(since=float(now), cap=cap)
+    if now > link.since:   # _advance, inline (every push and pull starts a transfer)
+      link.served += link.rate * (now - link.since)
+    link.since = now
+    if link.heap and cap != link.cap:
       raise ValueError(f"transfer {tag!r} has a cap of {cap!r} bytes/s on a link whose transfers "
                        f"have {link.cap!r}; allowed: the same cap (else use SharedLinks)")
-    link.cap = float(cap)
+    link.cap = cap
     heapq.heappush(link.heap, (link.served + float(num_bytes), link.starts, tag))
     link.starts += 1
     self._share(key, link)
@@ -202,12 +211,16 @@ class EqualShareLinks:
     """The tags of the transfers on ``key`` that have ended by ``now``, in start order."""
     link = self.links[key]
     self._advance(link, now)
+    heap, served, slack = link.heap, link.served, link.rate * _DONE_SECONDS
     done = []
-    while link.heap and link.heap[0][0] - link.served <= link.rate * _DONE_SECONDS:
-      done.append(heapq.heappop(link.heap))
-    if done:
-      self._share(key, link)
-    return [tag for _, _, tag in sorted(done, key=lambda d: d[1])]
+    while heap and heap[0][0] - served <= slack:
+      done.append(heapq.heappop(heap))
+    if not done:
+      return []
+    self._share(key, link)
+    if len(done) > 1:
+      done.sort(key=_start_number)
+    return [tag for _, _, tag in done]
 
   def cancel(self, now: float, drop) -> list:
     """Removes every transfer whose tag satisfies ``drop`` (a crashed worker's); returns the keys."""

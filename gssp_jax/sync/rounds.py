@@ -93,10 +93,28 @@ def empty_round(time: float, num_workers: int, num_replicas: int, num_groups: in
   protocol's: writing another raises at once, and the simulator never copies
   or stacks them).
   """
-  arrived, pulls, applies, optional = _templates(num_workers, num_replicas, num_groups,
-                                                 tuple(writable))
-  return Round(float(time), arrived.copy(), pulls.copy(), np.array(groups, np.int32),
-               applies.copy(), *[x.copy() if own else x for x, own in optional])
+  return round_maker(num_workers, num_replicas, num_groups, tuple(writable))(
+      time, np.array(groups, np.int32))
+
+
+@functools.lru_cache(maxsize=256)
+def round_maker(num_workers: int, num_replicas: int, num_groups: int, writable: tuple):
+  """``(time, groups) -> Round``: :func:`empty_round` of these sizes, for a caller that makes
+  many (a protocol's :meth:`new_round`). ``groups`` is taken as it is, not copied."""
+  arrived, pulls, applies, optional = _templates(num_workers, num_replicas, num_groups, writable)
+  copied = tuple(own for _, own in optional)
+  templates = tuple(x for x, _ in optional)
+  new = tuple.__new__
+
+  def make(time: float, groups: np.ndarray) -> Round:
+    return new(Round, (float(time), arrived.copy(), pulls.copy(), groups, applies.copy(),
+                       *[x.copy() if own else x for x, own in zip(templates, copied)]))
+  return make
+
+
+def _stack(arrays: list) -> np.ndarray:
+  """``np.stack`` of equal-shaped arrays, for many small ones (a round's fields): 2x faster."""
+  return np.array(arrays)
 
 
 def stack_fields(rounds: Sequence[Round], names: Sequence[str],
@@ -111,8 +129,24 @@ def stack_fields(rounds: Sequence[Round], names: Sequence[str],
     if name in OPTIONAL_FIELDS and name not in writable:
       first = getattr(rounds[0], name)
       out[name] = np.broadcast_to(first, (len(rounds), *first.shape))
+    elif name in OPTIONAL_FIELDS:
+      first = rounds[0]
+      empty = empty_fields(first.arrived.size, first.applies.size, first.forward.size)[name]
+      out[name] = _stack_optional([getattr(r, name) for r in rounds], empty)
     else:
-      out[name] = np.stack([getattr(r, name) for r in rounds])
+      out[name] = _stack([getattr(r, name) for r in rounds])
+  return out
+
+
+def _stack_optional(values: list, empty: np.ndarray) -> np.ndarray:
+  """:func:`_stack` of an optional field, whose rounds that did not write it share its read-only
+  ``empty`` value (``Protocol.new_round``'s ``writable``): only the others are gathered."""
+  own = [i for i, x in enumerate(values) if x is not empty]
+  if len(own) * 2 > len(values) or empty.shape != values[0].shape:
+    return _stack(values)
+  out = np.broadcast_to(empty, (len(values), *empty.shape)).copy()
+  if own:
+    out[own] = _stack([values[i] for i in own])
   return out
 
 

@@ -103,7 +103,7 @@ class TimelineEngine:
   def _react(self, reaction, time):
     for w in reaction.release:
       self.blocked_time[w] += time - self.pushed_at[w]
-      path = self.route("pull", w, int(self.iteration[w])) if self.route is not None else None
+      path = self.route("pull", w, self.iteration.item(w)) if self.route is not None else None
       if path is None:
         self._schedule(time + self.pull_delay(w), "start", w)
       else:
@@ -123,9 +123,8 @@ class TimelineEngine:
     self._schedule(self.links.next_end(link), "link", (link, version))
 
   def _link_event(self, link, version) -> None:
-    """A link's first transfer ends (unless its shares changed since: a stale event)."""
-    if version != self.links.version[link]:
-      return
+    """A link's first transfer ends (the caller checked that its shares did not change since:
+    else the event is stale)."""
     for (kind, w), latency in self.links.finish(link, self.now):
       self._schedule(self.now + latency, kind, w)
     end = self.links.next_end(link)
@@ -177,13 +176,15 @@ class TimelineEngine:
                          "waits and no message is in flight (a protocol deadlock)")
     self.now, _, kind, payload = heapq.heappop(self.queue)
     if kind == "link":   # the most frequent (a shared link's transfers), and never recorded
-      self._link_event(*payload)
+      link, version = payload
+      if version == self.links.version[link]:   # else stale: its shares changed since
+        self._link_event(link, version)
       return []
     if self.record and kind != "sent":   # a link's own events are not recorded
       self.events.append((kind, self.now, payload))
     if kind == "start":
       w = payload
-      k = int(self.iteration[w])
+      k = self.iteration.item(w)
       if self.record:
         self.starts.append((self.now, w, k))
       compute = self.compute_time(w, k)
@@ -195,7 +196,7 @@ class TimelineEngine:
         self._schedule(self.now + compute, "sent", w)
       return []
     if kind == "sent":   # compute ended: the push leaves
-      w, k = payload, int(self.iteration[payload])
+      w, k = payload, self.iteration.item(payload)
       path = self.route("push", w, k)
       if path is None:
         self._schedule(self.now + self.push_delay(w, k), "push", w)

@@ -15,8 +15,9 @@ importing anything or calling any constructor of a class it was not told about:
 * NamedTuples and objects only of *allowed* classes: those passed to
   :func:`allow`, and every subclass of ``sync.Protocol`` defined in the reading
   process (a user's registered protocol included), found by module and name in
-  that list, never imported. An object is rebuilt with ``object.__new__`` and
-  its ``__dict__`` (through the class's ``__setstate__`` if it has one, which
+  that list, never imported. An object is saved as its ``__dict__`` (or what
+  its class's own ``__getstate__`` returns) and rebuilt with ``object.__new__``
+  and that dict (through the class's ``__setstate__`` if it has one, which
   fills in attributes added since the state was saved).
 
 The document carries ``format`` and ``version``; another version is refused
@@ -113,7 +114,8 @@ def to_tree(obj: Any) -> Any:
     return {"__dict__": [[to_tree(k), to_tree(v)] for k, v in obj.items()]}
   if hasattr(obj, "__dict__") and not isinstance(obj, type):
     _check_allowed(type(obj))
-    return {"__obj__": [_name(type(obj)), to_tree(vars(obj))]}
+    own = type(obj).__getstate__ is not object.__getstate__   # a class's own (drops caches)
+    return {"__obj__": [_name(type(obj)), to_tree(obj.__getstate__() if own else vars(obj))]}
   raise HostStateError(f"a {type(obj).__module__}.{type(obj).__qualname__} cannot be saved as"
                        " host state")
 

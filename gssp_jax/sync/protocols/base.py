@@ -96,14 +96,42 @@ class Protocol:
     """
     return {"alive": np.ones([self.num_workers], bool)}
 
+  def __getstate__(self) -> dict:
+    state = dict(self.__dict__)
+    for cache in ("_route_copy", "_members_of"):   # caches (_route_copy's closure does not pickle)
+      state.pop(cache, None)
+    return state
+
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
     for key, value in self._membership_defaults().items():
       self.__dict__.setdefault(key, value)
 
-  def new_round(self, time: float) -> rounds_lib.Round:
-    return rounds_lib.empty_round(time, self.num_workers, self.num_replicas, self.num_groups,
-                                  self.route, self.round_fields)
+  def new_round(self, time: float, writable: tuple | None = None) -> rounds_lib.Round:
+    """An empty round (``rounds.empty_round``) routed by ``route`` as it is now.
+
+    ``writable``: the optional fields this round may set, a subset of
+    ``round_fields`` (default: all of them); the others are the shared
+    read-only empty values, which cost nothing to make or to stack (GSSP's
+    rounds are mostly plain pushes: they set none). Its ``groups`` is a
+    read-only copy of ``route``, shared by the rounds made while ``route``
+    keeps its value (one copy per regrouping, not per round).
+    """
+    key = self.route.tobytes()
+    cached = self.__dict__.get("_route_copy")
+    if cached is None or cached[0] != key:
+      groups = np.array(self.route, np.int32)
+      groups.flags.writeable = False
+      make = rounds_lib.round_maker(self.num_workers, self.num_replicas, self.num_groups,
+                                    tuple(self.round_fields))
+      cached = self.__dict__["_route_copy"] = (key, groups, make)
+    if writable is None:
+      return cached[2](time, cached[1])
+    if not set(writable) <= set(self.round_fields):
+      raise ValueError(f"{self.name} round fields {writable!r} are invalid; allowed: a subset "
+                       f"of its round_fields {self.round_fields!r}")
+    return rounds_lib.round_maker(self.num_workers, self.num_replicas, self.num_groups,
+                                  tuple(writable))(time, cached[1])
 
   def on_push(self, worker: int, time: float) -> Reaction:
     raise NotImplementedError
@@ -226,6 +254,8 @@ class Protocol:
 
 def alive_min(clock: np.ndarray, members: np.ndarray) -> int:
   """The smallest clock of ``members`` (``[W]`` bool); 0 when there is none."""
+  if members.all():   # nobody dropped: no gather (called at every push)
+    return int(clock.min())
   return int(clock[members].min()) if members.any() else 0
 
 
@@ -239,4 +269,4 @@ def release_ids(protocol: Protocol, rnd: rounds_lib.Round, free, reaction: React
   """Releases the blocked workers ``free`` (ascending ids): they pull in ``rnd``."""
   protocol.blocked[free] = False
   rnd.pulls[free] = True
-  reaction.release.extend(int(w) for w in free)
+  reaction.release.extend(np.asarray(free, np.int64).tolist())

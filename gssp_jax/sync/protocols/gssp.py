@@ -12,6 +12,11 @@ from gssp_jax.sync.protocols.base import release_ids
 from gssp_jax.sync.protocols.base import release_where
 
 
+# Groups of at most this many workers are released in plain Python (``_free_of_few``).
+_FEW = 8
+_NONE = np.zeros([0], np.int64)
+
+
 class GSSPProtocol(Protocol):
   """Grouped SSP with asynchronous inter-group exchange.
 
@@ -143,26 +148,64 @@ class GSSPProtocol(Protocol):
       mask[queue] = True
     return mask
 
+  def _due(self, group: int) -> bool:
+    """``group``'s server has processed enough pushes to forward (one in flight or not)."""
+    return bool(self.since_forward[group] >= self.forward_every[group])
+
   def _maybe_forward(self, group: int, rnd, reaction) -> None:
-    if self.since_forward[group] >= self.forward_every[group] and not self.in_flight[group]:
+    """Forwards ``group``'s pending sum if due and none is in flight (``rnd`` must have
+    ``forward`` writable then: its maker asks :meth:`_due` first)."""
+    if self._due(group) and not self.in_flight[group]:
       rnd.forward[group] = True
       self.since_forward[group] = 0
       self.in_flight[group] = True
       reaction.messages.append(Message("deliver", group))
 
+  def _members(self, group: int) -> tuple[np.ndarray, list]:
+    """The workers of ``group`` (ascending; as an array and a list), cached while ``route``
+    keeps its value."""
+    key = self.route.tobytes()
+    cached = self.__dict__.get("_members_of")
+    if cached is None or cached[0] != key:
+      ids = [np.flatnonzero(self.route == g) for g in range(self.num_groups)]
+      cached = self.__dict__["_members_of"] = (key, [(m, m.tolist()) for m in ids])
+    return cached[1][group]
+
   def _release_group(self, group: int, rnd, reaction) -> None:
     """SSP inside ``group``: release its blocked workers within ``s`` of its slowest."""
-    members = (self.route == group).nonzero()[0]
-    blocked = members[self.blocked[members]]
-    if not blocked.size:
-      return
-    clock = self.clock[members] - self.baseline[members]
-    alive = self.alive[members]
-    slowest = clock[alive].min() if alive.any() else 0
-    free = blocked[self.clock[blocked] - self.baseline[blocked] - slowest <= self.staleness]
-    if any(self.held):   # a held push's worker waits for its group server's reply
+    members, listed = self._members(group)
+    if len(listed) <= _FEW:
+      free = self._free_of_few(listed)
+    else:
+      free = self._free_of_many(members)
+    if len(free) and any(self.held):   # a held push's worker waits for its group server's reply
       free = free[~self._held_mask()[free]]
     release_ids(self, rnd, free, reaction)
+
+  def _free_of_many(self, members: np.ndarray) -> np.ndarray:
+    """The blocked ``members`` within ``s`` clocks of their slowest alive one (vectorised)."""
+    waiting = self.blocked[members]
+    if not waiting.any():
+      return members[:0]
+    clock = self.clock[members] - self.baseline[members]   # since the last regrouping
+    alive = self.alive[members]
+    if alive.all():
+      slowest = clock.min()
+    else:
+      slowest = clock[alive].min() if alive.any() else 0
+    return members[waiting & (clock - slowest <= self.staleness)]
+
+  def _free_of_few(self, members: list) -> np.ndarray:
+    """:meth:`_free_of_many` in plain Python: for a few members, 2x faster than NumPy's calls."""
+    blocked = self.blocked
+    waiting = [w for w in members if blocked.item(w)]
+    if not waiting:
+      return _NONE
+    clock, baseline, alive = self.clock, self.baseline, self.alive
+    alive_clocks = [clock.item(w) - baseline.item(w) for w in members if alive.item(w)]
+    slowest = min(alive_clocks) if alive_clocks else 0
+    limit = slowest + self.staleness
+    return np.array([w for w in waiting if clock.item(w) - baseline.item(w) <= limit], np.int64)
 
   def _maybe_regroup(self, time, reaction) -> None:
     """The regrouping barrier: every alive worker blocked, nothing held."""
@@ -172,7 +215,7 @@ class GSSPProtocol(Protocol):
     self.next_route = None
     self.baseline = self.clock.copy()
     self.regroups.append((float(time), self.route.tolist()))
-    regroup = self.new_round(time)   # no arrivals; pulls routed by the new groups
+    regroup = self.new_round(time, ())   # no arrivals; pulls routed by the new groups
     reaction.rounds.append(regroup)
     # A group server waiting for its reply serves its new members after the adopt.
     busy = np.array([self._busy(g) for g in range(self.num_groups)], bool)
@@ -192,7 +235,8 @@ class GSSPProtocol(Protocol):
     g = int(self.route[worker])
     self.clock[worker] += 1
     self.since_forward[g] += 1
-    rnd = self.new_round(time)
+    # Most pushes neither forward nor deliver: their rounds' exchange fields stay shared.
+    rnd = self.new_round(time, ("forward",) if self._due(g) and not self.in_flight[g] else ())
     rnd.arrived[worker] = True
     rnd.applies[g] = True
     reaction = Reaction(rounds=[rnd])
@@ -206,11 +250,20 @@ class GSSPProtocol(Protocol):
 
   def on_message(self, message, time):
     g = int(message.group)
-    rnd = self.new_round(time)
+    peer = self.inter_group == "peer"
+    if message.kind == "deliver":   # the optional fields its round sets (forward: after landing)
+      writable = ("deliver", "forward") if peer and self._due(g) else (
+          ("deliver",) if peer else ("deliver", "stats_mean", "adopt"))
+    elif message.kind == "adopt" and not peer:
+      writable = ("adopt", "forward") if self._due(g) else ("adopt",)
+    else:
+      return super().on_message(message, time)
+    rnd = self.new_round(time, writable)
     reaction = Reaction(rounds=[rnd])
-    if message.kind == "deliver" and self.inter_group == "peer":
+    if message.kind == "deliver" and peer:
       rnd.deliver[g] = True
-      rnd.applies[:self.num_groups] = np.arange(self.num_groups) != g
+      rnd.applies[:self.num_groups] = True
+      rnd.applies[g] = False
       self.in_flight[g] = False
       self._maybe_forward(g, rnd, reaction)
     elif message.kind == "deliver":
@@ -220,7 +273,7 @@ class GSSPProtocol(Protocol):
       # Adoption runs after the update: the slot keeps the weights as they leave.
       rnd.adopt[self.reply_slot(g)] = self.num_groups
       reaction.messages.append(Message("adopt", g))
-    elif message.kind == "adopt" and self.inter_group == "global":
+    else:   # adopt (global)
       rnd.adopt[g] = self.reply_slot(g)
       self.in_flight[g] = False
       self._maybe_forward(g, rnd, reaction)
@@ -234,13 +287,11 @@ class GSSPProtocol(Protocol):
         reaction.release.extend(more.release)
         reaction.messages.extend(more.messages)
       self._maybe_regroup(time, reaction)
-    else:
-      return super().on_message(message, time)
     return reaction
 
   def _after_drop(self, worker, time, was_blocked):
     g = int(self.route[worker])
-    rnd = self.new_round(time)
+    rnd = self.new_round(time, ())
     reaction = Reaction()
     if self.next_route is not None:     # the barrier may now be complete
       self._maybe_regroup(time, reaction)

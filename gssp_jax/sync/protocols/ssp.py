@@ -35,7 +35,10 @@ class BSPProtocol(Protocol):
     return {**super()._membership_defaults(), "orphans": np.zeros([self.num_workers], bool)}
 
   def on_push(self, worker, time):
-    worker = self.check_worker(worker)
+    return self._push(self.check_worker(worker), time)
+
+  def _push(self, worker: int, time: float) -> Reaction:
+    """:meth:`on_push` of a checked ``worker``."""
     self.clock[worker] += 1
     self.blocked[worker] = True
     reaction = Reaction()
@@ -99,7 +102,10 @@ class SSPProtocol(Protocol):
     return self.clock - alive_min(self.clock, self.alive)
 
   def on_push(self, worker, time):
-    worker = self.check_worker(worker)
+    return self._push(self.check_worker(worker), time)
+
+  def _push(self, worker: int, time: float) -> Reaction:
+    """:meth:`on_push` of a checked ``worker``."""
     self.clock[worker] += 1
     rnd = self.new_round(time)
     rnd.arrived[worker] = True
@@ -118,13 +124,14 @@ class SSPProtocol(Protocol):
       release_ids(self, rnd, blocked, reaction)   # ASP: no bound, everyone goes on
       return
     ahead = self.clock[blocked] - alive_min(self.clock, self.alive)
-    release_ids(self, rnd, blocked[ahead <= self._allowances(blocked, time)], reaction)
+    release_ids(self, rnd, blocked[self._within(blocked, ahead, time)], reaction)
 
-  def _allowances(self, blocked: np.ndarray, time: float):
-    """:meth:`allowance` of each of the ``blocked`` workers (ascending), called in that order."""
+  def _within(self, blocked: np.ndarray, ahead: np.ndarray, time: float) -> np.ndarray:
+    """Which ``blocked`` workers (ascending; ``ahead`` clocks ahead of the slowest) are within
+    their :meth:`allowance`, which is called for each of them in that order."""
     if type(self).allowance is SSPProtocol.allowance:
-      return self.staleness   # the same bound for everyone
-    return np.array([self.allowance(w, time) for w in blocked.tolist()], np.float64)
+      return ahead <= self.staleness   # the same bound for everyone
+    return ahead <= np.array([self.allowance(w, time) for w in blocked.tolist()], np.float64)
 
   def _after_drop(self, worker, time, was_blocked):
     rnd = self.new_round(time)
@@ -210,7 +217,7 @@ class DSSPProtocol(SSPProtocol):
     worker = self.check_worker(worker)
     self.prev[worker], self.last[worker] = self.last[worker], float(time)
     self._pusher = worker
-    return super().on_push(worker, time)
+    return self._push(worker, time)
 
   def extra_iterations(self, worker: int, time: float) -> int | None:
     """The controller's ``r`` for ``worker`` pushing at ``time`` (None: no history yet).
@@ -231,23 +238,29 @@ class DSSPProtocol(SSPProtocol):
     wait = np.abs(fast[:, None] - slow_pushes[None, :]).min(axis=1)
     return int(np.argmin(wait))   # the first minimum: ties go to the smaller r
 
-  def _allowances(self, blocked, time):
+  def _within(self, blocked, ahead, time):
     """Only the pusher's allowance is more than ``s_L`` (:meth:`allowance`): one call, not one
     per waiting worker (which returned ``s_L`` and changed nothing)."""
-    out = np.full([blocked.size], self.low, np.float64)
-    mine = np.flatnonzero(blocked == self._pusher)
-    if mine.size:
-      out[mine[0]] = self.allowance(self._pusher, time)
-    return out
+    within = ahead <= self.low
+    pusher = self._pusher
+    if pusher >= 0:
+      i = int(np.searchsorted(blocked, pusher))
+      if i < blocked.size and blocked[i] == pusher:
+        within[i] = ahead[i] <= self._pusher_allowance(pusher, time, int(ahead[i]))
+    return within
 
   def allowance(self, worker, time):
     if worker != self._pusher:      # a waiting worker waits until it is within s_L
       return self.low
+    return self._pusher_allowance(worker, time,
+                                  int(self.clock[worker] - alive_min(self.clock, self.alive)))
+
+  def _pusher_allowance(self, worker: int, time: float, ahead: int) -> float:
+    """:meth:`allowance` of the pusher, ``ahead`` clocks ahead of the slowest alive worker."""
     if self.credit[worker] > 0:     # credited: goes on without a check
       self.credit[worker] -= 1
       return np.inf
-    ahead = self.clock[worker] - alive_min(self.clock, self.alive)
-    if ahead <= self.low or self.clock[worker] != self.clock[self.alive].max():
+    if ahead <= self.low or self.clock[worker] != self._alive_max():
       return self.low
     r = self.extra_iterations(worker, time) or 0
     self.thresholds.append((float(time), int(worker), int(r)))
@@ -255,6 +268,10 @@ class DSSPProtocol(SSPProtocol):
       self.credit[worker] = r - 1
       return np.inf
     return self.low
+
+  def _alive_max(self) -> int:
+    """The largest clock of the alive workers (some are: the pusher is)."""
+    return int(self.clock.max() if self.alive.all() else self.clock[self.alive].max())
 
   def _after_drop(self, worker, time, was_blocked):
     self._pusher = -1   # nobody pushed: every waiting worker waits for s_L
