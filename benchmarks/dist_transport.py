@@ -451,6 +451,7 @@ class BenchMesh(worker_lib.MeshWorker):
     self.treedefs = (jax.tree.structure(self.grads), jax.tree.structure(model_stats))
     self.stats_bytes = step_lib.tree_bytes(model_stats)
     self.layout, self.shards, self.seq, self.session = None, [], 0, ""
+    self._calls = None
     self.server = wire.Client(server_address, CREDENTIALS, retry_seconds=120)
     self.job = self._accept(*self._join())
 
@@ -473,7 +474,7 @@ def _control_plane(name: str, num_meshes: int, num_servers: int, workdir: str, c
                               credentials=CREDENTIALS)
   srv.restore()
   address = srv.bind("127.0.0.1:0")
-  srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier: meshes retry)
+  srv.membership.join_by = 0.0   # no start barrier: meshes retry
   _serve_until_told(conn, address)
 
 

@@ -70,7 +70,7 @@ class RealRun:
     self.shards = [shard_process.start(self.config, workdir, s, num_servers, address,
                                        "127.0.0.1:0", CREDENTIALS)
                    for s in range(1, num_servers)]
-    self.srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier)
+    self.srv.membership.join_by = 0.0   # no start barrier
     self.meshes = meshes if meshes is not None else make_meshes(self.config)
     for mesh in self.meshes:   # a fresh start (meshes may be reused from another run)
       mesh.layout, mesh.seq = None, 0

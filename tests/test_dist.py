@@ -131,7 +131,7 @@ def _dist_server(tmp_path, data_dir, **changes):
   srv = server.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path),
                           credentials=dist_replay.CREDENTIALS, manual_messages=True)
   srv.restore()
-  srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier)
+  srv.membership.join_by = 0.0   # no start barrier
   return srv
 
 
@@ -164,7 +164,7 @@ def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog)
         _push_ones(srv, w, 1)
         reply, body = srv.await_release(w, 1, timeout=60)
         assert "iteration" in reply and wire.body_bytes(body), reply
-      for message in list(m for _, m in srv._messages.pending()):   # pylint: disable=protected-access
+      for message in list(m for _, m in srv.core.messages.pending()):
         srv.deliver(message)   # forwards between groups, now
       with srv.lock:
         srv._emit({"k": "snap", "id": 99})   # pylint: disable=protected-access

@@ -9,6 +9,7 @@ arrives is refused *before* anything changes.
 """
 
 import contextlib
+import copy
 import inspect
 import os
 import stat
@@ -26,6 +27,7 @@ import pytest
 import dist_replay
 import helpers
 from gssp_jax import config as config_lib
+from gssp_jax import sync
 from gssp_jax.runtime import auth
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
@@ -42,7 +44,7 @@ def _server(tmp_path, data_dir, scheme="bsp", num_workers=2, num_servers=1, **ch
   srv = server_lib.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path),
                               num_servers=num_servers, credentials=CREDENTIALS)
   srv.restore()
-  srv._join_by = 0.0   # pylint: disable=protected-access  (no start barrier)
+  srv.membership.join_by = 0.0   # no start barrier
   return srv
 
 
@@ -232,7 +234,7 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
     saved = lambda self, step, timeout: None   # (its checkpoint: not part of this test)
 
   srv.shards[1] = Link()
-  srv._op_log = None   # pylint: disable=protected-access
+  srv.shard_links._op_log = None   # pylint: disable=protected-access
   try:
     for w in range(srv.W):
       _join(srv, w)
@@ -1015,10 +1017,22 @@ def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):
   """``server.lock`` is a plain lock: a helper that must run under it refuses to run without
   it, and taking it twice on one thread is reported, not nested."""
   from gssp_jax.runtime import locks  # pylint: disable=g-import-not-at-top
-  with pytest.raises(locks.LockNotHeld, match="_emit runs under server.lock"):
-    server._emit({"k": "noop"})   # pylint: disable=protected-access
-  with pytest.raises(locks.LockNotHeld, match="_count_refused"):
-    server._count_refused("malformed", 0, "a test")   # pylint: disable=protected-access
+  core, links = server.core, server.shard_links
+  for call, name in ((lambda: links.emit({"k": "noop"}), "ShardLinks.emit"),
+                     (links.snap, "ShardLinks.snap"),
+                     (lambda: core.count_refused("malformed", 0, "a test"),
+                      "ProtocolCore.count_refused"),
+                     (lambda: core.accept(0, 1, 0.5, 8, 8), "ProtocolCore.accept"),
+                     (lambda: core.react(sync.Reaction(), 0.0), "ProtocolCore.react"),
+                     (lambda: core.lose(0, 0.0, "a test"), "ProtocolCore.lose"),
+                     (core.finish, "ProtocolCore.finish")):
+    ops, snaps, host = links.ops, links.snaps, copy.deepcopy(core.host)
+    with pytest.raises(locks.LockNotHeld, match=f"{name} runs under server.lock"):
+      call()
+    # Refused before it changed anything.
+    assert links.ops == ops and links.snaps == snaps and not core.done
+    assert core.host["refused"] == host["refused"] and core.host["lost"] == host["lost"]
+    assert core.host["pushes"] == host["pushes"] and core.protocol.alive.all()
   with server.lock:
     with pytest.raises(RuntimeError, match="taken again by the thread that holds it"):
       server.lock.acquire()
@@ -1027,3 +1041,32 @@ def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):
   with server.changed:   # a Condition over it: wait releases and takes it back
     server.changed.wait(timeout=0.01)
     assert server.lock.held()
+
+
+def test_a_shards_checkpoint_copy_does_not_hold_up_the_pushes_staged_meanwhile(server,
+                                                                               monkeypatch):
+  """Shard 0 takes a checkpoint's host copy outside its lock: a push staged meanwhile (what the
+  control plane does under ``server.lock``) does not wait for it."""
+  core = server.core0
+  copying, release = threading.Event(), threading.Event()
+  host_copy = type(core)._copy
+
+  def slow_copy(self, op, state):   # a checkpoint's copy that takes as long as the test says
+    copying.set()
+    release.wait(120)
+    return host_copy(self, op, state)
+  monkeypatch.setattr(type(core), "_copy", slow_copy)
+  with server.lock:
+    server.shard_links.emit({"k": "save", "step": 7})
+  assert copying.wait(60)
+  staged = threading.Event()
+  stager = threading.Thread(target=lambda: (core.stage(0, 1, [], []), staged.set()), daemon=True)
+  stager.start()
+  try:
+    assert staged.wait(60), "staging a push waited for the checkpoint's host copy"
+    with core.cond:
+      assert core.staged[0][0] == 1 and core.applied == 0   # the save is not applied yet
+  finally:
+    release.set()
+  core.saved(7, timeout=120)
+  assert core.applied == 1 and core.error is None

@@ -22,10 +22,15 @@ answers once it has applied that many ops. So S shards, each applying the
 stream in its own process, hold exactly the state one server would.
 
 Threads: gRPC handlers stage gradients, enqueue ops and read pulls; one
-applier thread applies ops. ``self.cond`` (one lock) orders everything: the
-staged gradients, the op queue, the applied count and the device state
-(device calls are dispatched under it, waited for outside it). Nothing here
-calls the control plane, so no lock is held across processes.
+applier thread applies ops. ``self.cond`` (one lock) orders the staged
+gradients, the op queue, the applied count and the device state: a ``put`` or
+a ``round`` is dispatched under it (it donates the state's buffers, which a
+pull may be reading), waited for outside it. A ``snap``'s or a ``save``'s host
+copy is taken outside it: the applier is the only thread that applies ops, so
+nothing donates the state while it copies, and the control plane's
+``stage`` (called under ``server.lock``) never waits behind a checkpoint's
+copy. Nothing here calls the control plane, so no lock is held across
+processes.
 """
 
 from __future__ import annotations
@@ -236,18 +241,51 @@ class ShardCore:
         if self.stopped:
           return
         op = self.ops.popleft()
-        try:
-          self._apply(op)
-        except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
-          logging.exception("shard %d cannot apply op %d (%s)", self.index, self.applied,
-                            op.get("k"))
-          self.error = e if isinstance(e, ShardError) else ShardError(
-              f"shard {self.index} failed at op {self.applied}: {e}")
-          self.stopped = True
-          self.cond.notify_all()
+        if op["k"] not in _COPIES:   # a put or a round donates the state: under the lock
+          if not self._applied(op, lambda: self._apply(op)):
+            return
+          continue
+        state = self.state
+      # A snapshot's or a checkpoint's host copy, outside the lock: no op runs meanwhile (this
+      # thread applies them all), so nothing donates the state it reads; pulls read it too, and
+      # stages and enqueues go on.
+      copied: list = []
+      error = _error_of(lambda: copied.append(self._copy(op, state)))
+      with self.cond:
+        if not self._applied(op, lambda: self._keep(op, state, copied[0]), error):
           return
-        self.applied += 1
-        self.cond.notify_all()
+
+  def _applied(self, op: dict, apply, error: Exception | None = None) -> bool:
+    """Applies ``op`` (under ``self.cond``) and counts it; False if it failed (the shard stops)."""
+    error = error or _error_of(apply)
+    if error is not None:
+      logging.error("shard %d cannot apply op %d (%s): %s", self.index, self.applied,
+                    op.get("k"), error)
+      self.error = error if isinstance(error, ShardError) else ShardError(
+          f"shard {self.index} failed at op {self.applied}: {error}")
+      self.stopped = True
+      self.cond.notify_all()
+      return False
+    self.applied += 1
+    self.cond.notify_all()
+    return True
+
+  def _copy(self, op: dict, state):
+    """The host copy a ``snap`` or ``save`` op takes of ``state`` (without the lock)."""
+    if op["k"] == "snap":
+      return jax.device_get((self.served_fn(state), state.loss_sum, state.loss_count,
+                             state.push_bytes))
+    return jax.tree.map(np.array, state)
+
+  def _keep(self, op: dict, state, copy) -> None:
+    """Keeps a ``snap``'s or ``save``'s host copy (under the lock); a snap restarts the sums."""
+    if op["k"] == "snap":
+      self.snapshots[op["id"]] = copy
+      self.state = state.replace(loss_sum=jnp.zeros([], jnp.float32),
+                                 loss_count=jnp.zeros([], jnp.int32),
+                                 push_bytes=executor.zero_push_bytes(self.W))
+    else:   # the saver thread writes it
+      self._to_save.append((op["step"], copy))
 
   def _apply(self, op: dict) -> None:
     kind = op["k"]
@@ -267,20 +305,7 @@ class ShardCore:
       args = dict(op["args"])
       args["learning_rate"] = np.float32(op["lr"])
       self.state = self.round_fn(self.state, args)
-    elif kind == "snap":
-      state = self.state
-      # Read to the end before the next op donates the buffers (see ``pull``).
-      self.snapshots[op["id"]] = jax.device_get((self.served_fn(state), state.loss_sum,
-                                                 state.loss_count, state.push_bytes))
-      self.state = state.replace(loss_sum=jnp.zeros([], jnp.float32),
-                                 loss_count=jnp.zeros([], jnp.int32),
-                                 push_bytes=executor.zero_push_bytes(self.W))
-    elif kind == "save":
-      # A host copy now (the next op donates the buffers); the saver thread writes it.
-      self._to_save.append((op["step"], jax.tree.map(np.array, self.state)))
-    elif kind == "noop":
-      pass
-    else:
+    elif kind != "noop":
       raise ShardError(f"unknown op {kind!r}")
 
   def _wait(self, predicate, timeout: float, what: str) -> None:
@@ -475,3 +500,17 @@ class ShardService:
 def checkpoint_dir(workdir: str, index: int) -> str:
   """Shard ``index``'s Orbax checkpoints (the control plane's are in ``workdir/checkpoints``)."""
   return os.path.join(workdir, "shards", f"shard{index}")
+
+
+# Ops whose work is a host copy of the state, taken outside ``ShardCore.cond``.
+_COPIES = ("snap", "save")
+
+
+def _error_of(call) -> Exception | None:
+  """Runs ``call``; the exception it raised (logged with its trace), or None."""
+  try:
+    call()
+  except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
+    logging.exception("a shard op failed")
+    return e
+  return None

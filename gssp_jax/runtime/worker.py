@@ -63,6 +63,7 @@ from gssp_jax.data import sharding
 from gssp_jax.runtime import auth
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
+from gssp_jax.runtime import shard_links
 from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor as sim_executor
@@ -258,6 +259,7 @@ class MeshWorker:
     self.layout: layout_lib.ShardLayout | None = None
     self.server: wire.Client | None = None
     self.shards: list[wire.Client] = []
+    self._calls: shard_links.CallPool | None = None   # the other shards' calls, at once
     self.iterations = 0
     self.seq = 0
     self.session = ""
@@ -325,6 +327,9 @@ class MeshWorker:
       client.close()
     self.layout = layout_lib.ShardLayout.balanced(*self.templates, len(addresses) + 1)
     self.shards = _clients(addresses, self.credentials, self.config)
+    if self._calls is not None:
+      self._calls.close()
+    self._calls = shard_links.CallPool(len(addresses), "mesh-call")   # the shards at once
 
   def _request_push(self, job: dict, loss, grad, model_state, nbytes) -> tuple[dict, object]:
     """Rank 0: the slices to the shards, then the push; ``rejoin`` answers lead to a ``Join``."""
@@ -342,7 +347,7 @@ class MeshWorker:
       return self.server.call("Push", {**header, "nonfinite": "the mesh computed a non-finite "
                                        "loss or gradient"})
     try:
-      receipts = server_lib._parallel([   # pylint: disable=protected-access
+      receipts = self._calls.run([
           lambda s=s: self.shards[s - 1].call(
               "PutGrad", {"mesh": self.w, "session": self.session, "seq": self.seq,
                           "nnz": bodies[s][1]}, bodies[s][0])[0]["receipt"]
@@ -367,7 +372,7 @@ class MeshWorker:
         "Pull", {"mesh": self.w, "session": job["session"], "watermark": job["watermark"]},
         reply_limit=layout.pull_bytes(s), reply_parts=True)[1]
         for s in range(1, layout.num_shards)]
-    bodies = server_lib._parallel(calls) if calls else []   # pylint: disable=protected-access
+    bodies = self._calls.run(calls) if calls else []
     if shard0 is not None:
       bodies = [shard0] + bodies
     params, model_state = layout.assemble(bodies, self.treedefs)

@@ -1,0 +1,285 @@
+"""The control plane's protocol core: the scheme's protocol on the meshes' pushes, with wall time.
+
+:class:`ProtocolCore` owns what the protocol decides and what it counts: the
+protocol object, the staleness accounting, the host counters (pushes, bytes,
+blocked time, the records' counters), each mesh's release (its next job), and
+the server-to-server messages in flight (:class:`Scheduler`). Each event (a
+push, a drop, a rejoin, a message) becomes rounds, which it accounts with the
+simulator's functions (``sim/records.py``) and emits to the shards as ops.
+
+Concurrency: every method but :meth:`now`, :meth:`wall_time` and the
+scheduler's thread runs under the server's lock (``server.lock``, passed in);
+the helpers that must, check it (``react``, ``accept``, ``finish``,
+``count_refused``). ``Scheduler``'s thread delivers a due message through
+:meth:`deliver_due`, which takes the lock; its own condition is never held
+while the lock is taken.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+from absl import logging
+import numpy as np
+
+from gssp_jax import sync
+from gssp_jax.sim import records
+
+HOST_FORMAT = "sharded-1"              # the control plane's checkpointed host state
+
+
+class Scheduler:
+  """Delivers messages after their delay on one thread; ``manual`` holds them for a caller."""
+
+  def __init__(self, deliver: Callable[[Any], None], manual: bool = False):
+    self.deliver, self.manual = deliver, manual
+    self.cond = threading.Condition()
+    self.heap: list = []
+    self.count = itertools.count()
+    self.closed = False
+    if not manual:
+      threading.Thread(target=self._run, name="messages", daemon=True).start()
+
+  def add(self, due: float, message) -> None:
+    with self.cond:
+      heapq.heappush(self.heap, (due, next(self.count), message))
+      self.cond.notify()
+
+  def pending(self) -> list[tuple[float, Any]]:
+    with self.cond:
+      return [(due, m) for due, _, m in sorted(self.heap)]
+
+  def take(self, message):
+    """Manual mode: removes and returns the first held message equal to ``message``."""
+    with self.cond:
+      for i, (_, _, held) in enumerate(self.heap):
+        if held == message:
+          self.heap.pop(i)
+          heapq.heapify(self.heap)
+          return held
+    raise KeyError(f"no held message {message}")
+
+  def _run(self) -> None:
+    while True:
+      with self.cond:
+        while not self.closed and (not self.heap or self.heap[0][0] > time.monotonic()):
+          self.cond.wait(None if not self.heap else self.heap[0][0] - time.monotonic())
+        if self.closed:
+          return
+        _, _, message = heapq.heappop(self.heap)
+      self.deliver(message)
+
+  def close(self) -> None:
+    with self.cond:
+      self.closed = True
+      self.cond.notify()
+
+
+class ProtocolCore:
+  """The protocol, its accounting and counters, the meshes' releases (module docstring).
+
+  Args:
+    scheme: the run's ``sync`` scheme.
+    steps: ``[W]`` each mesh's inner steps per job (``simulate.local_plan``).
+    local: a local-update scheme (its pushes count ``H_w`` iterations).
+    schedule: the outer learning rate per server step (``optim.LearningRateTable``).
+    ratio_of: the compression ratios (``simulate.Ratios``).
+    links: the scheme's ``traffic.Traffic`` (bytes per link, emulated delays).
+    emulated: the cluster's link delays are emulated (else messages land at once).
+    pull_bytes: bytes of the weights a mesh pulls.
+    emit: ``op -> None``, appends an op to every shard's stream (under the lock).
+    watermark: ``() -> int``, the op number a released mesh's weights are read at.
+    lock, changed: the server's lock and its condition.
+    clock: seconds since the run's start (default: the wall clock).
+    manual_messages: hold server-to-server messages until :meth:`deliver` (tests).
+  """
+
+  def __init__(self, *, scheme, steps: np.ndarray, local: bool, schedule, ratio_of, links,
+               emulated: bool, pull_bytes: int, emit: Callable[[dict], None],
+               watermark: Callable[[], int], lock, changed,
+               clock: Callable[[], float] | None = None, manual_messages: bool = False):
+    W = scheme.num_workers
+    self.W, self.scheme, self.steps, self.local = W, scheme, steps, local
+    self.schedule, self.ratio_of, self.links = schedule, ratio_of, links
+    self.emulated, self.pull_bytes = emulated, pull_bytes
+    self._emit, self._watermark = emit, watermark
+    self.lock, self.changed = lock, changed
+    self.protocol = scheme.make_protocol()
+    self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
+                                           aggregating=scheme.name == "inhad",
+                                           push_iterations=steps)
+    self.host = {**records.new_counters(W), "format": HOST_FORMAT,
+                 "jobs": np.zeros([W], np.int64), "seq": np.zeros([W], np.int64),
+                 "pushes": 0, "iterations": 0, "wall_time": 0.0,
+                 "next_eval": 0, "num_evals": 0, "evaluated": 0,
+                 "evaluated_iterations": 0, "started": np.zeros([W], bool),
+                 "pushes_per_worker": np.zeros([W], np.int64),
+                 "wire_pushed_per_worker": np.zeros([W], np.int64),
+                 "wire_pulled_per_worker": np.zeros([W], np.int64),
+                 "blocked_time_per_worker": np.zeros([W]), "lost": [], "rejoined": [],
+                 "refused": {"nonfinite": 0, "malformed": 0, "duplicate": 0},
+                 "in_flight": []}   # server-to-server messages: (seconds left, message)
+    self.releases: dict[int, tuple[int, dict]] = {}   # mesh -> (push number, its job)
+    self.waiting = np.zeros([W], bool)        # a Push of this mesh waits for its release
+    self.blocked_since = np.zeros([W])
+    self.last_push_bytes = np.zeros([W], np.int64)
+    self.done = False                          # the run reached its end: meshes stop
+    self.diverged: str | None = None           # a refused non-finite push (FloatingPointError)
+    self._wall_base, self._session_start = 0.0, time.perf_counter()
+    self.clock_started = False
+    self._clock = clock
+    self.messages = Scheduler(self.deliver_due, manual=manual_messages)
+
+  # -- counting -------------------------------------------------------------------------------
+
+  def iterations(self) -> int:
+    """Data iterations applied so far (``simulate.Simulation._iterations``): pushes, but a
+    local-update push counts its job's ``H_w``, once a round applies it."""
+    return int(self.host["iterations"] if self.local else self.host["pushes"])
+
+  def load(self, saved: dict) -> None:
+    """The protocol, counters and accounting of a checkpoint's host state."""
+    self.protocol, self.host = saved["protocol"], saved["host"]
+    for key, old in (("iterations", "pushes"), ("evaluated_iterations", "evaluated")):
+      self.host.setdefault(key, self.host[old])   # a checkpoint from before local updates
+    self.acct.load_state_dict(saved["acct"])
+
+  # -- events (under the lock) ------------------------------------------------------------------
+
+  def accept(self, w: int, seq: int, loss: float, nbytes: int, wire_bytes: int) -> None:
+    """Mesh ``w``'s new push ``seq`` (checked, its slices staged): counted, ``put``, the
+    protocol's reaction."""
+    self.lock.check("ProtocolCore.accept")
+    host = self.host
+    host["seq"][w] = seq
+    self.last_push_bytes[w] = nbytes
+    self._emit({"k": "put", "w": w, "seq": seq, "loss": float(loss), "bytes": int(nbytes)})
+    host["pushes"] += 1
+    host["pushes_per_worker"][w] += 1
+    host["wire_pushed_per_worker"][w] += wire_bytes
+    now = self.now()
+    self.blocked_since[w] = now
+    self.waiting[w] = True
+    self.react(self.protocol.on_push(w, now), now)
+
+  def lose(self, w: int, now: float, why: str) -> None:
+    """Drops mesh ``w`` from the protocol: nobody waits for it any more; what it applied stays."""
+    self.lock.check("ProtocolCore.lose")
+    self.host["lost"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"]),
+                              "why": why})
+    logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why,
+                    self.host["pushes"], int(self.protocol.alive.sum()) - 1)
+    self.waiting[w] = False
+    self.releases.pop(w, None)
+    self.react(self.protocol.drop(w, now), now)
+    self.changed.notify_all()
+
+  def react(self, reaction, now: float) -> None:
+    """Emits a reaction's rounds, releases its meshes, schedules its messages."""
+    self.lock.check("ProtocolCore.react")
+    for rnd in reaction.rounds:
+      if self.local:   # as the simulator's _apply_round: before the round's learning rate
+        self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
+      args = records.account_round(
+          rnd, host=self.host, acct=self.acct, protocol=self.protocol, links=self.links,
+          iteration=self.host["pushes_per_worker"],
+          learning_rate=self.schedule(self.iterations() // self.W), pull_bytes=self.pull_bytes)
+      lr = args.pop("learning_rate")
+      self._emit({"k": "round", "args": args, "lr": float(lr)})
+    for w in reaction.release:
+      self.host["blocked_time_per_worker"][w] += max(0.0, now - self.blocked_since[w])
+      self.waiting[w] = False
+      self.releases[w] = (int(self.host["seq"][w]), self.next_job(w))
+    for message in reaction.messages:
+      delay = self._message_delay(message)
+      if delay <= 0 and not self.messages.manual:
+        self.react(self.protocol.on_message(message, now), now)
+      else:
+        self.messages.add(time.monotonic() + delay, message)
+    if reaction.release:
+      self.changed.notify_all()
+
+  def deliver_due(self, message) -> None:
+    """The scheduler's thread: a message whose delay passed (takes the lock)."""
+    with self.lock:
+      if not self.done:
+        now = self.now()
+        self.react(self.protocol.on_message(message, now), now)
+
+  def deliver(self, message, now: float | None = None) -> None:
+    """Delivers a held server-to-server message now (``manual_messages`` runs: tests)."""
+    with self.lock:
+      held = self.messages.take(message)
+      now = self.now() if now is None else now
+      self.react(self.protocol.on_message(held, now), now)
+
+  def _message_delay(self, message) -> float:
+    """An emulated server-to-server link's delay, as the simulator charges it (0 without a
+    cluster description)."""
+    if not self.emulated:
+      return 0.0
+    return self.links.message_delay(self.protocol, message, self.host["pushes_per_worker"])
+
+  def finish(self) -> None:
+    """The run's pushes are all in: every mesh is told to stop."""
+    self.lock.check("ProtocolCore.finish")
+    if not self.done:
+      self.done = True
+      self.changed.notify_all()
+
+  def next_job(self, w: int) -> dict:
+    """Mesh ``w``'s next job (counted as dispatched)."""
+    k = int(self.host["jobs"][w])
+    self.host["jobs"][w] += 1
+    # "steps": the job's inner steps H_w (1 but for the local-update schemes), its data
+    # iterations k H_w .. k H_w + H_w - 1.
+    return {"iteration": k, "ratio": float(self.ratio_of(w, k)),
+            "flush": bool(self.ratio_of.flush(w, k)), "watermark": self._watermark(),
+            "steps": int(self.steps[w])}
+
+  def refuse_nonfinite(self, w: int, seq: int, why: str, learning_rate: float) -> dict:
+    """A non-finite gradient or loss: refused, logged; the loop stops the run as diverged."""
+    self.count_refused("nonfinite", w, why)
+    if not self.diverged:
+      self.diverged = (f"mesh {w} pushed a non-finite gradient or loss (push {seq}, after "
+                       f"{self.host['pushes']} pushes): {why}. Lower optimizer.learning_rate "
+                       f"({learning_rate}) or set optimizer.grad_clip")
+    self.changed.notify_all()
+    return {"stop": True, "refused": why}
+
+  def count_refused(self, kind: str, w, why: str) -> None:
+    self.lock.check("ProtocolCore.count_refused")
+    self.host["refused"][kind] += 1
+    if self.host["refused"][kind] <= 10:
+      logging.warning("refused a push of mesh %s (%s): %s", w, kind, why)
+
+  def push_payload(self, w: int, k: int) -> int:
+    """Bytes of mesh ``w``'s push ``k`` as its compressor counted them (InHAD's node link)."""
+    del k   # only a mesh's latest push is asked for (``Traffic.count_round``)
+    return int(self.last_push_bytes[w])
+
+  # -- time -------------------------------------------------------------------------------------
+
+  def start_clock(self) -> None:
+    if not self.clock_started:
+      self.clock_started = True
+      self._session_start = time.perf_counter()
+
+  def resume_clock(self, wall_base: float) -> None:
+    """A session's wall time starts from ``wall_base`` (a checkpoint's)."""
+    self._wall_base, self._session_start = wall_base, time.perf_counter()
+
+  def now(self) -> float:
+    return self._clock() if self._clock is not None else self.wall_time()
+
+  def wall_time(self) -> float:
+    return self._wall_base + time.perf_counter() - self._session_start
+
+  def blocked_so_far(self) -> np.ndarray:
+    now = self.now()
+    return self.host["blocked_time_per_worker"] + np.where(
+        self.waiting, now - self.blocked_since, 0.0)
