@@ -22,10 +22,13 @@ sender is this mesh's joined process, its session and push number, its body's
 size and finiteness against the model, its receipts from the other shards); a
 retried push (same number) is answered, never applied twice.
 
-The parts, each in its own module; this class is the executor and the gRPC
-methods that tie them together:
+The parts, each in its own module; this class is the executor that builds
+them and ties them together:
 
-* ``shard_links.ShardLinks``: the links to the shards and their op stream;
+* ``mesh_calls.MeshCalls``: the meshes' calls (``Join``, ``Push``,
+  ``Heartbeat``, ``Pull``);
+* ``shard_links.ShardLinks``: the links to the shards, their calls and the op
+  stream;
 * ``membership.Membership``: which process holds each mesh (joins, rejoins,
   heartbeats, silent meshes);
 * ``push_checks``: a push's header and its place in the run;
@@ -69,14 +72,12 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import threading
 import time
 from typing import Any, Callable
 
 from absl import logging
-import grpc
 import jax
 import ml_collections
 import numpy as np
@@ -87,6 +88,7 @@ from gssp_jax.runtime import core as core_lib
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import locks
 from gssp_jax.runtime import membership as membership_lib
+from gssp_jax.runtime import mesh_calls
 from gssp_jax.runtime import push_checks
 from gssp_jax.runtime import shard as shard_lib
 from gssp_jax.runtime import shard_links
@@ -207,6 +209,16 @@ class DistServer:
     self.membership = membership_lib.Membership(self.W, self.config.dist, self.core,
                                                 self.shard_links.all_ready, self.changed)
     self.failure: str | None = None            # why the run cannot go on (RunFailed)
+    self.calls = mesh_calls.MeshCalls(
+        config=self.config, config_id=config_id(self.config), layout=self.layout,
+        pull_bytes=self.pull_bytes, core0=self.core0, links=self.shard_links, core=self.core,
+        members=self.membership, lock=self.lock, changed=self.changed,
+        credentials=lambda: self.credentials, at_end=self._at_end, failure=lambda: self.failure)
+    # The meshes' methods, as the gRPC table and tests call them.
+    self.on_join, self.on_push, self.on_heartbeat, self.on_pull = (
+        self.calls.on_join, self.calls.on_push, self.calls.on_heartbeat, self.calls.on_pull)
+    self.accept_push, self.await_release = self.calls.accept_push, self.calls.await_release
+    self._reply_with_weights = self.calls._reply_with_weights   # pylint: disable=protected-access
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               self.config.train.max_checkpoints)
     self._grpc = None
@@ -509,132 +521,6 @@ class DistServer:
     del body, peer
     self.shard_links.ready(header)
     return {}, None
-
-  # -- the meshes' calls ------------------------------------------------------------------------
-
-  def on_join(self, header, body, peer):
-    """A mesh's process starts (fresh run) or rejoins (after a crash, a drop, a server restart)."""
-    del body
-    w, instance = push_checks.mesh_of(header, self.W)
-    if wire.field(header, "config", str) != config_id(self.config):
-      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"mesh {w}'s config differs from the server's; start every process with"
-                         " the same --config and --config.* flags")
-    with self.lock:
-      answer = self.membership.join(w, instance)
-      if answer is None:
-        return self.membership.stop(w), None
-      seq, job = answer
-    logging.info("mesh %d joined from %s", w, peer)
-    return self._reply_with_weights(w, seq, job)
-
-  def _reply_with_weights(self, w: int, seq: int, job: dict):
-    """A job reply, with shard 0's slice of the worker's weights at its watermark."""
-    body = self.core0.pull(w, job["watermark"], float(self.config.dist.save_timeout))
-    with self.lock:
-      self.host["wire_pulled_per_worker"][w] += wire.body_bytes(body)
-    shards = [address or "" for address in self.shard_links.addresses()[1:]]
-    return {"session": self.session, "seq": seq, "shards": shards,
-            "digest": self.layout.digest(), **job}, body
-
-  def on_push(self, header, body, peer):
-    """A mesh's push: checked whole, applied as the protocol says; the reply waits for its release."""
-    del peer
-    w, seq, immediate = self.accept_push(header, body)
-    if immediate is not None:
-      return immediate, None
-    return self.await_release(w, seq)
-
-  def accept_push(self, header: dict, body) -> tuple[int, int, dict | None]:
-    """Checks a push and, if new, applies it (ops, protocol); never waits for its release.
-
-    Returns:
-      ``(mesh, push number, None)`` when the caller should wait for the release
-      (:meth:`await_release`), or ``(mesh, push number, reply)`` to answer at
-      once (stop, rejoin, refused).
-
-    Raises:
-      BadMessage: a malformed push (nothing changed).
-    """
-    try:
-      return self._accept(header, body)
-    except wire.BadMessage as e:
-      with self.lock:
-        self.core.count_refused("malformed", header.get("mesh"), str(e))
-      raise
-
-  def _accept(self, header: dict, body) -> tuple[int, int, dict | None]:
-    push = push_checks.parse(header, num_workers=self.W, layout=self.layout,
-                             pull_bytes=self.pull_bytes)
-    w, seq, core = push.mesh, push.seq, self.core
-    if push.nonfinite:
-      return w, seq, self._refuse_nonfinite(w, seq, push.nonfinite)
-    try:
-      grads, stats = self.core0.check_push(w, seq, body, push.nnz[0])
-      if not math.isfinite(push.loss):
-        raise layout_lib.NonFinite(f"a non-finite loss ({push.loss})")
-    except layout_lib.NonFinite as e:
-      return w, seq, self._refuse_nonfinite(w, seq, str(e))
-    with self.lock:
-      if push.session != self.session or not core.protocol.alive[w]:
-        return w, seq, {"rejoin": True}   # from before a drop or a server restart
-      if push.instance != self.membership.instance[w]:
-        raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"mesh {w} is held by another process; this one must rejoin")
-      if core.done:
-        return w, seq, self.membership.stop(w)
-      if seq == core.host["seq"][w]:
-        core.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
-        return w, seq, None
-      push_checks.check_in_order(push, host=core.host, waiting=core.waiting, layout=self.layout,
-                                 credentials=self.credentials, session=self.session)
-      self.core0.stage(w, seq, grads, stats)
-      self.membership.last_seen[w] = time.monotonic()
-      core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes)
-      if self._at_end(core.iterations(), core.host["pushes"]):
-        core.finish()
-      if core.iterations() >= core.host["next_eval"] or core.done:
-        self.changed.notify_all()
-    return w, seq, None
-
-  def _refuse_nonfinite(self, w: int, seq: int, why: str) -> dict:
-    with self.lock:
-      return self.core.refuse_nonfinite(w, seq, why, self.config.optimizer.learning_rate)
-
-  def _count_refused(self, kind: str, w, why: str) -> None:
-    self.core.count_refused(kind, w, why)
-
-  def await_release(self, w: int, seq: int, timeout: float | None = None):
-    """Waits for mesh ``w``'s release from push ``seq``; the reply with its next job and weights."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    core = self.core
-    with self.lock:
-      while not (core.releases.get(w, (0,))[0] == seq or core.done or self.failure
-                 or not core.protocol.alive[w]):
-        if deadline is not None and time.monotonic() > deadline:
-          raise TimeoutError(f"mesh {w} was not released from push {seq}")
-        self.changed.wait(timeout=0.5)
-      if core.done or self.failure:
-        return self.membership.stop(w), None
-      if not core.protocol.alive[w]:
-        return {"rejoin": True}, None
-      seq, job = core.releases[w]
-    return self._reply_with_weights(w, seq, job)
-
-  def on_heartbeat(self, header, body, peer):
-    del body, peer
-    w, instance = push_checks.mesh_of(header, self.W)
-    return self.membership.heartbeat(w, instance, header, self.session), None
-
-  def on_pull(self, header, body, peer):
-    """Shard 0's slice of a worker's weights (the other ranks of a multi-process mesh)."""
-    del body, peer
-    w = wire.field(header, "mesh", int, 0, self.W - 1)
-    if wire.field(header, "session", str) != self.session:
-      raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION, "the session changed; rejoin")
-    return {}, self.core0.pull(w, wire.field(header, "watermark", int, 0),
-                               float(self.config.dist.save_timeout))
-
 
 def _wire_fields(host: dict) -> dict:
   """The records' counts of bytes on the wire and pushes per mesh."""

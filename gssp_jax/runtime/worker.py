@@ -53,23 +53,19 @@ import jax
 import ml_collections
 import msgpack
 import numpy as np
-import optax
 from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 
 from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
 from gssp_jax.runtime import auth
 from gssp_jax.runtime import layout as layout_lib
+from gssp_jax.runtime import mesh_compute
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import shard_links
 from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
-from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
-from gssp_jax.sync import transforms
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
@@ -81,61 +77,11 @@ class Stop(Exception):
   """The server said the run is over."""
 
 
-def _job_gradient(loss_fn, compressor, dense_bytes: int, grad_clip: float):
-  """The simulator's worker gradient with the dropout key folded in from ``(w, k)``."""
-  gradient = sim_executor.make_worker_gradient(loss_fn, compressor, dense_bytes,
-                                               grad_clip=grad_clip)
-
-  def step(params, model_state, comp, batch, base_rng, w, k, ratio, flush):
-    rng = jax.random.fold_in(jax.random.fold_in(base_rng, w), k)
-    return gradient(params, model_state, comp, batch, rng, ratio, flush)
-  return step
+# The SPMD steps live with the mesh's compute (re-exported: tools build them from here).
+make_mesh_step = mesh_compute.make_mesh_step
+make_mesh_local_step = mesh_compute.make_mesh_local_step
 
 
-def make_mesh_step(loss_fn, compressor, mesh: Mesh | None, dense_bytes: int, *,
-                   grad_clip: float = 0.0):
-  """``(params, model_state, comp, batch, rng, w, k, ratio, flush) -> (loss, grad, ms, comp, bytes)``.
-
-  ``mesh`` None (a one-process mesh): a plain ``jit``. Else one jitted SPMD
-  program over ``mesh``: the batch split over the ``data`` axis, everything
-  else replicated, so the gradient is the mean over the whole worker batch, as
-  one device would get it (up to float summation order). That mean gradient
-  (the protocol worker's) is clipped to global norm ``grad_clip``
-  (``optimizer.grad_clip``; 0 = off) before its compressor, as the simulator's
-  job clips it; the servers do not clip.
-  """
-  step = _job_gradient(loss_fn, compressor, dense_bytes, grad_clip)
-  if mesh is None:
-    return jax.jit(step), None, None
-  replicated = NamedSharding(mesh, PartitionSpec())
-  split = NamedSharding(mesh, PartitionSpec("data"))
-  shardings = (replicated,) * 3 + (split,) + (replicated,) * 5
-  return (jax.jit(step, in_shardings=shardings, out_shardings=replicated), replicated, split)
-
-
-def make_mesh_local_step(loss_fn, compressor, mesh: Mesh, dense_bytes: int,
-                         local: sim_executor.LocalJob, *, grad_clip: float = 0.0):
-  """A multi-process mesh's local-update job: ``(params, ms, inner, comp, batches [H_max, B], rng,
-  w, first, steps, ratio, flush) -> (loss, push, ms, inner, comp, bytes)``.
-
-  The simulator's ``make_local_update`` as one SPMD program over ``mesh``: each
-  inner step's batch is split over the ``data`` axis (``batches`` sharded on
-  its second axis), so every inner gradient is the mean over the whole worker
-  batch, clipped to ``grad_clip`` before the inner optimizer; the weights, the
-  inner optimizer state (kept by the mesh across its jobs) and the pushed
-  pseudo-gradient are replicated. The dropout key of step ``i`` is the
-  simulator's ``fold_in(fold_in(rng, w), first + i)``.
-  """
-  update = sim_executor.make_local_update(loss_fn, compressor, dense_bytes, local,
-                                          grad_clip=grad_clip)
-
-  def step(params, model_state, inner, comp, batches, base_rng, w, first, steps, ratio, flush):
-    return update(params, model_state, inner, comp, batches, jax.random.fold_in(base_rng, w),
-                  first, steps, ratio, flush)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  split = NamedSharding(mesh, PartitionSpec(None, "data"))
-  shardings = (replicated,) * 4 + (split,) + (replicated,) * 6
-  return (jax.jit(step, in_shardings=shardings, out_shardings=replicated), replicated, split)
 
 
 def _clients(addresses, credentials, config) -> list[wire.Client]:
@@ -237,25 +183,14 @@ class MeshWorker:
     dense_bytes = step_lib.tree_bytes(params)
     _, self.local = simulate.local_plan(config, self.cluster.mean_times, plan.spe)
     clip = config.optimizer.grad_clip
-    inner = self.local.inner if self.local is not None else None
     if self.mesh is None:   # one process: the simulator's own job on a one-worker state
-      self.job_fn = sim_executor.make_job_fn(self.task.loss, compressor, dense_bytes,
-                                             self.stats_bytes, grad_clip=clip, local=self.local)
-      self.arrays = jax.device_put(self.task.train)
-      self.one = sim_executor.init_state(params, model_state, optax.identity(), None, 1, 1,
-                                         self.train_rng, inner=inner)
-      self.replicated = self.split = None
-    elif self.local is None:
-      self.step, self.replicated, self.split = make_mesh_step(
-          self.task.loss, compressor, self.mesh, dense_bytes, grad_clip=clip)
+      self.device = mesh_compute.OneProcess(self.task, compressor, dense_bytes, self.stats_bytes,
+                                            self.templates, self.w, self.train_rng, self.local,
+                                            clip)
     else:
-      self.step, self.replicated, self.split = make_mesh_local_step(
-          self.task.loss, compressor, self.mesh, dense_bytes, self.local, grad_clip=clip)
-    # A local-update scheme's inner optimizer state: this mesh's own, across its jobs (a
-    # one-process mesh keeps it in its one-worker state, as the simulator's row).
-    self.inner_state = (self._put(inner.init(params), self.replicated)
-                        if inner is not None and self.mesh is not None else ())
-    self.comp_state = self._init_compressor(compressor, params)
+      self.device = mesh_compute.Spmd(self.task, compressor, dense_bytes, self.templates, self.w,
+                                      self.train_rng, self.local, clip, mesh=self.mesh,
+                                      rank=self.rank, num_processes=self.P, batch_size=self.B)
     self.layout: layout_lib.ShardLayout | None = None
     self.server: wire.Client | None = None
     self.shards: list[wire.Client] = []
@@ -264,22 +199,14 @@ class MeshWorker:
     self.seq = 0
     self.session = ""
 
-  def _init_compressor(self, compressor, params):
-    if compressor is None:
-      return ()
-    one = compressor.init(params)
-    if hasattr(one, "rng"):   # per-worker keys, as the simulator's init_state folds them
-      one = one._replace(rng=jax.random.key_data(jax.random.fold_in(
-          jax.random.wrap_key_data(one.rng), self.w)))
-    if self.mesh is None:     # a row of the one-worker state
-      return jax.device_put(transforms.stack(one, 1))
-    return self._put(one, self.replicated)
+  @property
+  def comp_state(self):
+    """The compressor's state (error feedback, keys), as the mesh's compute keeps it."""
+    return self.device.comp_state
 
-  def _put(self, tree, sharding_):
-    if self.mesh is None:
-      return jax.device_put(tree)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding_, np.asarray(x)),
-                        tree)
+  @comp_state.setter
+  def comp_state(self, value) -> None:
+    self.device.comp_state = value
 
   # -- talking to the control plane (rank 0) ---------------------------------------------------
 
@@ -463,24 +390,6 @@ class MeshWorker:
     heart.ensure_running()
     return job, self._shard0
 
-  def _compute_one(self, job: dict, idx, params, model_state):
-    """A one-process mesh: ``make_job_fn`` on the one-worker state, as the simulator runs it."""
-    state = self.one.replace(worker_params=_one_row(params),
-                             worker_model_state=_one_row(model_state),
-                             comp_state=self.comp_state)
-    h = job_steps(job)
-    state = self.job_fn(state, self.arrays, np.zeros([1], np.int32), idx[None].astype(np.int32),
-                        np.array([job["iteration"] * h], np.int32),
-                        np.array([job["ratio"]], np.float32), np.array([job["flush"]], bool),
-                        None if self.local is None else np.array([h], np.int32),
-                        key_workers=np.array([self.w], np.int32))
-    self.one, self.comp_state = state, state.comp_state
-    row = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    loss, grad, new_ms, nbytes = jax.device_get((state.job_loss[0], row(state.grad_buf),
-                                                 row(state.worker_model_state),
-                                                 state.job_bytes[0]))
-    return loss, grad, new_ms, int(nbytes) - self.stats_bytes
-
   def warm_up(self) -> None:
     """Compiles the mesh's step before it joins, so the run's clock does not count compilation."""
     params, model_state = self.templates
@@ -494,48 +403,21 @@ class MeshWorker:
 
   def _inner(self):
     """This mesh's inner optimizer state (``()`` but for the local-update schemes)."""
-    return self.one.inner_state if self.mesh is None else self.inner_state
+    return self.device.inner()
 
   def _set_inner(self, inner_state) -> None:
-    if self.mesh is None:
-      self.one = self.one.replace(inner_state=inner_state)
-    else:
-      self.inner_state = inner_state
+    self.device.set_inner(inner_state)
 
   def _compute(self, job: dict, params, model_state):
     """The mesh's gradient at ``job`` (host arrays, the same on every rank)."""
-    k = job["iteration"]
-    idx = simulate.job_indices(self.batches, self.w, k, job_steps(job), self.local)
-    if self.mesh is None:
-      return self._compute_one(job, idx, params, model_state)
-    per = self.B // self.P
-    mine = idx[..., self.rank * per:(self.rank + 1) * per]   # this rank's slice of each batch
-    batch = jax.tree.map(lambda a: a[mine], self.task.train)
-    put = lambda tree: self._put(tree, self.replicated)
-    flags = (put(np.float32(job["ratio"])), put(np.bool_(job["flush"])))
-    if self.local is None:
-      loss, grad, new_ms, self.comp_state, nbytes = self.step(
-          put(params), put(model_state), self.comp_state, self._put(batch, self.split),
-          put(self.train_rng), put(np.int32(self.w)), put(np.int32(k)), *flags)
-    else:
-      h = job_steps(job)
-      loss, grad, new_ms, self.inner_state, self.comp_state, nbytes = self.step(
-          put(params), put(model_state), self.inner_state, self.comp_state,
-          self._put(batch, self.split), put(self.train_rng), put(np.int32(self.w)),
-          put(np.int32(k * h)), put(np.int32(h)), *flags)
-    if self.mesh is None:
-      return jax.device_get((loss, grad, new_ms, nbytes))
-    local_copy = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
-    return local_copy((loss, grad, new_ms, nbytes))
+    steps = job_steps(job)
+    idx = simulate.job_indices(self.batches, self.w, job["iteration"], steps, self.local)
+    return self.device.compute(job, idx, params, model_state, steps)
 
 
 def job_steps(job: dict) -> int:
   """A job's inner steps ``H_w`` (1 but for the local-update schemes)."""
   return int(job.get("steps", 1))
-
-
-def _one_row(tree):
-  return jax.tree.map(lambda x: np.asarray(x)[None], tree)
 
 
 def _log_compute(mesh: int, rank: int, compute: list[float], over: int | None) -> None:
