@@ -2,7 +2,7 @@ r"""The simulator's host cost per simulated gradient, and the hot path's proxies
 
     python -m benchmarks.sim_overhead [--workers=16,256] \
         [--schemes=bsp,asp,ssp,dssp,gssp,async_local_sgd] [--pushes=3000] [--executor=levels] \
-        [--parts=host,proxies]
+        [--parts=host,proxies] [--parts=fingerprint]
 
 On a GPU the simulator is fast only if the host keeps ahead of the device and
 never makes it wait. Neither shows in a CPU's wall time, where the device work
@@ -25,6 +25,14 @@ dominates, so this benchmark measures what predicts it, on any machine:
   device-to-host reads between evaluations (``watch.HostReads``; on an
   accelerator also ``jax.transfer_guard_device_to_host``, which stops the
   run), compilations in all and after the first evaluation (``jax.monitoring``).
+
+* ``fingerprint``: a sha256 of everything the host path produces in
+  ``--pushes`` pushes of every scheme (and GSSP global, 64 workers,
+  regrouping, a lognormal cluster), the device stubbed: every chunk's rows as
+  they cross to the device, the host counters, the staleness accounting and
+  the timeline's state. Two checkouts that print the same lines plan, time and
+  count every run the same (run this file in both: it imports the checkout it
+  runs in); a host-path change that claims to change nothing shows it here.
 
 Targets (issue 33): at most 40 µs per gradient at 16 workers and 60 at 256;
 no eager operation and no transfer between evaluations; at most 8 compilations
@@ -62,7 +70,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("pushes", 3000, "pushes timed per run (host part)")
   flags.DEFINE_integer("repeats", 5, "timings per run; their median and range printed")
   flags.DEFINE_enum("executor", "levels", list(simulate.RUNNERS), "the simulator's runner")
-  flags.DEFINE_list("parts", ["host", "proxies"], "host, proxies")
+  flags.DEFINE_list("parts", ["host", "proxies"], "host, proxies, fingerprint")
 
 
 class Linear(nn.Module):
@@ -159,6 +167,51 @@ def proxies(scheme: str, workers: int, executor: str) -> dict:
           "evaluations": evaluations}
 
 
+FINGERPRINT_CASES = (
+    *[(s, 16, {"optimizer.nesterov": True, "optimizer.weight_decay": 0.0} if s == "halos" else {})
+      for s in ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp", "local_sgd",
+                "diloco", "async_local_sgd", "halos")],
+    ("gssp", 16, {"sync.inter_group": "global"}), ("ssp", 64, {}), ("gssp", 64, {}),
+    ("gssp", 16, {"sync.regroup_every_epoch": True, "data.train_size": 4096}),
+    ("ssp", 16, {"cluster.profile": "lognormal"}), ("dssp", 64, {}),
+    ("async_local_sgd", 64, {}))
+
+
+def fingerprint(scheme: str, workers: int, pushes: int, changes: dict) -> str:
+  """sha256 (16 hex digits) of a stubbed run's chunk rows, host counters, accounting, timeline."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  config = run_config(scheme, workers, "levels", **{
+      "train.stop_after_updates": pushes, "train.eval_every": 1000.0,
+      "train.num_epochs": 1000.0, **changes})
+  digest = hashlib.sha256()
+  done = jax.numpy.zeros([], jax.numpy.int32)
+
+  def chunk_fn(state, arrays, plan):   # the rows as they cross to the device
+    del arrays
+    for x in jax.tree_util.tree_leaves(plan):
+      digest.update(np.asarray(x).tobytes())
+    return state, done
+  with tempfile.TemporaryDirectory() as workdir:
+    config_lib.validate_config(config)
+    task = run_lib.prepare_run(config, workdir)
+    sim = simulate.Simulation(config, task, workdir, runner="levels")
+    sim.feed.chunk_fn = chunk_fn
+    sim.restore()
+    sim.advance()
+    sim.flush_host()
+    engine = sim.engine
+    for x in (engine.blocked_time_so_far(), engine.iteration, engine.pushed_at,
+              np.array([engine.now, engine.num_pushes])):
+      digest.update(np.asarray(x).tobytes())
+    host = {k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v
+            for k, v in sim.host.items() if k != "wall_time"}
+    for part in (host, sim.acct.summary(), sim.acct.data_summary()):
+      digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+    sim.close()
+  return digest.hexdigest()[:16]
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -178,6 +231,11 @@ def main(argv):
         times = [host_us_per_gradient(scheme, w, f.executor, f.pushes) for _ in range(f.repeats)]
         cells.append(f"{np.median(times):,.1f} ({min(times):,.1f}-{max(times):,.1f})")
       print(f"| {scheme} | " + " | ".join(cells) + " |", flush=True)
+  if "fingerprint" in f.parts:
+    print(f"\nfingerprints of the host path, {f.pushes} pushes, device stubbed:")
+    for scheme, w, changes in FINGERPRINT_CASES:
+      print(f"{scheme} {w} {changes or ''} {fingerprint(scheme, w, f.pushes, changes)}",
+            flush=True)
   if "proxies" in f.parts:
     print("\nthe hot path of a real run (negligible model, 3 epochs, 6 evaluations):")
     print("| scheme | workers | eager ops between evaluations | device-to-host transfers |"

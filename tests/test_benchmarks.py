@@ -80,6 +80,17 @@ def test_sim_overhead_times_the_host_path_with_the_device_stubbed(data_dir, monk
   assert 0 < us < 1e5 and calls   # the stub ran in place of the device
 
 
+def test_sim_overhead_fingerprints_the_host_path_the_same_twice_and_tells_schemes_apart(
+    data_dir, monkeypatch):
+  """The fingerprint is a function of the run: the same twice; another scheme, another."""
+  from benchmarks import sim_overhead  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  first = sim_overhead.fingerprint("gssp", 8, 200, {})
+  assert first == sim_overhead.fingerprint("gssp", 8, 200, {})
+  assert first != sim_overhead.fingerprint("gssp", 8, 200, {"sync.staleness": 0})
+  assert len(first) == 16 and int(first, 16) >= 0
+
+
 def test_chunk_profile_times_chunks_and_tables_the_traced_kernels(tmp_path, data_dir):
   """A tiny levels run: every chunk timed, slot fill in (0, 1], and the traced chunk's XLA
   work listed (on a CPU, the XLA threads' events)."""
