@@ -336,11 +336,8 @@ class DistServer:
         core.host["next_eval"] += self.eval_pushes
       core.host["num_evals"] += 1
     params, model_state, sums = self.shard_links.fetch_snapshot(snap_id, self.treedefs)
-    if not np.isfinite(sums["loss_sum"]):
-      raise FloatingPointError(
-          f"non-finite training loss before {host['pushes']} pushes; the run stopped. Lower "
-          f"optimizer.learning_rate ({self.config.optimizer.learning_rate}) or set "
-          "optimizer.grad_clip")
+    records.check_finite_loss(sums["loss_sum"], pushes=host["pushes"],
+                              learning_rate=self.config.optimizer.learning_rate)
     if self.links.counts_device_pushes:   # as the simulator: pushes counted once applied
       pushed = np.asarray(sums["push_bytes"], np.int64)
       host["pushed_per_worker"] += pushed

@@ -78,6 +78,15 @@ def account_rounds(rounds, *, host: dict, acct, protocol, links, pull_bytes: int
     links.count_pulls(stacked["pulls"], host)
 
 
+def check_finite_loss(loss_sum, *, pushes: int, learning_rate, when: str = "") -> None:
+  """Raises ``FloatingPointError`` when the training loss since the last evaluation is not
+  finite: the message every executor of pushes gives (``when``: more about the moment)."""
+  if not np.isfinite(loss_sum):
+    raise FloatingPointError(
+        f"non-finite training loss before {pushes} pushes{when}; the run stopped. Lower "
+        f"optimizer.learning_rate ({learning_rate}) or set optimizer.grad_clip")
+
+
 def traffic(host: dict, pull_bytes: int) -> dict[str, int]:
   """Bytes so far, by link: to the servers, from them, between them, inside nodes."""
   return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + int(host["node_push_bytes"]),

@@ -340,7 +340,7 @@ class Simulation:
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
     self._counts_per_round = links.counts_per_round   # read at every round
-    self.engine = engine = links.engine(scheme.make_protocol(), self._compute_time)
+    self.engine = links.engine(scheme.make_protocol(), self._compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
                                            aggregating=scheme.name == "inhad",
                                            push_iterations=self.steps)
@@ -473,11 +473,9 @@ class Simulation:
     # One call: the counters since the last evaluation (zeroed on the device) and the weights.
     self.state, counters, params_eval, ms_eval = self.harvest(self.state)
     loss_sum, loss_count, pushed = jax.device_get(counters)
-    if not np.isfinite(loss_sum):
-      raise FloatingPointError(
-          f"non-finite training loss before {engine.num_pushes} pushes (virtual time "
-          f"{engine.now:.1f} s); the run stopped. Lower optimizer.learning_rate "
-          f"({self.config.optimizer.learning_rate}) or set optimizer.grad_clip")
+    records.check_finite_loss(loss_sum, pushes=engine.num_pushes,
+                              learning_rate=self.config.optimizer.learning_rate,
+                              when=f" (virtual time {engine.now:.1f} s)")
     if self.links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
       host["pushed_per_worker"] += executor.push_bytes_total(pushed)
     blocked = engine.blocked_time_so_far()
