@@ -88,6 +88,12 @@ def test_presets_and_determinism():
   slow = np.mean(np.array(times) > 0.05 * 2.5)
   assert 0.05 < slow < 0.15      # about 1 - 0.98 ** 5 = 9.6 % of iterations straggle
   assert a.link_time(0, 1_250_000) == pytest.approx(1e-4 + 1e-3)
+  # A span of iterations (a local-update job's) is the same floats, across a block's end too.
+  for first, count in ((0, 4), (1021, 7), (2040, 2048)):
+    assert b.compute_span(2, first, count) == [a.compute_time(2, first + j)
+                                               for j in range(count)]
+  b.base_time = 4 * a.base_time   # a changed base time is not served from the kept block
+  assert b.compute_time(2, 5) == pytest.approx(4 * a.compute_time(2, 5))
 
 
 # ---------------------------------------------------------------- timelines on the cluster

@@ -138,6 +138,18 @@ class Cluster:
     block, offset = divmod(int(iteration), _BLOCK)
     return self._block_times(int(worker), block)[offset]
 
+  def compute_span(self, worker: int, first: int, count: int) -> list:
+    """:meth:`compute_time` of iterations ``first .. first + count - 1`` of ``worker``, a list."""
+    if self.trace is not None:
+      return [self.compute_time(worker, first + j) for j in range(count)]
+    out, k, end = [], int(first), int(first) + int(count)
+    while k < end:   # a block at a time: usually one slice
+      block, offset = divmod(k, _BLOCK)
+      take = min(end - k, _BLOCK - offset)
+      out += self._block_times(int(worker), block)[offset:offset + take]
+      k += take
+    return out
+
   def _block_times(self, worker: int, block: int) -> list:
     """Seconds of iterations ``[block*B, (block+1)*B)`` of ``worker``, as Python floats.
 

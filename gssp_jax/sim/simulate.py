@@ -228,7 +228,7 @@ def job_time(cluster: cluster_lib.Cluster, w: int, k: int, h: int) -> float:
   each timed by the cluster model, so jitter and stragglers stay per iteration."""
   if h == 1:
     return cluster.compute_time(w, k)
-  return float(sum(cluster.compute_time(w, k * h + j) for j in range(h)))
+  return float(sum(cluster.compute_span(w, k * h, h)))
 
 
 class Simulation:
