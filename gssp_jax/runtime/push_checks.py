@@ -52,9 +52,7 @@ def parse(header: dict, *, num_workers: int, layout, pull_bytes: int) -> PushHea
   nbytes = wire.field(header, "bytes", int, 0, 2 * pull_bytes)
   wire_bytes = wire.field(header, "wire_bytes", int, 0, 2 * pull_bytes + 4 * S)
   nnz = tuple(bounded_int(x, f"nnz[{s}]", -1, layout.grad_size(s))
-              for s, x in enumerate(wire.field(header, "nnz", list)))
-  if len(nnz) != S:
-    raise wire.BadMessage(f"nnz has {len(nnz)} entries; allowed: one per shard ({S})")
+              for s, x in enumerate(_nnz(header, layout)))
   receipts = tuple(wire.field(header, "receipts", list))
   return PushHeader(w, instance, session, seq, "", iteration, loss, nbytes, wire_bytes, nnz,
                     receipts)
@@ -62,11 +60,17 @@ def parse(header: dict, *, num_workers: int, layout, pull_bytes: int) -> PushHea
 
 def body_limit(header: dict, layout) -> int:
   """The most bytes shard 0's slice of this push may have (read before its body)."""
+  nnz = _nnz(header, layout)
+  return layout.push_limit(0, bounded_int(nnz[0], "nnz[0]", -1, layout.grad_size(0)))
+
+
+def _nnz(header: dict, layout) -> list:
+  """The push's kept entries per shard (``-1``: dense), one per shard."""
   nnz = wire.field(header, "nnz", list)
   if len(nnz) != layout.num_shards:
     raise wire.BadMessage(f"nnz has {len(nnz)} entries; allowed: one per shard "
                           f"({layout.num_shards})")
-  return layout.push_limit(0, bounded_int(nnz[0], "nnz[0]", -1, layout.grad_size(0)))
+  return nnz
 
 
 def check_in_order(push: PushHeader, *, host: dict, waiting, layout, credentials,

@@ -195,8 +195,9 @@ class DistServer:
     """The lock, and the parts it orders: shard links, protocol core, membership."""
     self.lock = locks.OwnedLock("server.lock")   # plain: a helper that runs under it says so
     self.changed = threading.Condition(self.lock)
+    cid = config_id(self.config)   # what every process of the run must present
     self.shard_links = shard_links.ShardLinks(
-        config=self.config, config_id=config_id(self.config), layout=self.layout,
+        config=self.config, config_id=cid, layout=self.layout,
         core0=self.core0, init_leaves=self.init_leaves, credentials=lambda: self.credentials,
         lock=self.lock, changed=self.changed)
     self.core = core_lib.ProtocolCore(
@@ -210,7 +211,7 @@ class DistServer:
                                                 self.shard_links.all_ready, self.changed)
     self.failure: str | None = None            # why the run cannot go on (RunFailed)
     self.calls = mesh_calls.MeshCalls(
-        config=self.config, config_id=config_id(self.config), layout=self.layout,
+        config=self.config, config_id=cid, layout=self.layout,
         pull_bytes=self.pull_bytes, core0=self.core0, links=self.shard_links, core=self.core,
         members=self.membership, lock=self.lock, changed=self.changed,
         credentials=lambda: self.credentials, at_end=self._at_end, failure=lambda: self.failure)

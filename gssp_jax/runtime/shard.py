@@ -242,25 +242,29 @@ class ShardCore:
           return
         op = self.ops.popleft()
         if op["k"] not in _COPIES:   # a put or a round donates the state: under the lock
-          if not self._applied(op, lambda: self._apply(op)):
+          if not self._applied(op, _error_of(lambda: self._apply(op))):
             return
           continue
         state = self.state
       # A snapshot's or a checkpoint's host copy, outside the lock: no op runs meanwhile (this
       # thread applies them all), so nothing donates the state it reads; pulls read it too, and
       # stages and enqueues go on.
-      copied: list = []
-      error = _error_of(lambda: copied.append(self._copy(op, state)))
+      try:
+        copy, error = self._copy(op, state), None
+      except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
+        copy, error = None, e
       with self.cond:
-        if not self._applied(op, lambda: self._keep(op, state, copied[0]), error):
+        if error is None:
+          error = _error_of(lambda: self._keep(op, state, copy))
+        if not self._applied(op, error):
           return
 
-  def _applied(self, op: dict, apply, error: Exception | None = None) -> bool:
-    """Applies ``op`` (under ``self.cond``) and counts it; False if it failed (the shard stops)."""
-    error = error or _error_of(apply)
+  def _applied(self, op: dict, error: Exception | None) -> bool:
+    """Counts ``op`` as applied (under ``self.cond``); False if it failed with ``error`` (the
+    shard stops, and every waiter is told)."""
     if error is not None:
-      logging.error("shard %d cannot apply op %d (%s): %s", self.index, self.applied,
-                    op.get("k"), error)
+      logging.error("shard %d cannot apply op %d (%s)", self.index, self.applied, op.get("k"),
+                    exc_info=error)
       self.error = error if isinstance(error, ShardError) else ShardError(
           f"shard {self.index} failed at op {self.applied}: {error}")
       self.stopped = True
@@ -507,10 +511,9 @@ _COPIES = ("snap", "save")
 
 
 def _error_of(call) -> Exception | None:
-  """Runs ``call``; the exception it raised (logged with its trace), or None."""
+  """Runs ``call``; the exception it raised, or None."""
   try:
     call()
   except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
-    logging.exception("a shard op failed")
     return e
   return None

@@ -82,8 +82,6 @@ make_mesh_step = mesh_compute.make_mesh_step
 make_mesh_local_step = mesh_compute.make_mesh_local_step
 
 
-
-
 def _clients(addresses, credentials, config) -> list[wire.Client]:
   return [wire.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
                       **wire.client_settings(config.dist))

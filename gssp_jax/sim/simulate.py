@@ -435,9 +435,7 @@ class Simulation:
 
   def finished(self) -> bool:
     stop = self._stop_after   # train.stop_after_updates, in pushes for every scheme
-    pushes = self.engine.num_pushes
-    done = pushes if self.local is None else self.host["iterations"]   # _iterations()
-    return done >= self.total_pushes or bool(stop and pushes >= stop)
+    return self.completed() or bool(stop and self.engine.num_pushes >= stop)
 
   def completed(self) -> bool:
     return self._iterations() >= self.total_pushes
@@ -548,9 +546,7 @@ class Simulation:
     engine = self.engine
     if self.local is not None:
       self.host["iterations"] += int(self.steps[rnd.arrived].sum())
-      learning_rate = self.schedule(self.host["iterations"] // self.W)
-    else:
-      learning_rate = self.schedule(engine.num_pushes // self.W)   # _iterations(), inline
+    learning_rate = self.schedule(self._iterations() // self.W)
     if self._counts_per_round:
       self.links.count_round(engine.protocol, rnd, engine.iteration, self.host)
     self._unaccounted.append(rnd)

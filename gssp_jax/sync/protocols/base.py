@@ -98,14 +98,26 @@ class Protocol:
 
   def __getstate__(self) -> dict:
     state = dict(self.__dict__)
-    for cache in ("_route_copy", "_members_of"):   # caches (_route_copy's closure does not pickle)
-      state.pop(cache, None)
+    state.pop("_per_route_cache", None)   # derived from route (and holds closures)
     return state
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
     for key, value in self._membership_defaults().items():
       self.__dict__.setdefault(key, value)
+
+  def per_route(self, name: str, build):
+    """``build()``'s value, kept while ``route`` keeps its value (rebuilt after a regrouping):
+    what a protocol derives from its route at every event (its rounds' ``groups``, a group's
+    members). Not saved with the protocol."""
+    key = self.route.tobytes()
+    cache = self.__dict__.get("_per_route_cache")
+    if cache is None or cache[0] != key:
+      cache = self.__dict__["_per_route_cache"] = (key, {})
+    values = cache[1]
+    if name not in values:
+      values[name] = build()
+    return values[name]
 
   def new_round(self, time: float, writable: tuple | None = None) -> rounds_lib.Round:
     """An empty round (``rounds.empty_round``) routed by ``route`` as it is now.
@@ -117,21 +129,19 @@ class Protocol:
     read-only copy of ``route``, shared by the rounds made while ``route``
     keeps its value (one copy per regrouping, not per round).
     """
-    key = self.route.tobytes()
-    cached = self.__dict__.get("_route_copy")
-    if cached is None or cached[0] != key:
-      groups = np.array(self.route, np.int32)
-      groups.flags.writeable = False
-      make = rounds_lib.round_maker(self.num_workers, self.num_replicas, self.num_groups,
-                                    tuple(self.round_fields))
-      cached = self.__dict__["_route_copy"] = (key, groups, make)
+    groups = self.per_route("groups", self._read_only_route)
     if writable is None:
-      return cached[2](time, cached[1])
-    if not set(writable) <= set(self.round_fields):
+      writable = tuple(self.round_fields)
+    elif not set(writable) <= set(self.round_fields):
       raise ValueError(f"{self.name} round fields {writable!r} are invalid; allowed: a subset "
                        f"of its round_fields {self.round_fields!r}")
     return rounds_lib.round_maker(self.num_workers, self.num_replicas, self.num_groups,
-                                  tuple(writable))(time, cached[1])
+                                  tuple(writable))(time, groups)
+
+  def _read_only_route(self) -> np.ndarray:
+    groups = np.array(self.route, np.int32)
+    groups.flags.writeable = False
+    return groups
 
   def on_push(self, worker: int, time: float) -> Reaction:
     raise NotImplementedError

@@ -162,14 +162,10 @@ class GSSPProtocol(Protocol):
       reaction.messages.append(Message("deliver", group))
 
   def _members(self, group: int) -> tuple[np.ndarray, list]:
-    """The workers of ``group`` (ascending; as an array and a list), cached while ``route``
-    keeps its value."""
-    key = self.route.tobytes()
-    cached = self.__dict__.get("_members_of")
-    if cached is None or cached[0] != key:
-      ids = [np.flatnonzero(self.route == g) for g in range(self.num_groups)]
-      cached = self.__dict__["_members_of"] = (key, [(m, m.tolist()) for m in ids])
-    return cached[1][group]
+    """The workers of ``group`` (ascending; as an array and a list), kept per route."""
+    return self.per_route("members", lambda: [
+        (m, m.tolist()) for m in (np.flatnonzero(self.route == g)
+                                  for g in range(self.num_groups))])[group]
 
   def _release_group(self, group: int, rnd, reaction) -> None:
     """SSP inside ``group``: release its blocked workers within ``s`` of its slowest."""
