@@ -1,6 +1,7 @@
 """What the benchmarks share: model shapes and widths, and a line naming the backend."""
 
 import os
+import sys
 
 import jax
 
@@ -34,3 +35,31 @@ def describe_backend() -> str:
   return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{jax.device_count()} x {device.device_kind}; XLA_FLAGS: {determinism}; "
           f"matmul precision {jax.config.jax_default_matmul_precision or 'default'}")
+
+
+ALLOCATORS = ("launcher", "glibc")
+
+
+def run_with_allocator(module: str, allocator: str) -> None:
+  """Re-executes this benchmark unless its malloc settings are ``allocator``'s.
+
+  ``launcher``: the settings the launcher gives every process of a real run
+  (``launch.ALLOCATOR_ENV``); ``glibc``: glibc's defaults. They are read at a
+  process's start, so a process without them starts again with them (its
+  ``multiprocessing`` children inherit them).
+  """
+  from gssp_jax.runtime import launch  # pylint: disable=g-import-not-at-top
+  if allocator not in ALLOCATORS:
+    raise ValueError(f"--allocator={allocator!r} is invalid; allowed: {', '.join(ALLOCATORS)}")
+  env = dict(os.environ)
+  if allocator == "launcher":
+    if all(env.get(k) == v for k, v in launch.ALLOCATOR_ENV.items()):
+      return
+    env.update(launch.ALLOCATOR_ENV)
+  else:
+    if not any(k in env for k in launch.ALLOCATOR_ENV):
+      return
+    for k in launch.ALLOCATOR_ENV:
+      env.pop(k)
+  sys.stdout.flush()
+  os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)

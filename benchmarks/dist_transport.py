@@ -2,7 +2,8 @@ r"""The real runtime's data plane: push + pull against the raw gRPC channel; pus
 
     python -m benchmarks.dist_transport [--models=lenet5,resnet18] \
         [--parts=ratio,chunks,server,shards] [--rounds=5] [--reps=0] [--chunk_mib=1,2,4,8] \
-        [--num_servers=1,2,4] [--clients=4] [--seconds=12] [--repeats=2] [--quick]
+        [--num_servers=1,2,4] [--clients=4] [--seconds=12] [--repeats=2] [--quick] \
+        [--allocator=launcher|glibc]
 
 About 13 minutes with the defaults on a 2-core CPU; ``--quick`` (LeNet-5 only,
 few repetitions, S = 2 with 2 meshes, 1.5 s runs) in under a minute. Every
@@ -10,7 +11,10 @@ server runs in a child process (``multiprocessing`` spawn), so client and
 server do not share a GIL; on a small machine they still share its cores.
 Payloads are a real model's tensors (shapes from ``jax.eval_shape`` of its
 init, values random float32): LeNet-5 (0.25 MB), ResNet-18 (44.7 MB with its
-BatchNorm statistics). Parts:
+BatchNorm statistics). Every process runs with the malloc settings that the
+launcher gives a real run's processes (``launch.ALLOCATOR_ENV``; the
+benchmark starts itself again with them), or glibc's defaults with
+``--allocator=glibc``. Parts:
 
 * ``ratio``: one push + pull as the runtime moves it with one shard (S = 1)
   against the bare gRPC channel moving the same bytes: ``raw unary`` and
@@ -94,6 +98,9 @@ _CLIENTS = flags.DEFINE_integer("clients", 4, "concurrent meshes (processes) of 
 _SECONDS = flags.DEFINE_float("seconds", 12.0, "timed seconds per run of server and shards")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "runs per setting of server and shards (medians)")
 _SHARD_MODEL = flags.DEFINE_string("shard_model", "resnet18", "the model of server and shards")
+_ALLOCATOR = flags.DEFINE_enum("allocator", "launcher", list(common.ALLOCATORS),
+                               "malloc settings: the launcher's (launch.ALLOCATOR_ENV, as a "
+                               "real run's processes have them) or glibc's defaults")
 _QUICK = flags.DEFINE_bool("quick", False, "a smoke test in under a minute: lenet5 only, few "
                            "repetitions, S = 1, 2, 2 clients, 2 s runs")
 
@@ -689,6 +696,7 @@ def print_projection(rows: list[dict], exchange: dict | None) -> None:
 
 def main(argv):
   del argv
+  common.run_with_allocator("benchmarks.dist_transport", _ALLOCATOR.value)
   quick = _QUICK.value
   try:
     parts = list(_PARTS.value)
@@ -710,6 +718,7 @@ def main(argv):
   print(common.describe_backend())
   print(f"grpcio {grpc.__version__}; loopback; {os.cpu_count()} CPU cores, load average "
         f"{os.getloadavg()[0]:.1f} at the start; chunk {wire.CHUNK_BYTES >> 20} MiB; "
+        f"allocator: {_ALLOCATOR.value}; "
         f"{time.strftime('%Y-%m-%d %H:%M')}")
   exchanges = {}   # model -> its ratio row
   if "ratio" in parts:

@@ -29,6 +29,7 @@ from absl import flags
 import grpc
 import numpy as np
 
+from benchmarks import common
 from benchmarks import dist_transport
 from gssp_jax.runtime import wire
 
@@ -117,6 +118,8 @@ class _Clients:
 
 def main(argv):
   del argv
+  common.run_with_allocator("benchmarks.flight_probe",
+                            dist_transport._ALLOCATOR.value)  # pylint: disable=protected-access
   try:
     import pyarrow  # pylint: disable=g-import-not-at-top,unused-import
     from pyarrow import flight  # pylint: disable=g-import-not-at-top,unused-import

@@ -610,6 +610,35 @@ def test_flight_keeps_status_codes_and_retries_unavailable():
     server.stop(0)
 
 
+@pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
+def test_a_call_waits_for_a_server_that_is_bound_but_not_serving_and_holds_its_port(flight):
+  """``wire.bind_server`` holds the port and answers nothing until ``serve``: a call made
+  meanwhile waits (no "not ready" answer to poll) and is answered once the server serves; a
+  stranger cannot bind the port in between. A large body goes over Flight once served."""
+  server = wire.bind_server("127.0.0.1:0", CREDENTIALS, max_workers=4, flight=flight)
+  client = wire.Client(f"127.0.0.1:{server.port}", CREDENTIALS, retry_seconds=30)
+  body = np.arange(wire.CHUNK_BYTES + 8, dtype=np.uint8) if flight else np.arange(100, dtype=np.uint8)
+  replies = []
+  caller = threading.Thread(target=lambda: replies.append(
+      client.call("Echo", {}, body, reply_limit=40 << 20)))
+  try:
+    with pytest.raises(ValueError, match="cannot be bound"):
+      wire.bind_server(f"127.0.0.1:{server.port}", CREDENTIALS, max_workers=2)
+    caller.start()
+    caller.join(1.0)
+    assert caller.is_alive() and not replies, "answered before the server served"
+    server.serve([wire.Method("Echo", lambda header, b, peer: ({"n": wire.body_bytes(b)}, b),
+                              lambda header: 40 << 20)])
+    caller.join(30)
+    assert not caller.is_alive(), "the waiting call was never answered"
+    assert replies[0][0]["n"] == body.size
+    np.testing.assert_array_equal(replies[0][1], body)
+  finally:
+    client.close()
+    server.stop(0).wait(10)
+    caller.join(30)
+
+
 # -- secrets and TLS ------------------------------------------------------------------------------
 
 

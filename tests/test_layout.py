@@ -174,10 +174,3 @@ def test_a_senders_messages_end_on_its_tensors_and_stay_within_the_cap():
   # A tensor larger than SEGMENT_BYTES is cut into messages of at most that size.
   big = [np.zeros([(wire.SEGMENT_BYTES // 4) + 5], np.float32)]
   assert [len(m) for m in wire.chunks(big)] == [wire.SEGMENT_BYTES, 20]
-
-
-def test_the_wire_tunes_glibcs_allocator_where_there_is_one():
-  import platform  # pylint: disable=g-import-not-at-top
-  if platform.libc_ver()[0] != "glibc":
-    pytest.skip("mallopt is glibc's")
-  assert wire.tune_allocator() and wire.tune_allocator()   # idempotent

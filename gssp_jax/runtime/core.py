@@ -28,6 +28,7 @@ import numpy as np
 
 from gssp_jax import sync
 from gssp_jax.sim import records
+from gssp_jax.sim import simulate
 
 HOST_FORMAT = "sharded-1"              # the control plane's checkpointed host state
 
@@ -137,9 +138,8 @@ class ProtocolCore:
   # -- counting -------------------------------------------------------------------------------
 
   def iterations(self) -> int:
-    """Data iterations applied so far (``simulate.Simulation._iterations``): pushes, but a
-    local-update push counts its job's ``H_w``, once a round applies it."""
-    return int(self.host["iterations"] if self.local else self.host["pushes"])
+    """Data iterations applied so far, counted as the simulator counts them."""
+    return simulate.iterations_done(self.local, self.host["pushes"], self.host["iterations"])
 
   def load(self, saved: dict) -> None:
     """The protocol, counters and accounting of a checkpoint's host state."""

@@ -294,9 +294,9 @@ class DistServer:
     return self.core.iterations() >= self.total_pushes
 
   def _at_end(self, iterations: int, pushes: int) -> bool:
-    """The run's end: its epochs' iterations, or ``train.stop_after_updates`` pushes."""
-    stop = self.config.train.stop_after_updates
-    return iterations >= self.total_pushes or bool(stop and pushes >= stop)
+    """The run's end, as the simulator's (``simulate.at_end``)."""
+    return simulate.at_end(iterations, pushes, self.total_pushes,
+                           self.config.train.stop_after_updates)
 
   @property
   def position(self) -> int:

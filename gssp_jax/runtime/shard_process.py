@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from typing import NamedTuple
 
 from absl import logging
-import grpc
 import numpy as np
 
 from gssp_jax.runtime import auth
@@ -32,32 +30,6 @@ from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import shard as shard_lib
 from gssp_jax.runtime import wire
-
-
-class _Pending:
-  """The shard's gRPC methods before it is ready: each answers ``UNAVAILABLE`` (callers retry)."""
-
-  def __init__(self):
-    self.service: shard_lib.ShardService | None = None
-    self.ready = threading.Event()
-
-  def methods(self, names) -> list[wire.Method]:
-    def bind(name):
-      def handler(header, body, peer):
-        if not self.ready.is_set():
-          raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "the shard is starting")
-        return getattr(self.service, _HANDLERS[name])(header, body, peer)
-
-      def limit(header):
-        if not self.ready.is_set():
-          return 0
-        return next(m.body_limit for m in self.service.methods() if m.name == name)(header)
-      return wire.Method(name, handler, limit, parts=name in shard_lib.PARTS_METHODS)
-    return [bind(name) for name in names]
-
-
-_HANDLERS = {"PutGrad": "put_grad", "Pull": "pull", "Ops": "ops", "Snapshot": "snapshot",
-             "Saved": "saved", "Stop": "stop_call"}
 
 
 def _advertised(bind_address: str, port: int) -> str:
@@ -71,19 +43,22 @@ class ShardHandle(NamedTuple):
   """A started shard: its state, its service, its gRPC server and its link to the server."""
   core: shard_lib.ShardCore
   service: shard_lib.ShardService
-  grpc_server: grpc.Server
+  grpc_server: wire.Server
   client: wire.Client
   address: str
 
 
 def start(config, workdir: str, index: int, num_servers: int, server_address: str,
           bind_address: str, credentials: auth.Credentials) -> ShardHandle:
-  """Binds, registers, builds (or restores), compiles and announces shard ``index``."""
-  pending = _Pending()
-  grpc_server, port = wire.make_server(pending.methods(list(_HANDLERS)), bind_address,
-                                       credentials, max_workers=2 * config.num_workers + 8,
-                                       **wire.server_settings(config.dist))
-  address = _advertised(bind_address, port)
+  """Binds, registers, builds (or restores), compiles, then serves and announces shard ``index``.
+
+  Its port is bound first and held, answering nothing, until the shard is
+  ready: a caller's call waits meanwhile (``wire.Server``).
+  """
+  grpc_server = wire.bind_server(bind_address, credentials,
+                                 max_workers=2 * config.num_workers + 8,
+                                 **wire.server_settings(config.dist))
+  address = _advertised(bind_address, grpc_server.port)
   client = wire.Client(server_address, credentials, retry_seconds=float(config.dist.join_timeout),
                        **wire.client_settings(config.dist))
   try:
@@ -101,14 +76,13 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
       core.restore(int(header["restore"]))
     core.warm_up()
     core.start()
+    service = shard_lib.ShardService(core, credentials, session,
+                                     wait_timeout=float(config.dist.save_timeout))
+    grpc_server.serve(service.methods())
   except BaseException:
     grpc_server.stop(grace=0)
     client.close()
     raise
-  service = shard_lib.ShardService(core, credentials, session,
-                                   wait_timeout=float(config.dist.save_timeout))
-  pending.service = service
-  pending.ready.set()
   client.call("Ready", {"shard": index, "session": session})
   logging.info("shard %d of %d serving at %s (%d tensors, %.1f MB)", index, num_servers,
                address, len(layout.leaves(index)), layout.pull_bytes(index) / 1e6)

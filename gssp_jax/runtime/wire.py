@@ -22,9 +22,10 @@ calls. A call has two parts:
   takes **parts** (pushes and pulls), keeps them as they came, so a tensor
   that lies within one message is used in place (``layout.leaf_views``): a
   45 MB ResNet-18 push + pull is copied once each way instead of three times.
-  No gRPC message is larger than ``MAX_MESSAGE_BYTES``. (One 45 MB message was
-  about 4x slower than chunks until the allocator was tuned,
-  :func:`tune_allocator`; since, both take about as long.)
+  No gRPC message is larger than ``MAX_MESSAGE_BYTES``. Processes that move
+  bodies run with glibc's allocator tuned by their environment
+  (``launch.ALLOCATOR_ENV``, which the launcher sets): without it, a body's
+  buffers fault in fresh pages on every call.
 
 Every method therefore exists twice: ``Name`` (unary) and ``Name~`` (a stream
 both ways); the caller picks by size, the handler is the same. A server made
@@ -41,13 +42,20 @@ its own, e.g. ``FAILED_PRECONDITION``).
 The client retries a call that failed with ``UNAVAILABLE`` (not connected, or
 the connection dropped mid-call) for up to ``retry_seconds``: every call is
 idempotent by design (pushes carry their number, ``runtime/server.py``), so a
-retried push is acknowledged, never applied twice.
+retried push is acknowledged, never applied twice. Between attempts it waits
+on gRPC's own connection (``grpc.channel_ready_future``), not a timer. Readiness
+is the same wait: a process binds its port first and serves once it is ready
+(:meth:`Server.serve`), so no health service is polled. gRPC's built-in
+retries stay off: its retry policy allows at most 5 attempts and replays at
+most its retry buffer (a large body is not replayed), so it cannot span a
+window of a minute; ``wait_for_ready`` with a deadline on every call would
+bound the server's time on the call as well, and a push waits for its release
+as long as the protocol needs.
 """
 
 from __future__ import annotations
 
 from concurrent import futures
-import ctypes
 import os
 import struct
 import threading
@@ -103,44 +111,6 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-
-
-# glibc's malloc (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD): see ``tune_allocator``.
-_MALLOPT_MMAP_THRESHOLD, _MALLOPT_TRIM_THRESHOLD = -3, -1
-ALLOCATOR_MMAP_THRESHOLD = 64 << 20
-ALLOCATOR_TRIM_THRESHOLD = 256 << 20
-_allocator_tuned = False
-
-
-def tune_allocator() -> bool:
-  """Keeps the heap's freed memory for reuse, so large bodies do not fault in fresh pages.
-
-  Every body crosses the process as short-lived buffers of megabytes (a
-  chunk's ``bytes``, gRPC's own message ``bytes``, a received body). glibc
-  serves each from a fresh ``mmap`` and returns it to the kernel when freed
-  (its dynamic threshold follows the sizes freed but trims at twice that), so
-  every buffer's pages fault in again. In a VM a fault costs microseconds: a
-  45 MB push + pull spent more time faulting than copying (measured on a 2-core
-  VM, ``benchmarks/dist_transport.py``: 154 ms before, 113 ms with this and
-  the layout's single copy; one 45 MB gRPC message 260-320 ms before, 125-140
-  ms after; docs/PERFORMANCE.md). With it, buffers up to
-  ``ALLOCATOR_MMAP_THRESHOLD`` come from the heap and up to
-  ``ALLOCATOR_TRIM_THRESHOLD`` of freed heap stays mapped (per arena): a
-  process keeps up to a few hundred MB more resident, never more live memory.
-  A process-wide setting, applied once by the first server or client of the
-  wire (the processes that move bodies); a no-op where the C library has no
-  ``mallopt`` (not glibc). Returns whether it is applied.
-  """
-  global _allocator_tuned
-  if not _allocator_tuned:
-    try:
-      mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-      return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _allocator_tuned = bool(mallopt(_MALLOPT_MMAP_THRESHOLD, ALLOCATOR_MMAP_THRESHOLD)
-                            and mallopt(_MALLOPT_TRIM_THRESHOLD, ALLOCATOR_TRIM_THRESHOLD))
-  return _allocator_tuned
 
 
 class BadMessage(ValueError):
@@ -431,13 +401,51 @@ def _stream(method: Method):
 class Server:
   """A run's server: the gRPC server of its methods and, with ``flight``, their Flight twin.
 
+  Made by :func:`bind_server`, it holds its port and answers no call until
+  :meth:`serve`: a client's call waits meanwhile (``Client``: gRPC's
+  connection wait), so a process binds first (a bad address fails at once)
+  and serves once it is ready, with no "not ready yet" answer to poll.
+
   Attributes:
     grpc: the ``grpc.Server``.
-    flight: the Flight server (``runtime/flight.py``), or None.
+    flight: the Flight server (``runtime/flight.py``) once serving, or None.
+    port: the gRPC port.
   """
 
-  def __init__(self, grpc_server: grpc.Server, flight_server=None):
-    self.grpc, self.flight = grpc_server, flight_server
+  def __init__(self, grpc_server: grpc.Server, port: int, address: str,
+               check: auth.TokenInterceptor, flight: bool, flight_tls: dict | None):
+    self.grpc, self.port, self.flight = grpc_server, port, None
+    self._address, self._check = address, check
+    self._flight_wanted, self._flight_tls = flight, flight_tls
+
+  def serve(self, methods: list[Method]) -> "Server":
+    """Starts serving ``methods`` (and their Flight twins); returns itself.
+
+    Raises:
+      ValueError: the Flight data plane cannot be bound (the server is stopped).
+    """
+    flight_port = {}   # filled once the Flight server is up, before the gRPC server starts
+    served = list(methods)
+    if self._flight_wanted:
+      served.append(Method(FLIGHT_PORT_METHOD, lambda h, b, p: (flight_port, None)))
+    handlers = {}
+    for method in served:
+      handlers[method.name] = _unary(method)
+      handlers[method.name + "~"] = _stream(method)
+    self.grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    if self._flight_wanted:
+      from gssp_jax.runtime import flight as flight_lib  # pylint: disable=g-import-not-at-top
+      host, _ = check_address("server address", self._address)
+      try:
+        self.flight = flight_lib.start_server(methods, host, self._check, self._flight_tls)
+      except Exception as e:  # pylint: disable=broad-except  (pyarrow's errors: ArrowException...)
+        self.grpc.stop(0)
+        raise ValueError(f"server address {self._address!r}: its Flight data plane cannot be "
+                         f"bound on {host} ({type(e).__name__}: {e}); allowed: an address of "
+                         "this machine, or config.dist.data_plane='grpc'") from None
+      flight_port["port"] = int(self.flight.port)
+    self.grpc.start()
+    return self
 
   def stop(self, grace: float | None) -> threading.Event:
     """Stops both; the event is set once both are down (Flight: at most ``grace`` + 1 s)."""
@@ -452,14 +460,14 @@ class Server:
     return done
 
 
-def make_server(methods: list[Method], address: str, credentials: auth.Credentials, *,
-                max_workers: int, tls: grpc.ServerCredentials | None = None,
-                flight: bool = False, flight_tls: dict | None = None) -> tuple[Server, int]:
-  """A started server of ``methods`` at ``address``, closed to callers without the token.
+def bind_server(address: str, credentials: auth.Credentials, *, max_workers: int,
+                tls: grpc.ServerCredentials | None = None, flight: bool = False,
+                flight_tls: dict | None = None) -> Server:
+  """A server bound to ``address``, closed to callers without the token, not serving yet.
 
   A port the launcher reserved for this process (:func:`port_reserved_for_us`)
   is bound with SO_REUSEPORT beside the launcher's reservation; any other with
-  it off.
+  it off. ``Server.serve`` starts it.
 
   Args:
     flight: serve the methods on Arrow Flight too (``runtime/flight.py``), at a
@@ -468,28 +476,16 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
     flight_tls: the Flight server's TLS (``auth.flight_server_tls``), given
       exactly when ``tls`` is.
 
-  Returns:
-    ``(server, port)`` (port 0 in ``address`` picks a free one).
-
   Raises:
     ValueError: the address cannot be bound (in use, or not an address here).
   """
-  tune_allocator()
-  host, _ = check_address("server address", address)
-  check = auth.TokenInterceptor(credentials)
-  flight_port = {}   # filled once the Flight server is up, before the gRPC server starts
-  if flight:
-    methods = methods + [Method(FLIGHT_PORT_METHOD, lambda h, b, p: (flight_port, None))]
-  handlers = {}
-  for method in methods:
-    handlers[method.name] = _unary(method)
-    handlers[method.name + "~"] = _stream(method)
+  check_address("server address", address)
   options = [(k, int(port_reserved_for_us(address)) if k == "grpc.so_reuseport" else v)
              for k, v in SERVER_OPTIONS]
+  check = auth.TokenInterceptor(credentials)
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                        interceptors=[check],
                        options=options, maximum_concurrent_rpcs=4 * max_workers)
-  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
   try:
     port = (server.add_secure_port(address, tls) if tls is not None
             else server.add_insecure_port(address))
@@ -500,19 +496,18 @@ def make_server(methods: list[Method], address: str, credentials: auth.Credentia
   if port == 0:
     raise ValueError(f"server address {address!r} cannot be bound{error}; allowed: a free "
                      "host:port of this machine (port 0 picks a free one)")
-  flight_server = None
-  if flight:
-    from gssp_jax.runtime import flight as flight_lib  # pylint: disable=g-import-not-at-top
-    try:
-      flight_server = flight_lib.start_server(methods[:-1], host, check, flight_tls)
-    except Exception as e:  # pylint: disable=broad-except  (pyarrow's errors: ArrowException...)
-      server.stop(0)
-      raise ValueError(f"server address {address!r}: its Flight data plane cannot be bound "
-                       f"on {host} ({type(e).__name__}: {e}); allowed: an address of this "
-                       "machine, or config.dist.data_plane='grpc'") from None
-    flight_port["port"] = int(flight_server.port)
-  server.start()
-  return Server(server, flight_server), port
+  return Server(server, port, address, check, flight, flight_tls)
+
+
+def make_server(methods: list[Method], address: str, credentials: auth.Credentials,
+                **settings) -> tuple[Server, int]:
+  """A server of ``methods`` at ``address``, serving: :func:`bind_server`, then ``serve``.
+
+  Returns:
+    ``(server, port)`` (port 0 in ``address`` picks a free one).
+  """
+  server = bind_server(address, credentials, **settings)
+  return server.serve(methods), server.port
 
 
 # -- clients ------------------------------------------------------------------------------------
@@ -533,7 +528,6 @@ class Client:
   def __init__(self, address: str, credentials: auth.Credentials, *,
                retry_seconds: float = 60.0, tls: grpc.ChannelCredentials | None = None,
                server_name: str = "", flight_tls: dict | None = None):
-    tune_allocator()
     self.address, self.retry_seconds = address, float(retry_seconds)
     self._metadata = credentials.metadata
     self._token = credentials.token
@@ -626,19 +620,35 @@ class Client:
         break
       except _FAILURES as e:
         code = e.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-          self._forget_flight()
-        if code != grpc.StatusCode.UNAVAILABLE or not retry or time.monotonic() > deadline:
-          if code == grpc.StatusCode.UNAVAILABLE:
-            raise ServerGone(f"the server at {self.address} stayed unreachable for "
-                             f"{self.retry_seconds:.0f} s (dist.retry_seconds); is it running?"
-                             ) from None
+        if code != grpc.StatusCode.UNAVAILABLE:
           raise CallError(name, code, e.details() or "") from None
-        time.sleep(delay)
+        self._forget_flight()
+        if not retry or not self._await_server(deadline, delay):
+          raise ServerGone(f"the server at {self.address} stayed unreachable for "
+                           f"{self.retry_seconds:.0f} s (dist.retry_seconds); is it running?"
+                           ) from None
         delay = min(2 * delay, 0.25)
     self.bytes_sent += size
     self.bytes_received += body_bytes(reply)
     return reply_header, reply
+
+  def _await_server(self, deadline: float, pause: float) -> bool:
+    """After ``pause``, waits until ``deadline`` for a connection; whether there is one.
+
+    gRPC's connection management does the waiting (it reconnects with the
+    backoff of ``CHANNEL_OPTIONS``) and returns as soon as the server serves:
+    a process that binds before it is ready (``Server.serve``) is called the
+    moment it is. The pause spaces out the calls to a server that is connected
+    but answered ``UNAVAILABLE`` itself (not yet: e.g. the start barrier).
+    """
+    time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+    ready = grpc.channel_ready_future(self._channel)
+    try:
+      ready.result(timeout=max(0.0, deadline - time.monotonic()))
+    except grpc.FutureTimeoutError:
+      ready.cancel()   # ends its subscription to the channel's state
+      return False
+    return time.monotonic() < deadline
 
   def _attempt(self, name, stream, header, body, reply_limit, timeout, reply_parts):
     if not stream:   # the header travels inside the message both ways (:func:`frame`)

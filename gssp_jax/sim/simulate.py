@@ -195,6 +195,21 @@ def plan_pushes(config: ml_collections.ConfigDict, num_train: int) -> PushPlan:
                   min(total_pushes, stop) if stop else total_pushes)
 
 
+def iterations_done(local: bool, pushes: int, local_iterations: int) -> int:
+  """Data iterations that reached a server so far: pushes, but for a local-update scheme
+  the iterations of the pushes its rounds applied (``local_iterations``: each push its job's
+  ``H_w``, counted when a round applies it, so an evaluation never falls inside a round).
+  The simulator and the real runtime (``runtime/core.py``) both count here."""
+  return int(local_iterations if local else pushes)
+
+
+def at_end(iterations: int, pushes: int, total_pushes: int, stop_after: int) -> bool:
+  """Whether a run is over: its epochs' data iterations are done, or it made
+  ``train.stop_after_updates`` pushes (``stop_after``; 0: no such limit). The
+  simulator and the real runtime (``runtime/server.py``) both end here."""
+  return iterations >= total_pushes or bool(stop_after and pushes >= stop_after)
+
+
 def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
                ) -> tuple[np.ndarray, executor.LocalJob | None]:
   """``([W] inner steps per job, LocalJob)`` of a local-update scheme; ``(ones, None)`` else.
@@ -433,9 +448,9 @@ class Simulation:
   def position(self) -> int:
     return int(self.engine.num_pushes)
 
-  def finished(self) -> bool:
-    stop = self._stop_after   # train.stop_after_updates, in pushes for every scheme
-    return self.completed() or bool(stop and self.engine.num_pushes >= stop)
+  def finished(self) -> bool:   # train.stop_after_updates counts pushes for every scheme
+    return at_end(self._iterations(), self.engine.num_pushes, self.total_pushes,
+                  self._stop_after)
 
   def completed(self) -> bool:
     return self._iterations() >= self.total_pushes
@@ -612,15 +627,9 @@ class Simulation:
     return self._job_time if self.local is not None else self.cluster.compute_time
 
   def _iterations(self) -> int:
-    """Data iterations that reached a server so far (a local-update push: its job's ``H_w``).
-
-    Other schemes count pushes, as they always did. A local-update push counts
-    when a round applies it (BSP's barrier for local_sgd and diloco), so an
-    evaluation never falls inside a round.
-    """
-    if self.local is None:
-      return int(self.engine.num_pushes)
-    return int(self.host["iterations"])
+    """Data iterations that reached a server so far (:func:`iterations_done`)."""
+    return iterations_done(self.local is not None, self.engine.num_pushes,
+                           self.host["iterations"])
 
   def _regroup(self, measured: np.ndarray) -> None:
     """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
