@@ -326,21 +326,39 @@ def seed_statistics(members: list[dict]) -> dict[str, Any]:
 
 
 TUNING_CRITERION = ("the fewest collapsed or diverged seeds (a value that breaks a seed is not a "
-                    "usable setting), then the lowest median over seeds of the (interpolated) "
-                    "virtual time to target, a seed that never reached it counting as infinitely "
-                    "slow; ties, including never reached at every value, broken by the higher "
-                    "median final metric (an unhealthy seed's counting as the worst); then the "
-                    "smaller value")
+                    "usable setting), then the fewest seeds that never reached the target (a "
+                    "value where any seed misses it loses to one where every seed reaches it), "
+                    "then the lowest mean over seeds of the (interpolated) virtual time to "
+                    "target; ties, including never reached at every value, broken by the "
+                    "higher median final metric (an unhealthy seed's counting as the worst); "
+                    "then the smaller value")
 
 
-def _tuning_score(members: list[dict]) -> tuple[int, float, float]:
-  """Lower is better: (unhealthy seeds, median time to target, -median final)."""
+def _tuning_score(members: list[dict]) -> tuple[int, int, float, float]:
+  """Lower is better: (unhealthy seeds, seeds that missed the target, mean time to target
+  (infinite if any seed missed it), -median final)."""
   inf = float("inf")
-  times = [m["time_to_target"] if m["time_to_target"] is not None else inf for m in members]
+  times = [m["time_to_target"] for m in members if m["time_to_target"] is not None]
+  missed = len(members) - len(times)
   finals = [m["final"] if m["final"] is not None and m["status"] not in UNHEALTHY else -inf
             for m in members]
-  return (sum(m["status"] in UNHEALTHY for m in members), statistics.median(times),
+  return (sum(m["status"] in UNHEALTHY for m in members), missed,
+          statistics.fmean(times) if times and not missed else inf,
           -statistics.median(finals))
+
+
+def _edge(values: list[tuple], best: tuple) -> str | None:
+  """``"lowest"`` or ``"highest"`` where ``best`` is an end of the compared values (one tuned
+  key varying among them, numbers, at least two), else None: a winner there may lie outside
+  the grid."""
+  varying = [i for i in range(len(best)) if len({v[i] for v in values}) > 1]
+  if len(varying) != 1:
+    return None
+  numbers = [json.loads(v[varying[0]]) for v in values]
+  if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+    return None
+  chosen = json.loads(best[varying[0]])
+  return "lowest" if chosen == min(numbers) else "highest" if chosen == max(numbers) else None
 
 
 def _value_order(value: tuple) -> tuple:
@@ -361,8 +379,9 @@ def select_tuned(rows: list[dict],
     ``(selected, choices)``: the chosen trials (copies, their speedups and
     deltas recomputed against BSP at BSP's own best value, same seed), and per
     configuration a dict with its swept values, ``chosen`` (tuned key -> value),
-    ``median_time_to_target``, ``median_final`` and ``candidates`` (how many
-    values were compared). Without tuned keys: ``(rows, [])``.
+    ``mean_time_to_target``, ``median_final``, ``unhealthy_seeds``,
+    ``missed_seeds``, ``candidates`` (how many values were compared) and
+    ``at_edge`` (:func:`_edge`). Without tuned keys: ``(rows, [])``.
   """
   tuned = list(dict.fromkeys(k for r in rows for k in r.get("_tuned", ())))
   if not tuned:
@@ -378,14 +397,14 @@ def select_tuned(rows: list[dict],
                               or m["_overrides"].get("seed") in seeds] or members
   for cfg, by_value in configs.items():
     best = min(by_value, key=lambda v: (_tuning_score(choosers(by_value[v])), _value_order(v)))
-    score = _tuning_score(choosers(by_value[best]))
+    unhealthy, missed, mean_time, final = _tuning_score(choosers(by_value[best]))
     selected += [dict(r) for r in by_value[best]]
     choices.append({**{k: json.loads(v) for k, v in cfg},
                     "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},
-                    "median_time_to_target": score[1] if score[1] != float("inf") else None,
-                    "median_final": -score[2] if score[2] != float("inf") else None,
-                    "unhealthy_seeds": score[0],
-                    "candidates": len(by_value)})
+                    "mean_time_to_target": mean_time if mean_time != float("inf") else None,
+                    "median_final": -final if final != float("inf") else None,
+                    "unhealthy_seeds": unhealthy, "missed_seeds": missed,
+                    "candidates": len(by_value), "at_edge": _edge(list(by_value), best)})
   _add_baselines(selected, ignore=tuned)
   return selected, choices
 
@@ -553,7 +572,8 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
   tuned = list(choices[0]["chosen"])
   grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in rows if k in r["_overrides"]},
                     key=lambda v: _value_order((v,))) for k in tuned}
-  info = ("chosen", "median_time_to_target", "median_final", "unhealthy_seeds", "candidates")
+  info = ("chosen", "mean_time_to_target", "median_final", "unhealthy_seeds", "missed_seeds",
+          "candidates", "at_edge")
   cfg_cols = list(dict.fromkeys(k for c in choices for k in c if k not in info))
   cfg_cols.sort(key=lambda k: _column_order(k, 0))
   which = ("the same grid for every scheme (BSP included)" if len(tuned) == 1 else
@@ -567,14 +587,20 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
            "Each configuration (every other swept value but the seed) is reported at the value "
            f"with {TUNING_CRITERION}.{on} The full per-value table follows.", "",
            "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
-                            + ["unhealthy seeds", "median time_to_target", "median final",
-                               "values compared"])
-           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 4)]
+                            + ["unhealthy seeds", "seeds that missed", "mean time_to_target",
+                               "median final", "values compared", "at the grid's edge"])
+           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 6)]
   for c in choices:
     lines.append("| " + " | ".join(
         [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"].get(k)) for k in tuned]
-        + [str(c["unhealthy_seeds"]), _fmt(c["median_time_to_target"], "time_to_target"),
-           _fmt(c["median_final"], "final", metric), str(c["candidates"])]) + " |")
+        + [str(c["unhealthy_seeds"]), str(c["missed_seeds"]),
+           _fmt(c["mean_time_to_target"], "time_to_target"),
+           _fmt(c["median_final"], "final", metric), str(c["candidates"]),
+           c["at_edge"] or "no"]) + " |")
+  edges = [c for c in choices if c["at_edge"]]
+  if edges:
+    lines += ["", f"{len(edges)} of {len(choices)} configuration(s) won at the grid's edge: "
+              "a better value may lie beyond it (extend the grid on that side)."]
   return lines
 
 

@@ -276,44 +276,56 @@ def trial_status(trial_dir: str) -> str | None:
     return json.load(f).get("status")
 
 
-def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attempts: int):
+def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attempts: int,
+            seconds: float):
   # Imported here: gssp_jax.train loads JAX, and sweep files import this module just to
   # declare their grids.
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   os.makedirs(trial_dir, exist_ok=True)
   workdir_lib.write_json(os.path.join(trial_dir, "trial.json"),
                          {"name": trial.name, "overrides": trial.overrides, "status": status,
-                          "error": error, "attempts": attempts, "tuned": list(trial.tuned)},
+                          "error": error, "attempts": attempts, "tuned": list(trial.tuned),
+                          "seconds": round(seconds, 3)},
                          default=str)
 
 
-def _attempts(trial_dir: str) -> int:
+def _recorded(trial_dir: str) -> dict:
   path = os.path.join(trial_dir, "trial.json")
   if not os.path.exists(path):
-    return 0
+    return {}
   with open(path) as f:
-    return int(json.load(f).get("attempts", 0))
+    return json.load(f)
+
+
+def trial_seconds(trial_dir: str) -> float | None:
+  """The wall seconds this trial's process spent on it, every attempt's (start-up and
+  compilation included), as ``trial.json`` records them; None where it does not."""
+  seconds = _recorded(trial_dir).get("seconds")
+  return float(seconds) if seconds is not None else None
 
 
 def run_trial(trial: Trial, workdir: str) -> str:
   """Runs one trial in this process; records its status (and the error) in ``trial.json``."""
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top (heavy)
   trial_dir = os.path.join(workdir, trial.name)
-  attempts = _attempts(trial_dir) + 1
-  _record(trial_dir, trial, "running", None, attempts)
+  before = _recorded(trial_dir)
+  attempts, spent = int(before.get("attempts", 0)) + 1, float(before.get("seconds") or 0.0)
+  start = time.perf_counter()
+  _record(trial_dir, trial, "running", None, attempts, spent)
   # The trial's log goes to its workdir as well as to the console.
   with cli.log_to_file(os.path.join(trial_dir, "log.txt")):
     try:
       summary = loop.train_and_evaluate(trial.config, trial_dir, allow_unread=trial.allow_unread)
       status, error = summary["status"], None
     except KeyboardInterrupt:
-      _record(trial_dir, trial, "interrupted", None, attempts)
+      _record(trial_dir, trial, "interrupted", None, attempts,
+              spent + time.perf_counter() - start)
       raise
     except Exception as e:  # pylint: disable=broad-except  (recorded, the sweep goes on)
       status = "diverged" if isinstance(e, FloatingPointError) else "failed"
       error = "".join(traceback.format_exception_only(type(e), e)).strip()
       logging.error("trial %s %s: %s", trial.name, status, error)
-  _record(trial_dir, trial, status, error, attempts)
+  _record(trial_dir, trial, status, error, attempts, spent + time.perf_counter() - start)
   return status
 
 

@@ -169,6 +169,39 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
       sweep.expand(spec + ":huge")
 
 
+def test_the_authors_protocol_sweep_has_their_settings():
+  """``paper_mnist_authors.py``: the GSSP authors' MNIST settings (issue 35), declared target."""
+  trials = sweep.expand(str(REPO / "configs" / "sweeps" / "paper_mnist_authors.py"))
+  assert len(trials) == 15 and {t.config.seed for t in trials} == {0, 1, 2}
+  assert {(t.config.sync.scheme, t.config.compress.name) for t in trials} == {
+      ("bsp", "none"), ("asp", "none"), ("ssp", "none"), ("gssp", "none"), ("gssp", "gdtopk")}
+  for t in trials:
+    c = t.config
+    assert (c.num_workers, c.batch_size, c.sync.num_groups, c.sync.staleness) == (16, 64, 4, 3)
+    o = c.optimizer
+    assert (o.name, o.learning_rate, o.momentum, o.weight_decay) == ("sgd", 0.001, 0.9, 5e-4)
+    assert (o.schedule, o.warmup_epochs, o.weight_decay_mode) == ("constant", 0.0, "per_step")
+    assert c.train.target_accuracy == 0.95 and c.train.num_epochs == 25.0 and not t.tuned
+  with pytest.raises(ValueError, match=r"sweep arg 'tune' is invalid"):
+    sweep.expand(str(REPO / "configs" / "sweeps" / "paper_mnist_authors.py") + ":tune")
+
+
+def test_the_tuned_cifar10_sweep_gives_every_scheme_its_declared_grid_on_every_seed():
+  trials = sweep.expand(str(REPO / "configs" / "sweeps" / "paper_cifar10_tuned.py"))
+  assert len(trials) == 45 and {t.config.seed for t in trials} == {0, 1, 2}
+  grids = {}
+  for t in trials:
+    c = t.config
+    assert c.model_args.width == 0.25 and c.data.train_size == 8192 and c.num_workers == 8
+    assert c.train.num_epochs == 4.0 and c.train.target_accuracy == 0.35
+    label = c.sync.scheme + ("+" + c.compress.name if c.compress.name != "none" else "")
+    rate = (c.local.optimizer.learning_rate if c.sync.scheme == "diloco"
+            else c.optimizer.learning_rate)
+    grids.setdefault(label, set()).add(rate)
+  assert grids == {"bsp": {0.01, 0.03, 0.1}, "ssp": {0.01, 0.03, 0.1}, "gssp": {0.01, 0.03, 0.1},
+                   "gssp+gdtopk": {0.01, 0.03, 0.1}, "diloco": {3e-4, 1e-3, 3e-3}}
+
+
 def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid(monkeypatch):
   spec = str(REPO / "configs" / "sweeps" / "local_update_mnist.py")
   from configs.sweeps import local_update_mnist  # pylint: disable=g-import-not-at-top

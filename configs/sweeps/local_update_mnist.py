@@ -36,7 +36,8 @@ Schemes (:data:`SCHEMES`), each with the settings of its paper where it has one:
   0.3, momentum 0.5, N = 2, merge weight 0.25 (the authors' settings). Tuned as DiLoCo.
 
 Tuning protocol: seed 0 runs every scheme at every rate of its grid; the report picks each
-scheme's rate (fewest unhealthy seeds, then time to target, then final accuracy: gssp_jax.report)
+scheme's rate (fewest unhealthy seeds, then time to target, then final accuracy: gssp_jax.report's
+criterion, which on one seed is just that)
 on seed 0 alone (``tune_seeds``); seeds 1 and 2 run at that rate only (:data:`CHOSEN`, copied
 from the seed-0 report). 14 + 14 trials per cluster instead of 42: on this CPU the full grid
 over 3 seeds did not fit a session.
@@ -47,8 +48,7 @@ usual value (0.05 for this SGD recipe, ``docs/REPRODUCTION.md``; 1e-3 for Adam o
 one neighbour: for SGD the smaller 0.02, because with half an epoch of warm-up 0.1 broke SSP and
 GSSP (both collapsed on seed 0 of the tiers cluster in a first run of this sweep, which had
 {0.05, 0.1}; BSP at 0.1 was slower than at 0.05); for AdamW the larger 3e-3. Each scheme is reported at its best
-value by the report's criterion (fewest unhealthy seeds, then median time to target, then median
-final accuracy), chosen per cluster.
+value by the report's criterion (``gssp_jax.report.TUNING_CRITERION``), chosen per cluster.
 
 Cost, measured: see docs/REPRODUCTION.md (a trial is 1.5-3 min on this 2-core CPU).
 """

@@ -1,0 +1,56 @@
+"""Runs the studies behind the papers' claims, resumably, then writes their reports and the table.
+
+  python -m experiments.reproduce --out=DIR [--only=mnist_tuned,mnist_authors,local_update] \
+      [--parallel=N] [--plan]
+
+It first prints what it will run (each study's trials, how many are finished, the estimated
+hours left: declared per-trial costs until a study has finished trials, then theirs) and then
+runs. A rerun with the same --out skips finished trials and resumes the others from their
+checkpoints; Ctrl-C or ``kill`` stops every trial (each records ``interrupted``). --plan
+prints the plan and the claims table from what has finished, and runs nothing. On a GPU the
+trials' ``executor='auto'`` picks the GPU executor. Studies, claims and the rule that decides a
+claim: ``gssp_jax/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+
+from gssp_jax import cli
+from gssp_jax import reproduce
+from gssp_jax import xla_env
+
+_OUT = flags.DEFINE_string("out", None, "where the runs, the reports and the claims table go",
+                           required=True)
+_ONLY = flags.DEFINE_list("only", [], "studies to run (default: "
+                          f"{','.join(reproduce.DEFAULT_STUDIES)}); all: "
+                          f"{','.join(reproduce.STUDIES)}")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "trials at once (separate processes when > 1)")
+_PLAN = flags.DEFINE_bool("plan", False, "print the plan and the table so far; run nothing")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
+  if _PARALLEL.value < 1:
+    raise ValueError(f"--parallel={_PARALLEL.value} is invalid; allowed: an int >= 1")
+  root = cli.check_workdir(_OUT.value)
+  studies = reproduce.select(_ONLY.value)
+  rows = reproduce.plan(studies, root, REPO, _PARALLEL.value)   # validates every sweep first
+  print(reproduce.describe_plan(rows, _PARALLEL.value), flush=True)
+  cli.setup_logging()
+  if not _PLAN.value:
+    xla_env.use_compilation_cache()
+    with cli.sigterm_as_interrupt():
+      reproduce.run(studies, root, REPO, _PARALLEL.value)
+  os.makedirs(root, exist_ok=True)
+  paths = reproduce.write_claims(root, studies)
+  for kind, path in paths.items():
+    print(f"claims {kind}: {path}")
+
+
+if __name__ == "__main__":
+  cli.run_main(main)

@@ -1,0 +1,385 @@
+"""The papers' claims, from one command: the studies behind them, their reports, the claims table.
+
+``experiments.reproduce`` runs the declared :data:`STUDIES` (each a sweep file, resumable: a
+rerun skips finished trials and resumes the rest from their checkpoints), writes each one's
+report (``gssp_jax.report``) and then the claims table (:func:`write_claims`): for every claim of
+:data:`CLAIMS`, the figure of each study that has its scheme, the spread over seeds, and one
+sentence, derived from the figures by :func:`verdict`, on whether the claim holds there.
+
+Layout of ``--out=DIR``::
+
+  DIR/runs/<study>/<trial>/   the sweep's trials (workdirs)
+  DIR/<study>/                its report: report.md, report.csv, summary.csv, tuning.csv, figures
+  DIR/claims.md, claims.csv, claims.png   the claims table
+
+Nothing here is written by hand: every figure is read from the trials' summaries.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import statistics
+from typing import Any, Sequence
+
+from gssp_jax import report
+from gssp_jax import sweep as sweep_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A sweep behind the claims table.
+
+  Attributes:
+    name: its directory under ``DIR/runs`` and ``DIR``.
+    sweep: the sweep file, relative to the repository root (``path[:arg]``).
+    title: what it is, in a line of the claims table.
+    minutes_per_trial: the declared cost of a trial on a 2-core CPU (the plan's estimate until
+      trials of this study have finished; then their measured wall time).
+    protocol: ``"authors"`` (the papers' own settings) or ``"tuned"`` (each scheme at its best
+      rate of a declared grid); the claims table has one column of each.
+  """
+  name: str
+  sweep: str
+  title: str
+  minutes_per_trial: float
+  protocol: str
+
+
+STUDIES = {s.name: s for s in (
+    Study("mnist_tuned", "configs/sweeps/paper_mnist.py:tune",
+          "LeNet-5/MNIST, 16 workers in 4 speed tiers, each scheme at its best of "
+          "{0.02, 0.05, 0.1}, 3 seeds, 8 epochs, target 98 %", 1.5, "tuned"),
+    Study("mnist_authors", "configs/sweeps/paper_mnist_authors.py",
+          "LeNet-5/MNIST, the GSSP authors' settings (batch 64, SGD 0.001, constant), 3 seeds, "
+          "25 epochs, target 95 %", 4.0, "authors"),
+    Study("cifar10_tuned", "configs/sweeps/paper_cifar10_tuned.py",
+          "ResNet-18 x1/4 on 8,192 CIFAR-10 images, 8 workers in 4 speed tiers, BSP, SSP, GSSP, "
+          "GSSP + GDTopK and DiLoCo each at its best of a declared grid of 3, 3 seeds, "
+          "4 epochs, target 35 %", 10.0, "tuned"),
+    Study("local_update", "configs/sweeps/local_update_mnist.py:tiers",
+          "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, rates tuned on "
+          "seed 0, 3 seeds, 3 epochs, target 98 %", 3.0, "tuned"),
+    Study("tiny", "configs/sweeps/tiny_tune.py",
+          "a pipeline check: 2 schemes x 2 rates x 2 seeds on 512 examples (not a result)",
+          0.2, "tuned"),
+)}
+DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "cifar10_tuned", "local_update")
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """A paper's claim, and the figures that decide it.
+
+  Attributes:
+    name: the scheme as the table names it.
+    paper: who claims it.
+    statement: the claim, in the paper's terms.
+    scheme: ``(sync.scheme, compress.name)`` of the scheme's trials.
+    min_speedup: the speedup over BSP to the target that the claim needs (median over
+      seeds); None where the claim is not about speed.
+    max_drop_pp: how far below BSP's final accuracy (points) the claim allows; None: not about
+      accuracy.
+    max_bytes_vs_bsp: the most bytes pushed, as a share of BSP's, the claim allows; None: not
+      about communication.
+  """
+  name: str
+  paper: str
+  statement: str
+  scheme: tuple[str, str]
+  min_speedup: float | None
+  max_drop_pp: float | None
+  max_bytes_vs_bsp: float | None = None
+
+
+CLAIMS = (
+    Claim("GSSP", "the GSSP paper", "46-120 % faster than the baselines, under 1 % accuracy drop",
+          ("gssp", "none"), 1.46, 1.0),
+    Claim("GSSP + GDTopK", "the GDTopK paper",
+          "less communication at GSSP's accuracy (judged here: GSSP's speed claim, under 1 % drop)",
+          ("gssp", "gdtopk"), 1.46, 1.0),
+    Claim("SSP", "Ho et al. 2013", "faster than BSP at its accuracy", ("ssp", "none"), 1.0, 1.0),
+    Claim("DSSP", "Zhao et al. 2019", "faster than SSP's fixed bound, at BSP's accuracy",
+          ("dssp", "none"), 1.0, 1.0),
+    Claim("DS-Sync", "the DS-Sync paper", "BSP's accuracy in less time", ("dssync", "none"),
+          1.0, 1.0),
+    Claim("CASP (Petrel)", "the Petrel paper", "up to 1.87x faster convergence",
+          ("casp", "none"), 1.0, 1.0),
+    Claim("InHAD", "the InHAD paper", "faster than BSP on heterogeneous workers, at its accuracy",
+          ("inhad", "none"), 1.0, 1.0),
+    Claim("DiLoCo", "Douillard et al. 2023",
+          "as good as synchronous training while communicating H times less (H = 8 here)",
+          ("diloco", "none"), None, 1.0, 1.0 / 8 * 1.05),
+    Claim("Asynchronous Local-SGD", "Liu et al. 2024",
+          "matches synchronous DiLoCo in less wall time on heterogeneous workers",
+          ("async_local_sgd", "none"), 1.0, 1.0),
+    Claim("HALoS", "the HALoS paper",
+          "up to 7.5x faster than synchronous methods, at synchronous quality",
+          ("halos", "none"), 1.0, 1.0),
+)
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+def select(only: Sequence[str] | None) -> list[Study]:
+  """The studies named in ``only`` (None or empty: :data:`DEFAULT_STUDIES`), in that order."""
+  names = list(only) if only else list(DEFAULT_STUDIES)
+  unknown = [n for n in names if n not in STUDIES]
+  if unknown:
+    raise ValueError(f"--only={','.join(names)} is invalid: {', '.join(map(repr, unknown))} "
+                     f"is no study; allowed: {', '.join(STUDIES)}")
+  return [STUDIES[n] for n in dict.fromkeys(names)]
+
+
+def _trial_minutes(workdir: str) -> list[float]:
+  """The minutes this study's finished trials took (``sweep.trial_seconds``: the trial's
+  process from start to end, start-up included; else its summary's training wall time)."""
+  minutes = []
+  for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
+    trial_dir = os.path.join(workdir, name)
+    if sweep_lib.trial_status(trial_dir) not in sweep_lib.FINISHED:
+      continue
+    seconds = sweep_lib.trial_seconds(trial_dir)
+    if seconds is None:
+      try:
+        with open(os.path.join(trial_dir, "summary.json")) as f:
+          seconds = json.load(f).get("totals", {}).get("wall_time")
+      except (OSError, ValueError):
+        seconds = None
+    if seconds:
+      minutes.append(float(seconds) / 60.0)
+  return minutes
+
+
+def plan(studies: Sequence[Study], root: str, repo: str, parallel: int) -> list[dict[str, Any]]:
+  """Per study: its trials, how many are finished, and the estimated minutes of the rest."""
+  rows = []
+  for study in studies:
+    spec = os.path.join(repo, study.sweep)
+    trials = sweep_lib.expand(spec)
+    workdir = os.path.join(root, "runs", study.name)
+    finished = sum(sweep_lib.trial_status(os.path.join(workdir, t.name)) in sweep_lib.FINISHED
+                   for t in trials)
+    measured = _trial_minutes(workdir)
+    per_trial = statistics.median(measured) if measured else study.minutes_per_trial
+    rows.append({"study": study.name, "sweep": study.sweep, "trials": len(trials),
+                 "finished": finished, "minutes_per_trial": per_trial,
+                 "measured": bool(measured),
+                 "minutes_left": per_trial * (len(trials) - finished) / parallel})
+  return rows
+
+
+def describe_plan(rows: list[dict[str, Any]], parallel: int) -> str:
+  lines = [f"{'study':<14} {'trials':>6} {'done':>5}  {'min/trial':>9}  {'left':>8}  sweep"]
+  for r in rows:
+    left = r["minutes_left"]
+    lines.append(f"{r['study']:<14} {r['trials']:>6} {r['finished']:>5}  "
+                 f"{r['minutes_per_trial']:>8.1f}{'m' if r['measured'] else '*'}  "
+                 f"{left / 60:>7.1f}h  {r['sweep']}")
+  total = sum(r["minutes_left"] for r in rows)
+  lines.append(f"estimated {total / 60:.1f} h with --parallel={parallel} on a machine like a "
+               "2-core CPU (*: declared per-trial cost; m: measured on this machine's finished "
+               "trials); a rerun resumes where this one stops")
+  return "\n".join(lines)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def run(studies: Sequence[Study], root: str, repo: str, parallel: int = 1) -> dict[str, dict]:
+  """Runs every unfinished trial of ``studies`` (resumable) and writes each one's report.
+
+  Returns:
+    per study, its trials' statuses.
+  """
+  statuses = {}
+  for study in studies:
+    workdir = os.path.join(root, "runs", study.name)
+    statuses[study.name] = sweep_lib.run_sweep(os.path.join(repo, study.sweep), workdir,
+                                               parallel=parallel)
+    report.write_report(workdir, os.path.join(root, study.name))
+  return statuses
+
+
+# -- the claims table ---------------------------------------------------------------------------
+
+
+def _scheme(row: dict) -> tuple[str, str]:
+  return (row["_overrides"].get("sync.scheme", row.get("sync.scheme")),
+          row["_overrides"].get("compress.name", "none"))
+
+
+def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
+  """Per scheme of a study's trials, at its best tuned value: the figures the claims use."""
+  rows = report.collect(workdir)
+  selected, choices = report.select_tuned(rows, report.tune_seeds(workdir))
+  chosen = {_scheme({"_overrides": c}): c["chosen"] for c in choices}
+  out = {}
+  aggs = report.aggregate(selected)
+  bsp = next((a for a in aggs if _scheme(a) == ("bsp", "none")), None)
+  for agg in aggs:
+    key = _scheme(agg)
+    out[key] = {
+        "seeds": agg["seeds"], "reached": agg["time_to_target_n"],
+        "speedup_median": agg["speedup_vs_bsp_median"], "speedup_min": agg["speedup_vs_bsp_min"],
+        "speedup_max": agg["speedup_vs_bsp_max"], "speedup_n": agg["speedup_vs_bsp_n"],
+        "delta_pp": None if agg["delta_vs_bsp"] is None else 100.0 * agg["delta_vs_bsp"],
+        "final": agg["final"], "target": agg["target"],
+        "bytes_vs_bsp": (agg["bytes_pushed"] / bsp["bytes_pushed"]
+                         if bsp and agg["bytes_pushed"] and bsp["bytes_pushed"] else None),
+        "unhealthy": agg["collapsed"] + agg["diverged"], "chosen": chosen.get(key),
+        "bsp_reached": bsp["time_to_target_n"] if bsp else 0}
+  return out
+
+
+def verdict(claim: Claim, fig: dict[str, Any] | None) -> str:
+  """One sentence on whether ``claim`` holds for these figures, and why not where it does not."""
+  if fig is None:
+    return "not run in this study"
+  if claim.scheme == ("bsp", "none"):
+    return "the baseline"
+  why = []
+  if fig["unhealthy"]:
+    why.append(f"{fig['unhealthy']} of {fig['seeds']} seeds collapsed or diverged")
+  if claim.min_speedup is not None:
+    if fig["speedup_median"] is None and not fig["bsp_reached"]:
+      why.append("BSP never reached the target either, so there is no speedup to compare")
+    elif fig["speedup_median"] is None:
+      why.append("it never reached the target on a seed where BSP did (no speedup)")
+    elif fig["speedup_median"] < claim.min_speedup:
+      why.append(f"its median speedup {fig['speedup_median']:.2f}x is below the "
+                 f"{claim.min_speedup:.2f}x the claim needs")
+    if fig["speedup_n"] and fig["speedup_n"] < fig["seeds"]:
+      why.append(f"only {fig['speedup_n']} of {fig['seeds']} seeds reached the target")
+  if claim.max_drop_pp is not None and fig["delta_pp"] is not None:
+    if fig["delta_pp"] < -claim.max_drop_pp:
+      why.append(f"it ends {-fig['delta_pp']:.2f} points below BSP, more than the "
+                 f"{claim.max_drop_pp:g} allowed")
+  if claim.max_bytes_vs_bsp is not None and fig["bytes_vs_bsp"] is not None:
+    if fig["bytes_vs_bsp"] > claim.max_bytes_vs_bsp:
+      why.append(f"it pushes {fig['bytes_vs_bsp']:.3f} of BSP's bytes, more than the "
+                 f"{claim.max_bytes_vs_bsp:.3f} the claim allows")
+  if not why:
+    return "holds here"
+  return "does not hold here: " + "; ".join(why)
+
+
+def _cell(fig: dict[str, Any] | None) -> str:
+  if fig is None:
+    return "–"
+  parts = []
+  if fig["speedup_median"] is not None:
+    parts.append(f"{fig['speedup_median']:.2f}x ({fig['speedup_min']:.2f}-"
+                 f"{fig['speedup_max']:.2f}, {fig['speedup_n']}/{fig['seeds']} seeds)")
+  else:
+    parts.append(f"never at target ({fig['reached']}/{fig['seeds']} seeds reached it)")
+  if fig["delta_pp"] is not None:
+    parts.append(f"{fig['delta_pp']:+.2f} pp")
+  if fig["bytes_vs_bsp"] is not None:
+    parts.append(f"{fig['bytes_vs_bsp']:.2f}x bytes")
+  if fig["chosen"]:
+    parts.append("at " + ", ".join(f"{k.split('.')[-1]}={v}" for k, v in fig["chosen"].items()))
+  return "; ".join(parts)
+
+
+def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
+  """One row per claim and study: its figures and the verdict (studies with no report: none)."""
+  rows = []
+  for study in studies:
+    workdir = os.path.join(root, "runs", study.name)
+    try:
+      figs = figures(workdir)
+    except ValueError:   # nothing finished yet
+      continue
+    for claim in CLAIMS:
+      fig = figs.get(claim.scheme)
+      if fig is None:
+        continue
+      rows.append({"claim": claim.name, "paper": claim.paper, "statement": claim.statement,
+                   "study": study.name, "protocol": study.protocol, "cell": _cell(fig),
+                   "verdict": verdict(claim, fig), **{k: v for k, v in fig.items()
+                                                      if k not in ("chosen", "bsp_reached")},
+                   "chosen": json.dumps(fig["chosen"]) if fig["chosen"] else ""})
+  return rows
+
+
+CSV_COLUMNS = ("claim", "paper", "statement", "study", "protocol", "seeds", "reached",
+               "speedup_median", "speedup_min", "speedup_max", "speedup_n", "delta_pp",
+               "bytes_vs_bsp", "unhealthy", "chosen", "target", "verdict")
+
+
+def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
+  """``claims.md``, ``claims.csv`` and ``claims.png`` under ``root`` from the studies' trials."""
+  rows = claims_rows(root, studies)
+  paths = {"md": os.path.join(root, "claims.md"), "csv": os.path.join(root, "claims.csv")}
+  with open(paths["csv"], "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+  ran = [s for s in studies if any(r["study"] == s.name for r in rows)]
+  lines = ["# The papers' claims, measured", "",
+           "Generated by `python -m experiments.reproduce` from the trials under `runs/`; "
+           "nothing here is typed by hand. Each cell: the median speedup over BSP to the "
+           "study's target (min-max over seeds, and how many seeds it is over), the final "
+           "accuracy against BSP's in points, bytes pushed against BSP's, and the rate it ran "
+           "at. Under \"tuned\" every scheme, BSP included, is at its own best rate "
+           f"({report.TUNING_CRITERION}).", "", "Studies:", ""]
+  lines += [f"- `{s.name}` ({s.protocol}): {s.title}; `{s.sweep}`" for s in ran]
+  lines += ["", "| claim | paper says | " + " | ".join(f"`{s.name}`" for s in ran) + " |",
+            "|---|---|" + "---|" * len(ran)]
+  for claim in CLAIMS:
+    cells = {r["study"]: f"{r['cell']}. **{r['verdict'][0].upper()}{r['verdict'][1:]}.**" for r in rows
+             if r["claim"] == claim.name}
+    if cells:
+      lines.append(f"| {claim.name} | {claim.statement} ({claim.paper}) | "
+                   + " | ".join(cells.get(s.name, "not in this study") for s in ran) + " |")
+  lines += ["", "A claim holds here when its median speedup over BSP reaches what it needs "
+            "(GSSP's lower end, 1.46x; otherwise faster than BSP), no seed collapsed, every seed "
+            "reached the target, and it ends at most the allowed points below BSP (1 unless "
+            "the claim says otherwise). These are statements about these studies' settings "
+            "only."]
+  paths["png"] = _plot(rows, ran, os.path.join(root, "claims.png"))
+  lines += ["", "![speedups](claims.png)"]
+  with open(paths["md"], "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return paths
+
+
+def _plot(rows: list[dict], studies: Sequence[Study], path: str) -> str:
+  """Median speedup over BSP per claim and study, with the seeds' range."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = [c.name for c in CLAIMS if any(r["claim"] == c.name for r in rows)]
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 3.6))
+  width = 0.8 / max(1, len(studies))
+  for i, study in enumerate(studies):
+    labelled = False
+    for j, name in enumerate(names):
+      r = next((r for r in rows if r["claim"] == name and r["study"] == study.name), None)
+      if r is None or r["speedup_median"] is None:
+        continue
+      x = j + (i - (len(studies) - 1) / 2) * width
+      ax.bar(x, r["speedup_median"], width, color=f"C{i}",
+             label=None if labelled else study.name)
+      labelled = True
+      ax.errorbar(x, r["speedup_median"], yerr=[[r["speedup_median"] - r["speedup_min"]],
+                                                [r["speedup_max"] - r["speedup_median"]]],
+                  color="black", capsize=2, linewidth=0.8)
+  needs = [(j, c.min_speedup) for j, name in enumerate(names) for c in CLAIMS
+           if c.name == name and c.min_speedup is not None and c.min_speedup > 1.0]
+  for k, (j, need) in enumerate(needs):   # what each claim needs, where it names a speedup
+    ax.hlines(need, j - 0.45, j + 0.45, colors="red", linestyles="dashed", linewidth=1.0,
+              label="what the claim needs" if k == 0 else None)
+  ax.axhline(1.0, color="grey", linewidth=0.8)
+  ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+  ax.set_ylabel("speedup over BSP to target")
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

@@ -1,0 +1,121 @@
+"""``experiments.reproduce`` on a tiny declared sweep: plan, run, interrupt, resume, the table.
+
+The tiny study (``configs/sweeps/tiny_tune.py``): BSP and GSSP x 2 learning rates x 2 seeds
+on 512 examples, tuned. Every figure in the claims table must be the report's own.
+"""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gssp_jax import reproduce
+from gssp_jax import sweep
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _command(out):
+  return [sys.executable, "-m", "experiments.reproduce", "--only=tiny", f"--out={out}"]
+
+
+def _finished(runs):
+  if not os.path.isdir(runs):
+    return []
+  return [n for n in os.listdir(runs)
+          if sweep.trial_status(os.path.join(runs, n)) in sweep.FINISHED]
+
+
+def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_table(
+    tmp_path, data_dir):
+  out = tmp_path / "repro"
+  runs = str(out / "runs" / "tiny")
+  env = {**os.environ, "GSSP_DATA_DIR": data_dir}
+  # The plan alone: every trial listed, nothing run, an estimate printed.
+  plan = subprocess.run(_command(out) + ["--plan"], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert plan.returncode == 0, plan.stderr
+  assert "tiny                8     0" in plan.stdout and "estimated" in plan.stdout
+  assert _finished(runs) == []
+
+  # Interrupted (SIGTERM, as Ctrl-C) once two trials have finished.
+  proc = subprocess.Popen(_command(out), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while len(_finished(runs)) < 2:
+      assert proc.poll() is None, proc.stdout.read()
+      assert time.monotonic() < deadline, "no two trials finished within 240 s"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  before = {n: os.path.getmtime(os.path.join(runs, n, "summary.json")) for n in _finished(runs)}
+  assert 2 <= len(before) < 8
+
+  # The rerun resumes: the finished trials are not run again, the rest are.
+  again = subprocess.run(_command(out), cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"tiny                8 {len(before):>5}" in again.stdout
+  assert len(_finished(runs)) == 8
+  for name, mtime in before.items():
+    assert os.path.getmtime(os.path.join(runs, name, "summary.json")) == mtime
+    assert json.load(open(os.path.join(runs, name, "trial.json")))["attempts"] == 1
+  for name in _finished(runs):
+    assert sweep.trial_seconds(os.path.join(runs, name)) > 0
+
+  # The table: GSSP's figures are the report's, its verdict follows from them.
+  with open(out / "claims.csv") as f:
+    (row,) = [r for r in csv.DictReader(f) if r["claim"] == "GSSP"]
+  with open(out / "tiny" / "summary.csv") as f:
+    (gssp,) = [r for r in csv.DictReader(f) if r["sync.scheme"] == "gssp"]
+  assert row["study"] == "tiny" and row["seeds"] == "2"
+  for mine, theirs in (("speedup_median", "speedup_vs_bsp_median"),
+                       ("speedup_min", "speedup_vs_bsp_min")):
+    assert (float(row[mine]) if row[mine] else None) == pytest.approx(
+        float(gssp[theirs]) if gssp[theirs] else None)
+  assert float(row["delta_pp"]) == pytest.approx(100 * float(gssp["delta_vs_bsp"]))
+  claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
+  fig = reproduce.figures(runs)[("gssp", "none")]
+  assert row["verdict"] == reproduce.verdict(claim, fig)
+  md = (out / "claims.md").read_text()
+  assert "| GSSP | 46-120 % faster" in md and (out / "claims.png").stat().st_size > 0
+  assert "Tuning (disclosed)" in (out / "tiny" / "report.md").read_text()
+
+
+def test_verdicts_follow_the_figures():
+  claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
+  fig = {"seeds": 3, "reached": 3, "speedup_median": 1.5, "speedup_min": 1.2,
+         "speedup_max": 2.0, "speedup_n": 3, "delta_pp": -0.5, "bytes_vs_bsp": 1.0,
+         "unhealthy": 0, "bsp_reached": 3}
+  assert reproduce.verdict(claim, fig) == "holds here"
+  assert "below the 1.46x" in reproduce.verdict(claim, {**fig, "speedup_median": 1.2})
+  assert "0.70 points below BSP" not in reproduce.verdict(claim, {**fig, "delta_pp": -0.7})
+  assert "1.50 points below BSP" in reproduce.verdict(claim, {**fig, "delta_pp": -1.5})
+  assert "2 of 3 seeds reached" in reproduce.verdict(claim, {**fig, "speedup_n": 2})
+  assert "1 of 3 seeds collapsed" in reproduce.verdict(claim, {**fig, "unhealthy": 1})
+  assert "BSP never reached" in reproduce.verdict(
+      claim, {**fig, "speedup_median": None, "bsp_reached": 0})
+  diloco = next(c for c in reproduce.CLAIMS if c.name == "DiLoCo")
+  assert reproduce.verdict(diloco, {**fig, "speedup_median": None, "bytes_vs_bsp": 0.12}) == \
+      "holds here"
+  assert "more than the 0.131" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": 0.5})
+  assert reproduce.verdict(claim, None) == "not run in this study"
+
+
+def test_unknown_studies_are_refused_naming_the_allowed_ones():
+  with pytest.raises(ValueError, match=r"'nope' is no study; allowed: mnist_tuned, "):
+    reproduce.select(["tiny", "nope"])
+  assert [s.name for s in reproduce.select(None)] == list(reproduce.DEFAULT_STUDIES)
+  for study in reproduce.STUDIES.values():   # every declared study's sweep builds
+    assert sweep.expand(os.path.join(REPO, study.sweep))
