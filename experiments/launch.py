@@ -15,6 +15,11 @@ A cluster, one command per process (roles from flags or GSSP_* variables):
 
 With several processes per mesh and no --rank/--coordinator_address,
 jax.distributed detects them (SLURM, Open MPI, Kubernetes).
+
+A Ray cluster, from its head node (or a local Ray instance without --ray_address):
+
+  python -m experiments.launch --launcher=ray [--ray_address=ADDR] --config=... \
+      --workdir=DIR --num_meshes=4 --num_servers=2 [--ray_gpus_per_process=1]
 """
 
 import os
@@ -28,6 +33,7 @@ from ml_collections import config_flags
 from gssp_jax import cli
 from gssp_jax import xla_env
 from gssp_jax.runtime import launch
+from gssp_jax.runtime import ray_launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)
@@ -47,6 +53,8 @@ _NUM_SERVERS = flags.DEFINE_integer("num_servers", None,
 _SHARD = flags.DEFINE_integer("shard", None, "shard: this process's shard, 1..S-1.")
 _SHARD_ADDRESS = flags.DEFINE_string("shard_address", None,
                                      "shard: the host:port it binds (default 127.0.0.1:0).")
+_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = ray_launch.define_flags(
+    "process", "every process on this host")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -105,7 +113,14 @@ def main(argv):
   with check.unlocked():
     check.executor = "dist"
   config_lib.validate_config(check)   # before any process starts
-  launcher = launch.LocalLauncher(_config_flags(sys.argv), workdir, topo, config)
+  if _LAUNCHER.value == "ray":
+    launcher = ray_launch.RayLauncher(_config_flags(sys.argv), workdir, topo, config,
+                                      address=_RAY_ADDRESS.value, cpus=_RAY_CPUS.value,
+                                      gpus=_RAY_GPUS.value)
+  else:
+    if _RAY_ADDRESS.value:
+      raise ValueError(f"--ray_address={_RAY_ADDRESS.value!r} needs --launcher=ray")
+    launcher = launch.LocalLauncher(_config_flags(sys.argv), workdir, topo, config)
   with cli.sigterm_as_interrupt():
     try:
       code = launcher.run()   # on a signal it waits for the server's checkpoint, then raises

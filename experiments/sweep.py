@@ -13,7 +13,9 @@ sweep file changed a trial's config since it ran, the rerun refuses, naming the
 trials and keys; --rerun_changed moves those trials to DIR/_stale/<time>/ and
 runs them again. Ctrl-C or
 ``kill`` of this process stops every trial it started (each records
-``interrupted``). Everything is
+``interrupted``). With --launcher=ray [--ray_address=ADDR] each trial is a Ray task with
+--ray_cpus_per_trial and --ray_gpus_per_trial; Ray runs as many at once as they allow,
+resumable as with --parallel. Everything is
 library code (``gssp_jax.sweep``).
 """
 
@@ -24,6 +26,7 @@ from ml_collections import config_flags
 from gssp_jax import cli
 from gssp_jax import sweep
 from gssp_jax import xla_env
+from gssp_jax.runtime import ray_launch
 
 _SWEEP = flags.DEFINE_string("sweep", None, "sweep file (configs/sweeps/<name>.py)", required=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "the sweep's directory", required=True)
@@ -33,6 +36,8 @@ _RERUN_CHANGED = flags.DEFINE_bool(
     "rerun_changed", False, "move trials whose config the sweep file changed to DIR/_stale/<time>/ "
     "and run them again (default: refuse, naming them)")
 _ONLY = flags.DEFINE_string("only", None, "run just this trial (used by --parallel)")
+_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = ray_launch.define_flags(
+    "trial", "trials here, --parallel at once")
 # The sweep file's base config, loaded by ml_collections only when --config.key=value
 # overrides are given (_base_config_flag), so that they parse exactly as in experiments.main.
 _CONFIG = config_flags.DEFINE_config_file(
@@ -82,10 +87,15 @@ def _main():
                            f"{', '.join(trials)}")
     sweep.run_trial(trials[_ONLY.value], _WORKDIR.value)
     return
+  ray = None
+  if _LAUNCHER.value == "ray":
+    ray = ray_launch.RaySettings(_RAY_ADDRESS.value, _RAY_CPUS.value, _RAY_GPUS.value)
+  elif _RAY_ADDRESS.value:
+    raise ValueError(f"--ray_address={_RAY_ADDRESS.value!r} needs --launcher=ray")
   try:
     statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
                                max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value,
-                               overrides=_overrides())
+                               overrides=_overrides(), ray=ray)
   except sweep.ChangedTrialsError as e:
     raise SystemExit(f"error: {e}") from None   # one line, no traceback
   for name, status in statuses.items():

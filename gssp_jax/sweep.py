@@ -456,7 +456,7 @@ def write_grid(workdir: str, path: str, trials: Sequence[Trial],
 
 def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0,
               report_every: float = 60.0, rerun_changed: bool = False,
-              overrides: dict | None = None) -> dict[str, str]:
+              overrides: dict | None = None, ray=None) -> dict[str, str]:
   """Runs every unfinished trial of the sweep ``path``; returns each trial's status.
 
   Progress (trials finished, ETA, each finished trial's metric; with
@@ -474,6 +474,8 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     overrides: dotted keys of the base config set for every trial
       (``--config.key=value``), before the trial's grid values; a key the grid
       sets is refused.
+    ray: ``ray_launch.RaySettings``: each trial a Ray task with those resources (Ray decides
+      how many run at once; ``parallel`` must be 1), else None.
 
   Raises:
     ChangedTrialsError: such trials exist and ``rerun_changed`` is False
@@ -485,6 +487,10 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
     raise ValueError(f"max_trials={max_trials!r} is invalid; allowed: an int >= 0 (0 = all)")
   if not isinstance(rerun_changed, bool):
     raise ValueError(f"rerun_changed={rerun_changed!r} is invalid; allowed: True or False")
+  if ray is not None and parallel != 1:
+    raise ValueError(f"parallel={parallel} is invalid with Ray; allowed: 1 (Ray runs as many "
+                     "trials at once as their resources allow: --ray_cpus_per_trial, "
+                     "--ray_gpus_per_trial)")
   overrides = dict(overrides or {})
   trials = expand(path, overrides)
   changed = changed_trials(trials, workdir)
@@ -507,7 +513,7 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
       logging.info("sweep %s: config changed (%s); moved %s to %s; running them again",
                    path, what, ", ".join(changed), dest)
     write_grid(workdir, path, trials, overrides)
-    return _run(path, trials, workdir, parallel, max_trials, report_every, overrides)
+    return _run(path, trials, workdir, parallel, max_trials, report_every, overrides, ray)
 
 
 def _children_env(parallel: int) -> dict[str, str]:
@@ -522,8 +528,14 @@ def _children_env(parallel: int) -> dict[str, str]:
   return xla_env.child_env(os.environ, parallel)
 
 
+def _child_command(path: str, workdir: str, trial: Trial, overrides: dict) -> list[str]:
+  """The command that runs ``trial`` alone in a process of its own (``--parallel``, Ray)."""
+  return [sys.executable, "-m", "experiments.sweep", f"--sweep={path}", f"--workdir={workdir}",
+          f"--only={trial.name}", *override_args(overrides)]
+
+
 def _run(path, trials, workdir, parallel, max_trials, report_every,
-         overrides) -> dict[str, str]:
+         overrides, ray=None) -> dict[str, str]:
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
   todo = [t for t in trials if statuses[t.name] not in FINISHED]
@@ -544,6 +556,14 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
                  status, _latest(os.path.join(workdir, trial.name)),
                  workdir_lib.format_duration(rate * (len(todo) - done_here) / parallel))
 
+  if ray is not None:
+    from gssp_jax.runtime import ray_launch  # pylint: disable=g-import-not-at-top
+    ray_launch.run_trials(
+        todo, lambda t: _child_command(path, workdir, t, overrides),
+        lambda t: os.path.join(workdir, t.name),
+        lambda t: progress(t, trial_status(os.path.join(workdir, t.name)) or "failed"),
+        ray, xla_env.child_env(os.environ, 1))
+    return statuses
   if parallel <= 1:
     for trial in todo:
       logging.info("trial %s: starting", trial.name)
@@ -559,8 +579,7 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
         trial = queue.pop(0)
         os.makedirs(os.path.join(workdir, trial.name), exist_ok=True)
         log = open(os.path.join(workdir, trial.name, "stdout.txt"), "a")
-        cmd = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
-               f"--workdir={workdir}", f"--only={trial.name}", *override_args(overrides)]
+        cmd = _child_command(path, workdir, trial, overrides)
         logging.info("trial %s: starting in a child process", trial.name)
         running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                 **cli.child_process(env)), log))

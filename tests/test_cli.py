@@ -217,3 +217,23 @@ def test_a_command_hears_ctrl_c_and_kill_even_if_it_inherited_them_ignored_or_bl
       proc.kill()
       proc.wait()
   assert out.strip() == "interrupted" and proc.returncode == 0
+
+
+def test_every_launch_flag_in_the_cluster_recipes_exists():
+  """docs/REAL_RUNS.md's one-command-per-process, SLURM and Ray recipes use only flags that
+  ``experiments.launch`` and ``experiments.sweep`` define (their ``--helpfull``)."""
+  import re  # pylint: disable=g-import-not-at-top
+  text = (REPO / "docs" / "REAL_RUNS.md").read_text()
+  blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+  used = {"launch": set(), "sweep": set()}
+  for block in blocks:
+    for command in re.split(r"(?<!\\)\n", block):
+      for kind in used:
+        if f"experiments.{kind}" in command:   # its flags: what follows the module's name
+          after = command.split(f"experiments.{kind}", 1)[1]
+          used[kind] |= set(re.findall(r"--([a-z_]+)", after))
+  assert "launcher" in used["launch"] and "role" in used["launch"] and "launcher" in used["sweep"]
+  for kind, names in used.items():
+    helpfull = _run(f"experiments.{kind}", "--helpfull").stdout
+    defined = set(re.findall(r"--(?:\[no\])?([a-z_]+)", helpfull))
+    assert names - {"config"} <= defined, (kind, sorted(names - defined))

@@ -350,10 +350,28 @@ class LocalLauncher:
       sock.close()
     self.reserved = []
 
+  def _command(self, role_flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
+            f"--workdir={self.workdir}"]
+
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None,
              extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
-           f"--workdir={self.workdir}"]
+    cmd = self._command(role_flags)
+    env = self._child_env(gpu, extra_env)
+    log = auth.open_private_append(os.path.join(self.logs, f"{name}.txt"))   # no symlink
+    # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
+    # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
+    # stop without its checkpoint (train/interrupt.py). SIGKILL if the launcher dies outright.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            **cli.child_process(env, signal.SIGKILL))
+    log.close()
+    self.procs[name] = proc
+    self._write_pids()
+    return proc
+
+  def _child_env(self, gpu: str | None, extra_env: dict[str, str] | None) -> dict[str, str]:
+    """A child's environment: this one's, its role variables removed, the run's secret (its
+    file's path or the caller's variable), malloc settings, its GPU, the compilation cache."""
     env = with_allocator_env({**os.environ, "PYTHONUNBUFFERED": "1"})
     for key in ENV.values():
       env.pop(key, None)
@@ -368,16 +386,7 @@ class LocalLauncher:
     # and resumed runs skip compilation (xla_env.compilation_cache_env: its size cap turns on
     # jax's file lock, which processes sharing the directory need).
     env.update(xla_env.compilation_cache_env(env, xla_env.default_cache_dir()))
-    log = auth.open_private_append(os.path.join(self.logs, f"{name}.txt"))   # no symlink
-    # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
-    # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
-    # stop without its checkpoint (train/interrupt.py). SIGKILL if the launcher dies outright.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            **cli.child_process(env, signal.SIGKILL))
-    log.close()
-    self.procs[name] = proc
-    self._write_pids()
-    return proc
+    return env
 
   def _write_pids(self) -> None:
     """``workdir/logs/pids.json``: every child's pid by name (for operators and tests)."""
@@ -456,14 +465,12 @@ class LocalLauncher:
 
   def _follow(self, poll: float) -> int:
     """Prints the server's progress lines (merged view of the run) until it exits."""
-    server_log = os.path.join(self.logs, "server.txt")
-    offset = os.path.getsize(server_log) if os.path.exists(server_log) else 0
+    offset = self._log_size("server")
     reported = set()
     while True:
+      self._refresh()
       code = self.procs["server"].poll()
-      with open(server_log, "rb") as f:
-        f.seek(offset)
-        chunk = f.read()
+      chunk = self._read_log("server", offset)
       offset += len(chunk)
       for line in chunk.decode(errors="replace").splitlines():
         if any(tag in line for tag in ("epoch", "lost", "rejoin", "Error", "error")):
@@ -476,6 +483,22 @@ class LocalLauncher:
       if code is not None:
         return code
       time.sleep(poll)
+
+  def _refresh(self) -> None:
+    """Brings every child's state up to date before a round of ``poll`` calls (local: no-op)."""
+
+  def _log_size(self, name: str) -> int:
+    path = os.path.join(self.logs, f"{name}.txt")
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+  def _read_log(self, name: str, offset: int) -> bytes:
+    """A child's log from byte ``offset`` on."""
+    path = os.path.join(self.logs, f"{name}.txt")
+    if not os.path.exists(path):
+      return b""
+    with open(path, "rb") as f:
+      f.seek(offset)
+      return f.read()
 
   def shutdown(self, grace: float = 5.0, server_grace: float | None = None) -> None:
     """SIGTERM to every child still running, then SIGKILL to a mesh process still running after
