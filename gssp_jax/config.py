@@ -19,9 +19,6 @@ MODEL_DATASETS = {
     "seq2seq": ("multi30k",),
 }
 DATASETS = ("mnist", "cifar10", "multi30k")
-# Every scheme of the papers.
-SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp", "local_sgd", "diloco",
-           "async_local_sgd", "halos")
 COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
 COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")

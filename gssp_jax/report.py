@@ -29,11 +29,15 @@ import os
 import statistics
 from typing import Any
 
+from gssp_jax import report_figures
+from gssp_jax.report_labels import column_order as _column_order
+from gssp_jax.report_labels import context as _context
+from gssp_jax.report_labels import label
+from gssp_jax.report_labels import short_labels
 from gssp_jax.sweep import GRID_FILE
 from gssp_jax.train import health
 from gssp_jax.train import workdir as workdir_lib
 
-_SCHEME_KEYS = ("sync.", "compress.")
 UNHEALTHY = ("collapsed", "diverged")   # never count as reaching the target
 # Keys that say where data comes from or how a run is checkpointed and logged, not what it
 # computes: two runs differing only in them are the same setting.
@@ -202,59 +206,6 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
   _add_baselines(rows)
   return rows
-
-
-def label(row: dict) -> str:
-  """A short legend label: the non-seed swept values (``gssp gdtopk``), 'none' left out.
-
-  Plain runs (no sweep file to say what was swept) name their keys: ``sync.scheme=gssp``.
-  """
-  items = sorted(enumerate(row["_overrides"].items()),
-                 key=lambda ikv: _column_order(ikv[1][0], ikv[0]))
-  if row.get("_named"):
-    parts = [f"{k}={v}" for _, (k, v) in items if k != "seed"]
-    return " ".join(parts) or row["trial"]
-  parts = [str(v) for _, (k, v) in items if k != "seed" and v != "none"]
-  return " ".join(parts) or row["trial"]
-
-
-def short_labels(rows: list[dict]) -> list[str]:
-  """Figure legends: the scheme (and compressor), then only what differs within that scheme.
-
-  A swept setting every trial of a scheme shares (a local-update scheme's inner optimizer,
-  its steps, ...) is left out: ``report.md``'s tables give every value. Two configurations
-  that would read the same keep their full :func:`label`.
-  """
-  def head(r):
-    o = r["_overrides"]
-    return " ".join(str(o[k]) for k in ("sync.scheme", "compress.name")
-                    if k in o and o[k] != "none") or label(r)
-
-  def varying(members):
-    keys = {k for r in members for k in r["_overrides"]
-            if k not in ("sync.scheme", "compress.name", "seed")}
-    return sorted(k for k in keys if len({json.dumps(r["_overrides"].get(k)) for r in members}) > 1)
-
-  groups: dict[str, list[dict]] = {}
-  for r in rows:
-    groups.setdefault(head(r), []).append(r)
-  out = []
-  for r in rows:
-    if r.get("_named"):
-      out.append(label(r))
-      continue
-    keys = varying(groups[head(r)])
-    out.append(" ".join([head(r)] + [f"{k}={r['_overrides'].get(k, '–')}" for k in keys]))
-  full = [label(r) for r in rows]
-  clash = {s for s in out if len({f for f, o in zip(full, out) if o == s}) > 1}
-  return [f if o in clash else o for f, o in zip(full, out)]
-
-
-def _context(row: dict, ignore=()) -> tuple:
-  """What a trial shares with its BSP baseline: every swept value but the scheme's own keys
-  (and the ``ignore``d ones, e.g. tuned keys: each side at its own best value)."""
-  return tuple(sorted((k, json.dumps(v)) for k, v in row["_overrides"].items()
-                      if not k.startswith(_SCHEME_KEYS) and k not in ignore))
 
 
 def _add_baselines(rows: list[dict], ignore=()) -> None:
@@ -429,11 +380,6 @@ def _fmt(value, col: str, metric: str = "") -> str:
   return str(value)
 
 
-def _column_order(key: str, index: int) -> tuple:
-  """Swept keys in the tables: sync.* first, then compress.*, the rest, the seed last."""
-  return (not key.startswith("sync."), not key.startswith("compress."), key == "seed", index)
-
-
 def write_report(workdir: str, out_dir: str | None = None,
                  target: float | None = None) -> dict[str, str]:
   """Writes ``report.md``, ``report.csv`` (per trial) and ``summary.csv`` (over seeds) and plots.
@@ -450,32 +396,54 @@ def write_report(workdir: str, out_dir: str | None = None,
     raise ValueError(f"no finished trial (summary.json) under {workdir}")
   swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
   swept = [k for i, k in sorted(enumerate(swept), key=lambda ik: _column_order(ik[1], ik[0]))]
-  metric = rows[0]["metric"]
   seeds = tune_seeds(workdir)
   selected, choices = select_tuned(rows, seeds)
   chosen_trials = {r["trial"] for r in selected}
   for r in rows:
     r["selected_by_tuning"] = r["trial"] in chosen_trials if choices else None
+  head_cols = [k for k in swept if k != "seed"] + ["seeds", "target"]
+  paths = _write_csvs(out_dir, rows, selected, choices, swept, head_cols)
+  lines = _markdown(workdir, rows, selected, choices, swept, head_cols, seeds)
+  notes = []
+  names = plot(selected, out_dir, notes)
+  lines += [f"Not drawn: {note}." for note in notes] + ([""] if notes else [])
+  for name in names:
+    lines.append(f"![{name}]({name})")
+    paths["figure_" + os.path.splitext(name)[0]] = os.path.join(out_dir, name)
+  with open(paths["md"], "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return paths
+
+
+def _write_csvs(out_dir: str, rows: list[dict], selected: list[dict], choices: list[dict],
+                swept: list[str], head_cols: list[str]) -> dict[str, str]:
+  """``report.csv`` (every trial), ``summary.csv`` (over seeds, at the chosen values) and, with
+  tuned keys, ``summary_all.csv`` and ``tuning.csv``; returns their paths (and report.md's)."""
   cols = ["trial", *swept, "status", "metric", "target", *COLUMNS]
   csv_cols = cols + ["time_to_target_first_eval", "collapse_reason"]
   csv_cols += ["selected_by_tuning"] if choices else []
   paths = {"csv": os.path.join(out_dir, "report.csv"),
            "summary_csv": os.path.join(out_dir, "summary.csv"),
            "md": os.path.join(out_dir, "report.md")}
-  with open(paths["csv"], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=csv_cols, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-  agg = aggregate(selected)
-  head_cols = [k for k in swept if k != "seed"] + ["seeds", "target"]
+  _write_csv(paths["csv"], csv_cols, rows)
   agg_cols = (head_cols + [c for col in COLUMNS for c in (col, col + "_std")]
               + [*_SEED_STAT_COLUMNS])
-  _write_csv(paths["summary_csv"], agg_cols, agg)
+  _write_csv(paths["summary_csv"], agg_cols, aggregate(selected))
   if choices:
     paths["summary_all_csv"] = os.path.join(out_dir, "summary_all.csv")
     _write_csv(paths["summary_all_csv"], agg_cols, aggregate(rows))
     paths["tuning_csv"] = os.path.join(out_dir, "tuning.csv")
     _write_csv(paths["tuning_csv"], list(dict.fromkeys(k for c in choices for k in c)), choices)
+  return paths
+
+
+def _markdown(workdir: str, rows: list[dict], selected: list[dict], choices: list[dict],
+              swept: list[str], head_cols: list[str], seeds) -> list[str]:
+  """``report.md``'s lines up to its figures: the headline tables, the tuning, every trial,
+  what was left out and how to read the columns."""
+  metric = rows[0]["metric"]
+  cols = ["trial", *swept, "status", "metric", "target", *COLUMNS]
+  agg = aggregate(selected)
   title = "Mean ± std over seeds" + (", each configuration at its best tuned value"
                                      if choices else "")
   lines = [f"# Sweep report: {workdir}", "", f"## {title}", ""]
@@ -490,6 +458,12 @@ def write_report(workdir: str, out_dir: str | None = None,
     lines += speedup_table(every, head_cols, metric)
   lines += ["", "## Per trial", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(_fmt(r.get(c), c, metric) for c in cols) + " |" for r in rows]
+  return lines + _left_out(workdir, rows) + _reading_notes(bool(choices))
+
+
+def _left_out(workdir: str, rows: list[dict]) -> list[str]:
+  """The collapsed trials' reasons, and the unfinished and orphaned trials left out."""
+  lines = []
   reasons = [f"- {r['trial']}: {r['collapse_reason']}" for r in rows if r.get("collapse_reason")]
   if reasons:
     lines += ["", "Collapsed trials (finished, but learned nothing after the warm-up):", *reasons]
@@ -501,23 +475,18 @@ def write_report(workdir: str, out_dir: str | None = None,
   if left_out:
     lines += ["", f"Orphans (trial directories not in the sweep's current grid, {GRID_FILE}; "
               f"left out of this report): {', '.join(left_out)}"]
-  lines += ["", "time_to_target: virtual (simulated-cluster) seconds until the metric reached the "
-            "target, " + health.INTERPOLATION + " (report.csv also has "
-            "time_to_target_first_eval, the first such evaluation's own time); – if never "
-            "reached. A collapsed or diverged trial never counts as reaching it. speedup_vs_bsp: "
-            "the matching BSP trial's time to target divided by this trial's (same seed, same "
-            "swept values but the sync/compress keys" + (" and, in the headline tables, the "
-            "tuned keys: BSP at its own best value" if choices else "") + "); delta_vs_bsp: "
-            "final metric minus BSP's.", ""]
-  notes = []
-  names = plot(selected, out_dir, notes)
-  lines += [f"Not drawn: {note}." for note in notes] + ([""] if notes else [])
-  for name in names:
-    lines.append(f"![{name}]({name})")
-    paths["figure_" + os.path.splitext(name)[0]] = os.path.join(out_dir, name)
-  with open(paths["md"], "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return paths
+  return lines
+
+
+def _reading_notes(tuned: bool) -> list[str]:
+  return ["", "time_to_target: virtual (simulated-cluster) seconds until the metric reached the "
+          "target, " + health.INTERPOLATION + " (report.csv also has "
+          "time_to_target_first_eval, the first such evaluation's own time); – if never "
+          "reached. A collapsed or diverged trial never counts as reaching it. speedup_vs_bsp: "
+          "the matching BSP trial's time to target divided by this trial's (same seed, same "
+          "swept values but the sync/compress keys" + (" and, in the headline tables, the "
+          "tuned keys: BSP at its own best value" if tuned else "") + "); delta_vs_bsp: "
+          "final metric minus BSP's.", ""]
 
 
 _SEED_STAT_COLUMNS = ("speedup_vs_bsp_median", "speedup_vs_bsp_min", "speedup_vs_bsp_max",
@@ -610,7 +579,6 @@ def plot(rows: list[dict], out_dir: str, notes: list[str] | None = None) -> list
   What could not be drawn (e.g. no trial reached the target) is appended to
   ``notes`` (and warned about); its figure says so in words.
   """
-  from gssp_jax import report_figures  # pylint: disable=g-import-not-at-top  (it imports this)
   names, more = report_figures.plot(rows, out_dir)
   if notes is not None:
     notes += more

@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from gssp_jax import report as report_lib
+from gssp_jax import report_labels
 
 # More distinct slowdown factors than this (e.g. a log-normal cluster) get a colour bar
 # instead of one legend entry each.
@@ -32,7 +32,7 @@ _MAX_TIER_LEGEND = 8
 def _configs(rows: list[dict]) -> dict[str, list[dict]]:
   """The trials of each configuration (legend label), in the rows' order."""
   out: dict[str, list[dict]] = {}
-  for r, lab in zip(rows, report_lib.short_labels(rows)):
+  for r, lab in zip(rows, report_labels.short_labels(rows)):
     out.setdefault(lab, []).append(r)
   return out
 
@@ -76,12 +76,12 @@ def metric_curves(rows: list[dict], metric: str) -> list[dict]:
 
 
 def _baselines(configs: dict[str, list[dict]]) -> dict[tuple, str]:
-  """Per context (see ``report._context``), the label of its BSP configuration (uncompressed
+  """Per context (see ``report_labels.context``), the label of its BSP configuration (uncompressed
   where there are several)."""
   bsp: dict[tuple, str] = {}
   for lab, members in configs.items():
     r = members[0]
-    ctx = report_lib._context(r, r.get("_tuned", ()))  # pylint: disable=protected-access
+    ctx = report_labels.context(r, r.get("_tuned", ()))
     if r["scheme"] == "bsp" and (ctx not in bsp
                                  or r["_overrides"].get("compress.name", "none") == "none"):
       bsp[ctx] = lab
@@ -112,7 +112,7 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   for lab, members in configs.items():
     times = [r["time_to_target"] for r in members if r["time_to_target"] is not None]
     finals = [r["final"] for r in members if _finite(r["final"])]
-    ctx = report_lib._context(members[0], members[0].get("_tuned", ()))  # pylint: disable=protected-access
+    ctx = report_labels.context(members[0], members[0].get("_tuned", ()))
     speedups = [r["speedup_vs_bsp"] for r in members if r.get("speedup_vs_bsp") is not None]
     table.append({
         "speedup": statistics.median(speedups) if speedups else None,

@@ -536,6 +536,7 @@ def _child_command(path: str, workdir: str, trial: Trial, overrides: dict) -> li
 
 def _run(path, trials, workdir, parallel, max_trials, report_every,
          overrides, ray=None) -> dict[str, str]:
+  """Runs the unfinished ``trials``: here, ``parallel`` child processes at once, or Ray tasks."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
   todo = [t for t in trials if statuses[t.name] not in FINISHED]
@@ -546,9 +547,10 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
   start = time.perf_counter()
   done_here = 0
 
-  def progress(trial, status):
+  def progress(trial, status=None):
     nonlocal done_here
     done_here += 1
+    status = status or trial_status(os.path.join(workdir, trial.name)) or "failed"
     statuses[trial.name] = status
     finished = sum(s in FINISHED for s in statuses.values())
     rate = (time.perf_counter() - start) / done_here
@@ -556,19 +558,23 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
                  status, _latest(os.path.join(workdir, trial.name)),
                  workdir_lib.format_duration(rate * (len(todo) - done_here) / parallel))
 
+  command = lambda t: _child_command(path, workdir, t, overrides)
   if ray is not None:
     from gssp_jax.runtime import ray_launch  # pylint: disable=g-import-not-at-top
-    ray_launch.run_trials(
-        todo, lambda t: _child_command(path, workdir, t, overrides),
-        lambda t: os.path.join(workdir, t.name),
-        lambda t: progress(t, trial_status(os.path.join(workdir, t.name)) or "failed"),
-        ray, xla_env.child_env(os.environ, 1))
-    return statuses
-  if parallel <= 1:
+    ray_launch.run_trials(todo, command, lambda t: os.path.join(workdir, t.name), progress, ray,
+                          xla_env.child_env(os.environ, 1))
+  elif parallel <= 1:
     for trial in todo:
       logging.info("trial %s: starting", trial.name)
       progress(trial, run_trial(trial, workdir))
-    return statuses
+  else:
+    _run_children(todo, command, workdir, parallel, report_every, progress)
+  return statuses
+
+
+def _run_children(todo, command, workdir, parallel, report_every, progress) -> None:
+  """``parallel`` trials at once, each in a child process (``command(trial)``); on an interrupt
+  every child is stopped (each records ``interrupted`` and keeps its checkpoint)."""
   running: list = []
   queue = list(todo)
   last_report = time.perf_counter()
@@ -579,9 +585,9 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
         trial = queue.pop(0)
         os.makedirs(os.path.join(workdir, trial.name), exist_ok=True)
         log = open(os.path.join(workdir, trial.name, "stdout.txt"), "a")
-        cmd = _child_command(path, workdir, trial, overrides)
         logging.info("trial %s: starting in a child process", trial.name)
-        running.append((trial, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        running.append((trial, subprocess.Popen(command(trial), stdout=log,
+                                                stderr=subprocess.STDOUT,
                                                 **cli.child_process(env)), log))
       time.sleep(0.5)
       for item in list(running):
@@ -589,7 +595,7 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
         if proc.poll() is not None:
           log.close()
           running.remove(item)
-          progress(trial, trial_status(os.path.join(workdir, trial.name)) or "failed")
+          progress(trial)
       if running and time.perf_counter() - last_report >= report_every:
         last_report = time.perf_counter()
         logging.info("running: %s", "; ".join(
@@ -606,5 +612,4 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
         proc.kill()
         proc.wait()
       log.close()
-  return statuses
 

@@ -22,8 +22,6 @@ from gssp_jax.sync.protocols.ssp import BSPProtocol
 from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 
-SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "inhad", "dssync", "casp", "local_sgd", "diloco",
-           "async_local_sgd", "halos")
 # The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``); a key changed from
 # its default under a scheme that does not read it is rejected by ``config.validate_config``.
 SYNC_KEYS = {
@@ -42,7 +40,8 @@ SYNC_KEYS = {
     "async_local_sgd": (),
     "halos": ("num_groups", "grouping", "forward_every"),
 }
-# Schemes added with register_scheme: name -> builder(config, worker_times) -> Scheme.
+# Every scheme, the built-ins first (registered at the end of this module): name ->
+# builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
 
 
@@ -98,70 +97,112 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
                  casp_reconfigure_every: int = 64, casp_traffic_penalty: float = 0.01,
                  worker_times=None, seed: int = 0, scale: float | None = None,
                  halos: dict | None = None) -> Scheme:
-  """Builds scheme ``name`` for ``num_workers``; every argument is checked here, before any JAX.
+  """Builds built-in scheme ``name`` for ``num_workers`` from keyword settings; every argument
+  is checked here, before any JAX (a config goes through :func:`scheme_from_config`).
 
   ``worker_times`` ([W] iteration times or slowdown factors) feeds the speed
   groupings; without it all workers count as equally fast. ``halos``: the
   HALoS settings (``merge_weight``, ``local_learning_rate``, ``local_momentum``,
   ``local_period``, ``global_momentum``, ``global_period``; ``halos_settings``).
+  Each scheme reads the settings it has (:data:`SYNC_KEYS`) and ignores the others.
 
   Raises:
     ValueError: an unknown name or an invalid argument, naming the value and
       what is allowed.
   """
-  if name not in SCHEMES:
-    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(SCHEMES)} "
+  if name not in _BUILT_IN:
+    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(_BUILT_IN)} "
                      "(register others with register_scheme)")
   W = transforms.check_int(name, "num_workers", num_workers, 1)
-  zeros = np.zeros([W], np.int32)
-  if name in ("bsp", "local_sgd", "diloco"):   # the local-update ones push pseudo-gradients
-    return Scheme(name, transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1, zeros)
-  if name == "async_local_sgd":
-    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, zeros)
-  if name == "asp":
-    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, zeros)
-  if name == "ssp":
-    s = transforms.check_int("ssp", "staleness", staleness, 0)
-    return Scheme(name, transforms.ssp(W, s, scale=scale), lambda: SSPProtocol(W, s), W, 1,
-                  zeros)
-  if name == "dssp":
-    rng = transforms.check_staleness_range("dssp", staleness_range)
-    return Scheme(name, transforms.dssp(W, rng, scale=scale), lambda: DSSPProtocol(W, rng), W, 1,
-                  zeros)
-  if name == "gssp":
-    groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
-    s = transforms.check_int("gssp", "staleness", staleness, 0)
-    tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
-    probe = GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
-    return Scheme(name, tx, lambda: GSSPProtocol(W, groups, s, inter_group=inter_group,
-                                                 forward_every=forward_every),
-                  W, probe.num_replicas, groups)
-  if name == "halos":
-    groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
-    settings = dict(halos or {})
-    merge = settings.pop("merge_weight", 0.25)
-    make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
-    probe = make()   # validates
-    tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
-    return Scheme(name, tx, make, W, probe.num_replicas, groups, own_optimizer=True)
-  if name == "inhad":
-    nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
-    tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
-    InHADProtocol(W, nodes, inhad_threshold)   # validates
-    return Scheme(name, tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes)
-  if name == "dssync":
-    DSSyncProtocol(W, group_size, seed)      # validates
-    return Scheme(name, transforms.dssync(W), lambda: DSSyncProtocol(W, group_size, seed), W, W,
-                  zeros)
-  kwargs = dict(max_communities=casp_max_communities, reconfigure_every=casp_reconfigure_every,
-                traffic_penalty=casp_traffic_penalty, seed=seed)
-  CASPProtocol(W, **kwargs)                  # validates
-  return Scheme(name, transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **kwargs), W, 1,
-                zeros)
+  return _BUILT_IN[name](
+      W, staleness=staleness, staleness_range=staleness_range, num_groups=num_groups,
+      grouping_method=grouping_method, inter_group=inter_group, forward_every=forward_every,
+      num_nodes=num_nodes, inhad_threshold=inhad_threshold, group_size=group_size,
+      casp=dict(max_communities=casp_max_communities, reconfigure_every=casp_reconfigure_every,
+                traffic_penalty=casp_traffic_penalty, seed=seed),
+      worker_times=worker_times, seed=seed, scale=scale, halos=halos)
+
+
+# -- the built-in schemes: (W, **settings) -> Scheme, each reading the settings it has ------------
+
+
+def _zeros(W: int) -> np.ndarray:
+  return np.zeros([W], np.int32)
+
+
+def _bsp(name):   # bsp, and local_sgd and diloco: they push pseudo-gradients
+  def build(W, *, scale, **_):
+    return Scheme(name, transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1, _zeros(W))
+  return build
+
+
+def _asp(name):   # asp, and async_local_sgd
+  def build(W, *, scale, **_):
+    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, _zeros(W))
+  return build
+
+
+def _ssp(W, *, staleness, scale, **_):
+  s = transforms.check_int("ssp", "staleness", staleness, 0)
+  return Scheme("ssp", transforms.ssp(W, s, scale=scale), lambda: SSPProtocol(W, s), W, 1,
+                _zeros(W))
+
+
+def _dssp(W, *, staleness_range, scale, **_):
+  rng = transforms.check_staleness_range("dssp", staleness_range)
+  return Scheme("dssp", transforms.dssp(W, rng, scale=scale), lambda: DSSPProtocol(W, rng), W, 1,
+                _zeros(W))
+
+
+def _gssp(W, *, grouping_method, num_groups, worker_times, staleness, inter_group,
+          forward_every, scale, **_):
+  groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
+  s = transforms.check_int("gssp", "staleness", staleness, 0)
+  tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
+  make = lambda: GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
+  return Scheme("gssp", tx, make, W, make().num_replicas, groups)
+
+
+def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos, **_):
+  groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
+  settings = dict(halos or {})
+  merge = settings.pop("merge_weight", 0.25)
+  make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
+  probe = make()   # validates
+  tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
+  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True)
+
+
+def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scale, **_):
+  nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
+  tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
+  InHADProtocol(W, nodes, inhad_threshold)   # validates
+  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes)
+
+
+def _dssync(W, *, group_size, seed, **_):
+  DSSyncProtocol(W, group_size, seed)      # validates
+  return Scheme("dssync", transforms.dssync(W), lambda: DSSyncProtocol(W, group_size, seed), W,
+                W, _zeros(W))
+
+
+def _casp(W, *, casp, scale, **_):
+  CASPProtocol(W, **casp)                  # validates
+  return Scheme("casp", transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **casp), W, 1,
+                _zeros(W))
+
+
+# Name -> (W, **settings) -> Scheme, in the order the papers' table lists them.
+_BUILT_IN: dict[str, Callable[..., Scheme]] = {
+    "bsp": _bsp("bsp"), "asp": _asp("asp"), "ssp": _ssp, "dssp": _dssp, "gssp": _gssp,
+    "inhad": _inhad, "dssync": _dssync, "casp": _casp, "local_sgd": _bsp("local_sgd"),
+    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos}
 
 
 def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
   """Adds a scheme so that ``config.sync.scheme=name`` trains with it (simulator, sweeps).
+
+  The built-in schemes are registered through it too, when this module is imported.
 
   Args:
     name: a new name (not a built-in one); registering it again replaces the builder.
@@ -173,9 +214,9 @@ def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
   Raises:
     ValueError: a built-in or non-identifier name, or a builder that is not callable.
   """
-  if not isinstance(name, str) or not name.isidentifier() or name in SCHEMES:
+  if not isinstance(name, str) or not name.isidentifier() or name in _FIXED:
     raise ValueError(f"scheme name={name!r} is invalid; allowed: a new identifier, not one of "
-                     f"{', '.join(SCHEMES)}")
+                     f"{', '.join(_FIXED)}")
   if not callable(builder):
     raise ValueError(f"register_scheme({name!r}): builder={builder!r} is invalid; allowed: a "
                      "callable (config, worker_times) -> Scheme")
@@ -183,39 +224,60 @@ def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
 
 
 def unregister_scheme(name: str) -> None:
-  """Removes a scheme added with :func:`register_scheme` (no-op if absent)."""
-  _REGISTERED.pop(name, None)
+  """Removes a scheme added with :func:`register_scheme` (no-op if absent; never a built-in)."""
+  if name not in _FIXED:
+    _REGISTERED.pop(name, None)
 
 
 def scheme_names() -> tuple[str, ...]:
   """Every name ``config.sync.scheme`` accepts: the built-ins, then the registered ones."""
-  return SCHEMES + tuple(_REGISTERED)
+  return tuple(_REGISTERED)
 
 
 def scheme_from_config(config, worker_times=None) -> Scheme:
-  """Builds ``config.sync.scheme`` with the ``config.sync.*`` settings."""
-  if config.sync.scheme in _REGISTERED:
-    scheme = _REGISTERED[config.sync.scheme](config, worker_times)
-    if not isinstance(scheme, Scheme) or scheme.num_workers != config.num_workers:
-      raise ValueError(f"the builder of registered scheme {config.sync.scheme!r} returned "
-                       f"{scheme!r}; allowed: a Scheme with num_workers={config.num_workers}")
-    return scheme
+  """Builds ``config.sync.scheme`` with its registered builder (the built-ins' included)."""
+  builder = _REGISTERED.get(config.sync.scheme)
+  if builder is None:
+    raise ValueError(f"sync scheme={config.sync.scheme!r} is invalid; allowed: "
+                     f"{', '.join(_REGISTERED)} (register others with register_scheme)")
+  scheme = builder(config, worker_times)
+  if not isinstance(scheme, Scheme) or scheme.num_workers != config.num_workers:
+    raise ValueError(f"the builder of registered scheme {config.sync.scheme!r} returned "
+                     f"{scheme!r}; allowed: a Scheme with num_workers={config.num_workers}")
+  return scheme
+
+
+def _settings_from_config(config, worker_times) -> dict[str, Any]:
+  """:func:`build_scheme`'s keyword settings from ``config.sync.*`` (the built-ins' builders)."""
   s = config.sync
   opt = lambda key, default: s.get(key, default)
-  forward_every = opt("forward_every", 0)
-  threshold = opt("inhad_threshold", 0)
   casp = opt("casp", None)
-  return build_scheme(
-      s.scheme, config.num_workers, staleness=opt("staleness", 3),
-      staleness_range=tuple(opt("staleness_range", (3, 15))), num_groups=opt("num_groups", 4),
-      grouping_method=opt("grouping", "speed"), inter_group=opt("inter_group", "peer"),
-      forward_every=forward_every or None, num_nodes=opt("num_nodes", 4),
-      inhad_threshold=threshold or None, group_size=opt("group_size", 2),
+  return dict(
+      staleness=opt("staleness", 3), staleness_range=tuple(opt("staleness_range", (3, 15))),
+      num_groups=opt("num_groups", 4), grouping_method=opt("grouping", "speed"),
+      inter_group=opt("inter_group", "peer"), forward_every=opt("forward_every", 0) or None,
+      num_nodes=opt("num_nodes", 4), inhad_threshold=opt("inhad_threshold", 0) or None,
+      group_size=opt("group_size", 2),
       casp_max_communities=casp.max_communities if casp else 4,
       casp_reconfigure_every=casp.reconfigure_every if casp else 64,
       casp_traffic_penalty=casp.traffic_penalty if casp else 0.01,
       worker_times=worker_times, seed=config.get("seed", 0),
       halos=halos_lib.settings_from_config(config) if s.scheme == "halos" else None)
+
+
+def _built_in_builder(name: str) -> Callable[..., Scheme]:
+  """Built-in scheme ``name``'s builder, of the signature a researcher's has."""
+  return lambda config, worker_times: build_scheme(
+      name, config.num_workers, **_settings_from_config(config, worker_times))
+
+
+# The built-in schemes register themselves, exactly as a researcher's scheme does; then their
+# names are fixed (a researcher's may not take them).
+_FIXED: tuple[str, ...] = ()
+for _name in _BUILT_IN:
+  register_scheme(_name, _built_in_builder(_name))
+SCHEMES = _FIXED = tuple(_BUILT_IN)
+del _name
 
 
 def describe(scheme: Scheme) -> dict[str, Any]:
