@@ -148,3 +148,39 @@ def test_override_sets_dotted_keys_and_names_unknown_ones():
     config_lib.override(config, {"sync.stalenes": 2})
   with pytest.raises(KeyError, match="'clustr.speeds'"):
     config_lib.override(config, {"clustr.speeds": (1.0,)})
+
+
+def test_a_scheme_registered_from_outside_has_its_keys_checked_by_its_own_builder():
+  """A researcher's scheme declares the sync keys it reads: its builder checks their values
+  (at validation, before anything runs), and any other key changed from its default is
+  refused as for a built-in scheme, naming who reads it."""
+  def lagged(config, worker_times):
+    del worker_times
+    s = config.sync.staleness
+    if s < 1:
+      raise ValueError(f"config.sync.staleness={s} is invalid for 'lagged'; allowed: >= 1")
+    return sync.build_scheme("ssp", config.num_workers, staleness=s)
+  sync.register_scheme("lagged", lagged, sync_keys=("staleness",))
+  try:
+    assert sync.registry.SYNC_KEYS["lagged"] == ("staleness",)
+    config = config_lib.default_config()
+    config.sync.scheme, config.sync.staleness = "lagged", 5
+    config_lib.validate_config(config)   # its own key, a value its builder takes
+    config.sync.staleness = 0
+    with pytest.raises(ValueError, match=r"staleness=0 is invalid for 'lagged'; allowed: >= 1"):
+      config_lib.validate_config(config)
+    config.sync.staleness, config.sync.num_groups = 3, 8
+    with pytest.raises(ValueError, match=r"sync.num_groups=8 cannot apply: "
+                                         r"sync.scheme='lagged' does not read it \(read only by "
+                                         r"gssp, halos\)"):
+      config_lib.validate_config(config)
+    with pytest.raises(ValueError, match=r"sync_keys entry 'stalenes' is invalid; allowed: keys "
+                                         r"of config.sync"):
+      sync.register_scheme("lagged2", lagged, sync_keys=("stalenes",))
+    with pytest.raises(ValueError, match=r"scheme name='gssp' is invalid"):
+      sync.register_scheme("gssp", lagged)
+  finally:
+    sync.unregister_scheme("lagged")
+  assert "lagged" not in sync.scheme_names() and "lagged" not in sync.registry.SYNC_KEYS
+  sync.unregister_scheme("gssp")   # a built-in stays
+  assert "gssp" in sync.scheme_names()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import optax
@@ -22,9 +22,8 @@ from gssp_jax.sync.protocols.ssp import BSPProtocol
 from gssp_jax.sync.protocols.ssp import DSSPProtocol
 from gssp_jax.sync.protocols.ssp import SSPProtocol
 
-# The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``); a key changed from
-# its default under a scheme that does not read it is rejected by ``config.validate_config``.
-SYNC_KEYS = {
+# The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``), registered with it.
+_BUILT_IN_KEYS = {
     "bsp": (),
     "asp": (),
     "ssp": ("staleness",),
@@ -43,6 +42,10 @@ SYNC_KEYS = {
 # Every scheme, the built-ins first (registered at the end of this module): name ->
 # builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
+# The ``config.sync.*`` keys each scheme reads, as it was registered (a scheme registered without
+# them may read any): a key changed from its default under a scheme that does not read it is
+# rejected by ``config.validate_config``; the keys it reads are its builder's to check.
+SYNC_KEYS: dict[str, tuple[str, ...]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +202,8 @@ _BUILT_IN: dict[str, Callable[..., Scheme]] = {
     "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos}
 
 
-def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
+def register_scheme(name: str, builder: Callable[..., Scheme],
+                    sync_keys: Sequence[str] | None = None) -> None:
   """Adds a scheme so that ``config.sync.scheme=name`` trains with it (simulator, sweeps).
 
   The built-in schemes are registered through it too, when this module is imported.
@@ -209,10 +213,14 @@ def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
     builder: ``builder(config, worker_times) -> Scheme``; ``worker_times`` is
       ``[W]`` iteration times (or slowdown factors) of the cluster, or None
       when the config is only being validated. It should raise ValueError for
-      bad settings, as the built-ins do.
+      bad settings, as the built-ins do: it checks the keys it reads.
+    sync_keys: the ``config.sync.*`` keys it reads (e.g. ``("staleness",)``); any other
+      changed from its default is then rejected at validation, naming the schemes that
+      read it. None: it may read any.
 
   Raises:
-    ValueError: a built-in or non-identifier name, or a builder that is not callable.
+    ValueError: a built-in or non-identifier name, a builder that is not callable, or a
+      ``sync_keys`` entry that is no ``config.sync`` key.
   """
   if not isinstance(name, str) or not name.isidentifier() or name in _FIXED:
     raise ValueError(f"scheme name={name!r} is invalid; allowed: a new identifier, not one of "
@@ -220,13 +228,27 @@ def register_scheme(name: str, builder: Callable[..., Scheme]) -> None:
   if not callable(builder):
     raise ValueError(f"register_scheme({name!r}): builder={builder!r} is invalid; allowed: a "
                      "callable (config, worker_times) -> Scheme")
+  if sync_keys is not None and name not in _BUILT_IN:   # a researcher's: each must exist
+    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top (it imports this)
+    known = config_lib.default_config().sync
+    for key in sync_keys:
+      node = known
+      for part in str(key).split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+      if part == "scheme" or node is None:
+        raise ValueError(f"register_scheme({name!r}): sync_keys entry {key!r} is invalid; "
+                         f"allowed: keys of config.sync but scheme ({', '.join(known)})")
   _REGISTERED[name] = builder
+  SYNC_KEYS.pop(name, None)
+  if sync_keys is not None:
+    SYNC_KEYS[name] = tuple(sync_keys)
 
 
 def unregister_scheme(name: str) -> None:
   """Removes a scheme added with :func:`register_scheme` (no-op if absent; never a built-in)."""
   if name not in _FIXED:
     _REGISTERED.pop(name, None)
+    SYNC_KEYS.pop(name, None)
 
 
 def scheme_names() -> tuple[str, ...]:
@@ -275,7 +297,7 @@ def _built_in_builder(name: str) -> Callable[..., Scheme]:
 # names are fixed (a researcher's may not take them).
 _FIXED: tuple[str, ...] = ()
 for _name in _BUILT_IN:
-  register_scheme(_name, _built_in_builder(_name))
+  register_scheme(_name, _built_in_builder(_name), _BUILT_IN_KEYS[_name])
 SCHEMES = _FIXED = tuple(_BUILT_IN)
 del _name
 
