@@ -53,8 +53,8 @@ _NUM_SERVERS = flags.DEFINE_integer("num_servers", None,
 _SHARD = flags.DEFINE_integer("shard", None, "shard: this process's shard, 1..S-1.")
 _SHARD_ADDRESS = flags.DEFINE_string("shard_address", None,
                                      "shard: the host:port it binds (default 127.0.0.1:0).")
-_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = ray_launch.define_flags(
-    "process", "every process on this host")
+_RAY_FLAGS = ray_launch.define_flags("process", "every process on this host")
+_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = _RAY_FLAGS
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -89,6 +89,10 @@ def main(argv):
                                   processes_per_mesh=_PPM.value, num_servers=_NUM_SERVERS.value,
                                   shard=_SHARD.value, shard_address=_SHARD_ADDRESS.value)
   launch.check_topology(topo, config)
+  if topo.role != "local":
+    ray_launch.refuse_unused(_RAY_FLAGS, f"with --role={topo.role}")
+  elif _LAUNCHER.value == "local":
+    ray_launch.refuse_unused(_RAY_FLAGS[1:], "with --launcher=local")
   workdir = _WORKDIR.value
   if topo.role == "server":
     from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
@@ -118,8 +122,6 @@ def main(argv):
                                       address=_RAY_ADDRESS.value, cpus=_RAY_CPUS.value,
                                       gpus=_RAY_GPUS.value)
   else:
-    if _RAY_ADDRESS.value:
-      raise ValueError(f"--ray_address={_RAY_ADDRESS.value!r} needs --launcher=ray")
     launcher = launch.LocalLauncher(_config_flags(sys.argv), workdir, topo, config)
   with cli.sigterm_as_interrupt():
     try:

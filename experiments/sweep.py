@@ -36,8 +36,8 @@ _RERUN_CHANGED = flags.DEFINE_bool(
     "rerun_changed", False, "move trials whose config the sweep file changed to DIR/_stale/<time>/ "
     "and run them again (default: refuse, naming them)")
 _ONLY = flags.DEFINE_string("only", None, "run just this trial (used by --parallel)")
-_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = ray_launch.define_flags(
-    "trial", "trials here, --parallel at once")
+_RAY_FLAGS = ray_launch.define_flags("trial", "trials here, --parallel at once")
+_LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = _RAY_FLAGS
 # The sweep file's base config, loaded by ml_collections only when --config.key=value
 # overrides are given (_base_config_flag), so that they parse exactly as in experiments.main.
 _CONFIG = config_flags.DEFINE_config_file(
@@ -90,8 +90,8 @@ def _main():
   ray = None
   if _LAUNCHER.value == "ray":
     ray = ray_launch.RaySettings(_RAY_ADDRESS.value, _RAY_CPUS.value, _RAY_GPUS.value)
-  elif _RAY_ADDRESS.value:
-    raise ValueError(f"--ray_address={_RAY_ADDRESS.value!r} needs --launcher=ray")
+  else:
+    ray_launch.refuse_unused(_RAY_FLAGS[1:], "with --launcher=local")
   try:
     statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
                                max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value,

@@ -134,41 +134,33 @@ def select(only: Sequence[str] | None) -> list[Study]:
   return [STUDIES[n] for n in dict.fromkeys(names)]
 
 
-def _trial_minutes(workdir: str) -> list[float]:
-  """The minutes this study's finished trials took (``sweep.trial_seconds``: the trial's
-  process from start to end, start-up included; else its summary's training wall time)."""
-  minutes = []
-  for name in os.listdir(workdir) if os.path.isdir(workdir) else ():
-    trial_dir = os.path.join(workdir, name)
-    if sweep_lib.trial_status(trial_dir) not in sweep_lib.FINISHED:
-      continue
-    seconds = sweep_lib.trial_seconds(trial_dir)
-    if seconds is None:
-      try:
-        with open(os.path.join(trial_dir, "summary.json")) as f:
-          seconds = json.load(f).get("totals", {}).get("wall_time")
-      except (OSError, ValueError):
-        seconds = None
-    if seconds:
-      minutes.append(float(seconds) / 60.0)
-  return minutes
+def _trial_minutes(trial_dir: str) -> float | None:
+  """The minutes a finished trial took (``sweep.trial_seconds``: its process from start to end,
+  start-up included; else its summary's training wall time), or None if neither is known."""
+  seconds = sweep_lib.trial_seconds(trial_dir)
+  if seconds is None:
+    try:
+      with open(os.path.join(trial_dir, "summary.json")) as f:
+        seconds = json.load(f).get("totals", {}).get("wall_time")
+    except (OSError, ValueError):
+      seconds = None
+  return float(seconds) / 60.0 if seconds else None
 
 
 def plan(studies: Sequence[Study], root: str, repo: str, parallel: int) -> list[dict[str, Any]]:
   """Per study: its trials, how many are finished, and the estimated minutes of the rest."""
   rows = []
   for study in studies:
-    spec = os.path.join(repo, study.sweep)
-    trials = sweep_lib.expand(spec)
+    trials = sweep_lib.expand(os.path.join(repo, study.sweep))
     workdir = os.path.join(root, "runs", study.name)
-    finished = sum(sweep_lib.trial_status(os.path.join(workdir, t.name)) in sweep_lib.FINISHED
-                   for t in trials)
-    measured = _trial_minutes(workdir)
+    done = [os.path.join(workdir, t.name) for t in trials
+            if sweep_lib.trial_status(os.path.join(workdir, t.name)) in sweep_lib.FINISHED]
+    measured = [m for m in map(_trial_minutes, done) if m is not None]
     per_trial = statistics.median(measured) if measured else study.minutes_per_trial
     rows.append({"study": study.name, "sweep": study.sweep, "trials": len(trials),
-                 "finished": finished, "minutes_per_trial": per_trial,
+                 "finished": len(done), "minutes_per_trial": per_trial,
                  "measured": bool(measured),
-                 "minutes_left": per_trial * (len(trials) - finished) / parallel})
+                 "minutes_left": per_trial * (len(trials) - len(done)) / parallel})
   return rows
 
 

@@ -237,3 +237,18 @@ def test_every_launch_flag_in_the_cluster_recipes_exists():
     helpfull = _run(f"experiments.{kind}", "--helpfull").stdout
     defined = set(re.findall(r"--(?:\[no\])?([a-z_]+)", helpfull))
     assert names - {"config"} <= defined, (kind, sorted(names - defined))
+
+
+def test_ray_flags_where_they_do_not_apply_are_refused_not_ignored(tmp_path):
+  hetero = "--config=configs/mnist_lenet5_hetero.py:smoke"
+  for module, args, where in (
+      ("experiments.launch", [hetero, "--ray_cpus_per_process=2"], "with --launcher=local"),
+      ("experiments.launch", [hetero, "--ray_address=head:6379"], "with --launcher=local"),
+      ("experiments.launch", [hetero, "--role=worker", "--mesh=0",
+                              "--server_address=127.0.0.1:1", "--launcher=ray"],
+       "with --role=worker"),
+      ("experiments.sweep", ["--sweep=configs/sweeps/tiny.py", "--ray_gpus_per_trial=1"],
+       "with --launcher=local")):
+    line = _one_line(_run(module, *args, f"--workdir={tmp_path / 'w'}"))
+    assert f"is invalid {where}; allowed: only with --launcher=ray" in line, line
+  assert not (tmp_path / "w").exists()   # refused before anything was made

@@ -33,6 +33,7 @@ process) and never blocks: the driver polls.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -60,6 +61,32 @@ def _ray():
   return ray
 
 
+def connect(ray, address: str, num_cpus: int) -> bool:
+  """Connects to the cluster at ``address``, or starts a local instance with ``num_cpus``
+  logical CPUs for this command (Ray's services listen on this host's address and every
+  interface: docs/REAL_RUNS.md); whether it started one (to stop at the end)."""
+  if ray.is_initialized():
+    return False
+  if address:
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    return False
+  ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+  return True
+
+
+def start_child(cmd: Sequence[str], cwd: str, env: dict[str, str], log) -> subprocess.Popen:
+  """``cmd`` on this node (an actor's or a task's), with the GPUs Ray gave it, its output to
+  the open file ``log``, dying with this process (its parent-death signal)."""
+  import ray  # pylint: disable=g-import-not-at-top
+  from gssp_jax import cli  # pylint: disable=g-import-not-at-top
+  env = dict(env)
+  gpus = ray.get_gpu_ids()
+  if gpus:
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
+  return subprocess.Popen(list(cmd), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                          **cli.child_process(env, signal.SIGKILL))
+
+
 class RoleProcess:
   """An actor's side of one child process: starts it on this node, answers without blocking."""
 
@@ -78,16 +105,9 @@ class RoleProcess:
 
   def start(self, cmd: Sequence[str], env: dict[str, str], cwd: str, log_path: str) -> int:
     """Starts the child with this actor's GPUs; returns its pid."""
-    import ray  # pylint: disable=g-import-not-at-top
-    from gssp_jax import cli  # pylint: disable=g-import-not-at-top
-    env = dict(env)
-    gpus = ray.get_gpu_ids()
-    if gpus:
-      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    log = auth.open_private_append(log_path)
-    self.proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                 **cli.child_process(env, signal.SIGKILL))
+    log = auth.open_private_append(log_path)   # no symlink, as the local launcher's logs
+    self.proc = start_child(cmd, cwd, env, log)
     log.close()
     return self.proc.pid
 
@@ -124,14 +144,16 @@ class ActorProcess:
 
   def poll(self) -> int | None:
     if self.returncode is None and time.monotonic() - self.polled > _FRESH:
-      try:
-        self.settle(self.call("poll"))
-      except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-        self.settle(-signal.SIGKILL)   # the actor or its node is gone: so is the child
+      self.settle(self.actor.poll.remote())
     return self.returncode
 
-  def settle(self, code: int | None) -> None:
-    """Records a poll's answer (``RayLauncher._refresh`` asks every actor at once)."""
+  def settle(self, answer) -> None:
+    """Records the answer to a ``poll`` call (``RayLauncher._refresh`` asks every actor at
+    once): the child's exit code, or ``-SIGKILL`` when the actor or its node is gone."""
+    try:
+      code = self.ray.get(answer, timeout=_CALL_TIMEOUT)
+    except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+      code = -signal.SIGKILL
     self.returncode, self.polled = code, time.monotonic()
 
   def wait(self, timeout: float | None = None) -> int:
@@ -153,7 +175,8 @@ class ActorProcess:
     """SIGKILL to the child, then the actor itself."""
     self.send_signal(signal.SIGKILL)
     self.ray.kill(self.actor)
-    self.returncode = self.returncode if self.returncode is not None else -signal.SIGKILL
+    if self.returncode is None:
+      self.returncode = -signal.SIGKILL
 
 
 class RayLauncher(launch.LocalLauncher):
@@ -188,17 +211,10 @@ class RayLauncher(launch.LocalLauncher):
   # -- placement --------------------------------------------------------------------------------
 
   def _init_ray(self) -> None:
-    if self.ray.is_initialized():
-      return
-    if self.address:
-      self.ray.init(address=self.address, include_dashboard=False, log_to_driver=False)
-      return
-    processes = 1 + (self.topo.num_servers - 1) + self.topo.num_meshes * self.topo.processes_per_mesh
-    # A local instance for this run, on loopback only (this host's processes alone talk to
-    # it): as many logical CPUs as its processes ask for.
-    self.ray.init(num_cpus=max(os.cpu_count() or 1, int(processes * self.cpus + 0.999)),
-                  include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    self.started_ray = True
+    # A local instance for this run gets as many logical CPUs as its processes ask for.
+    processes = (self.topo.num_servers + self.topo.num_meshes * self.topo.processes_per_mesh)
+    self.started_ray = connect(self.ray, self.address,
+                               max(os.cpu_count() or 1, math.ceil(processes * self.cpus)))
 
   def actor_name(self, name: str) -> str:
     """The Ray name of process ``name``'s actor (namespace ``gssp``): the run id, then it."""
@@ -269,15 +285,8 @@ class RayLauncher(launch.LocalLauncher):
     """Every running child's state in one round of calls (one at a time cost a round trip
     each, every half second, for every process of the run)."""
     live = [p for p in self.procs.values() if p.returncode is None]
-    refs = [p.actor.poll.remote() for p in live]
-    for proxy, ref in zip(live, refs):
-      try:
-        proxy.settle(self.ray.get(ref, timeout=_CALL_TIMEOUT))
-      except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
-        proxy.settle(-signal.SIGKILL)
-
-  def _log_size(self, name: str) -> int:
-    return 0
+    for proxy, answer in [(p, p.actor.poll.remote()) for p in live]:
+      proxy.settle(answer)
 
   def _read_log(self, name: str, offset: int) -> bytes:
     proxy = self.procs.get(name)
@@ -307,7 +316,6 @@ class RayLauncher(launch.LocalLauncher):
     super()._release_ports()
 
 
-
 def define_flags(unit: str, local: str):
   """``--launcher``, ``--ray_address`` and ``--ray_{cpus,gpus}_per_<unit>`` for a command whose
   Ray unit is ``unit`` (``process``, ``trial``); ``local`` says what ``--launcher=local`` does.
@@ -321,6 +329,15 @@ def define_flags(unit: str, local: str):
           flags.DEFINE_float(f"ray_cpus_per_{unit}", 1.0, f"ray: CPUs of each {unit}"),
           flags.DEFINE_float(f"ray_gpus_per_{unit}", 0.0, f"ray: GPUs of each {unit} (1 on a "
                              "GPU cluster: one device each)"))
+
+
+def refuse_unused(holders, where: str) -> None:
+  """Refuses any of :func:`define_flags`' flags given ``where`` they do not apply (a role's
+  own process, or ``--launcher=local``): none is silently ignored."""
+  given = [f"--{h.name}={h.value}" for h in holders if h.value != h.default]
+  if given:
+    raise ValueError(f"{', '.join(given)} is invalid {where}; allowed: only with "
+                     "--launcher=ray, on the command that starts the whole run or sweep")
 
 
 # -- sweeps: one Ray task per trial -------------------------------------------------------------
@@ -348,16 +365,9 @@ def _trial_task(cmd: Sequence[str], cwd: str, env: dict[str, str], log_path: str
   """A Ray task: one trial's process (``experiments.sweep --only``) on the task's node; its
   exit code. Cancelled (``ray.cancel``), it stops the trial with SIGTERM, as Ctrl-C would: the
   trial records ``interrupted`` and keeps its checkpoint."""
-  import ray  # pylint: disable=g-import-not-at-top
-  from gssp_jax import cli  # pylint: disable=g-import-not-at-top
-  env = dict(env)
-  gpus = ray.get_gpu_ids()
-  if gpus:
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
   os.makedirs(os.path.dirname(log_path), exist_ok=True)
-  with open(log_path, "a") as log:
-    proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                            **cli.child_process(env, signal.SIGKILL))
+  with open(log_path, "a") as log:   # as --parallel's children's stdout.txt
+    proc = start_child(cmd, cwd, env, log)
   try:
     return proc.wait()
   except KeyboardInterrupt:
@@ -379,13 +389,7 @@ def run_trials(trials: Sequence[Any], command, trial_dir, progress, settings: Ra
   interrupt goes on. A Ray instance started here is stopped at the end.
   """
   ray = _ray()
-  started = False
-  if not ray.is_initialized():
-    if settings.address:
-      ray.init(address=settings.address, include_dashboard=False, log_to_driver=False)
-    else:
-      ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
-      started = True
+  started = connect(ray, settings.address, os.cpu_count() or 1)
   task = ray.remote(_trial_task).options(num_cpus=settings.cpus, num_gpus=settings.gpus,
                                          max_retries=0)
   refs = {task.remote(command(t), os.getcwd(), env,
