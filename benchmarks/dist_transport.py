@@ -23,7 +23,7 @@ benchmark starts itself again with them), or glibc's defaults with
   ``wire.CHUNK_BYTES`` chunks (the faster is the baseline); ``raw unary +
   header`` adds the wire's metadata (the token, a header each way). ``wire``
   is what a mesh and the control plane do around the gradient:
-  ``layout.pack_push``, ``wire.Client.call`` of a ``wire.make_server`` method
+  ``layout.pack_push``, ``endpoints.Client.call`` of a ``endpoints.make_server`` method
   (the token checked) whose handler runs ``layout.unpack_push`` (size,
   finiteness, views) and answers a weights body from a flat float32 array
   (``np.asarray`` of a jax array, as a shard's pull), then
@@ -75,6 +75,7 @@ import numpy as np
 from gssp_jax import config as config_lib
 from gssp_jax import models
 from gssp_jax.runtime import auth
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import shard_process
@@ -268,9 +269,9 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
 
   limit = lambda header: layout.push_limit(0, wire.field(header, "nnz", list)[0])
   methods = [wire.Method("Push", push, limit, parts=True)]
-  _wire, wire_port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
-  _flight, flight_port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
-                                          flight=True)
+  _wire, wire_port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
+  _flight, flight_port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
+                                               flight=True)
   # Never returns: the servers live while it serves.
   _serve_until_told(conn, (raw_port, wire_port, flight_port))
 
@@ -292,9 +293,9 @@ class Exchanges:
     self.metadata = CREDENTIALS.metadata + ((wire.HEADER_KEY, wire.encode_header(
         {**payload.header, "nnz": [-1], "body_bytes": payload.push_bytes})),)
     self.request_chunks = split(self.request, chunk_bytes)
-    self.client = wire.Client(f"127.0.0.1:{ports[1]}", CREDENTIALS, retry_seconds=30)
+    self.client = endpoints.Client(f"127.0.0.1:{ports[1]}", CREDENTIALS, retry_seconds=30)
     # The same client code against a server with the Flight data plane (dist.data_plane).
-    self.flight_client = wire.Client(f"127.0.0.1:{ports[2]}", CREDENTIALS, retry_seconds=30)
+    self.flight_client = endpoints.Client(f"127.0.0.1:{ports[2]}", CREDENTIALS, retry_seconds=30)
 
   def raw_unary(self) -> None:
     reply = self._unary(self.request)
@@ -459,7 +460,7 @@ class BenchMesh(worker_lib.MeshWorker):
     self.stats_bytes = step_lib.tree_bytes(model_stats)
     self.layout, self.shards, self.seq, self.session = None, [], 0, ""
     self._calls = None
-    self.server = wire.Client(server_address, CREDENTIALS, retry_seconds=120)
+    self.server = endpoints.Client(server_address, CREDENTIALS, retry_seconds=120)
     self.job = self._accept(*self._join())
 
   def iterate(self) -> None:

@@ -52,6 +52,7 @@ from gssp_jax import config as config_lib
 from gssp_jax import models
 from gssp_jax.sim import simulate
 from gssp_jax.train import tasks
+from gssp_jax.train import executors
 from gssp_jax.train import loop
 
 from benchmarks import common
@@ -128,7 +129,7 @@ def run_config(name: str, width: float, executor: str | None, scheme: str, worke
                        "key; leave --executor out") from e
   if levels_per_call:
     config.levels_per_call = levels_per_call
-    config_lib.validate_levels_per_call(config)
+    executors.validate_levels_per_call(config)
   return config
 
 

@@ -6,7 +6,7 @@ Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes ab
 81 min, see docs/RESULTS.md). `configs/cifar10_resnet18.py:smoke`: 256 examples, lr 0.01, ~1 min (with compilation).
 """
 
-from gssp_jax.config import default_config, parse_arg
+from gssp_jax.defaults import default_config, parse_arg
 
 
 def get_config(arg=None):

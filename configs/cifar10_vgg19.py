@@ -7,7 +7,7 @@ Full: 30 epochs with cosine decay; a GPU job (on a 2-core CPU one epoch takes ab
 """
 
 from configs import cifar10_resnet18
-from gssp_jax.config import parse_arg
+from gssp_jax.defaults import parse_arg
 
 
 def get_config(arg=None):

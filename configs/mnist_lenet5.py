@@ -7,7 +7,7 @@ the code of 2026-11-23; docs/RESULTS.md).
 `configs/mnist_lenet5.py:smoke`: 2,048 examples, ~10 s.
 """
 
-from gssp_jax.config import default_config, parse_arg
+from gssp_jax.defaults import default_config, parse_arg
 
 
 def get_config(arg=None):

@@ -19,7 +19,7 @@ slowest, 4-4.5 min; docs/RESULTS.md, the measured tables in docs/REPRODUCTION.md
 """
 
 from configs import mnist_lenet5
-from gssp_jax.config import parse_arg
+from gssp_jax.defaults import parse_arg
 
 
 def get_config(arg=None):

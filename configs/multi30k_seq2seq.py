@@ -7,7 +7,7 @@ test BLEU (sacrebleu, greedy decoding) on test_2016_flickr. On a 2-core CPU ~20 
 `configs/multi30k_seq2seq.py:smoke`: a small model on 512 sentence pairs, ~1 min.
 """
 
-from gssp_jax.config import default_config, parse_arg
+from gssp_jax.defaults import default_config, parse_arg
 
 
 def get_config(arg=None):

@@ -52,6 +52,7 @@ import ml_collections
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import xla_env
+from gssp_jax.sync import registry
 
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
@@ -258,12 +259,11 @@ def _base_sync_keys(module, arg, grid, overrides: dict) -> tuple[str, ...]:
   trials (``sync.group_size`` for DS-Sync) that others do not read; moving it
   into the grid would rename the trials. Keys no trial reads stay errors.
   """
-  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
   base = _call(module.get_config, arg)
   _set(base, overrides, "--config.*")
   schemes = {overrides.get("sync.scheme", base.sync.scheme) for overrides in grid}
   read = {f"sync.{k}" for s in schemes for k in registry.SYNC_KEYS.get(s, ())}
-  return tuple(k for k in config_lib.changed_sync_keys(base) if k in read)
+  return tuple(k for k in registry.changed_sync_keys(base) if k in read)
 
 
 def trial_status(trial_dir: str) -> str | None:

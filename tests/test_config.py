@@ -6,6 +6,8 @@ import pytest
 
 from gssp_jax import config as config_lib
 from gssp_jax import sync
+from gssp_jax.train import executors
+from gssp_jax.train import tasks
 
 CONFIGS = ["mnist_lenet5", "cifar10_resnet18", "cifar10_vgg19", "multi30k_seq2seq"]
 
@@ -86,7 +88,7 @@ def test_registered_schemes_validate_like_built_ins():
   try:
     assert sync.scheme_names()[-1] == "mine"
     config_lib.validate_config(c)
-    assert config_lib.uses_simulator(c)
+    assert executors.uses_simulator(c)
     c.sync.staleness = 9
     with pytest.raises(ValueError, match=r"mine staleness=9 is invalid"):
       config_lib.validate_config(c)
@@ -106,11 +108,11 @@ def test_registered_schemes_validate_like_built_ins():
 
 def test_which_runs_use_the_simulator():
   config = config_lib.default_config()
-  assert not config_lib.uses_simulator(config)          # BSP, no cluster: the plain loop
+  assert not executors.uses_simulator(config)          # BSP, no cluster: the plain loop
   config.cluster.profile = "tiers"
-  assert config_lib.uses_simulator(config)              # BSP on a simulated cluster
+  assert executors.uses_simulator(config)              # BSP on a simulated cluster
   config.cluster.profile, config.sync.scheme = "none", "gssp"
-  assert config_lib.uses_simulator(config)              # other schemes: always simulated
+  assert executors.uses_simulator(config)              # other schemes: always simulated
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -135,9 +137,9 @@ def test_batch_larger_than_the_shard_is_rejected():
   config = config_lib.default_config()
   config.num_workers, config.batch_size = 4, 300
   with pytest.raises(ValueError, match="config.batch_size=300.*shard size 250"):
-    config_lib.validate_sizes(config, num_train=1000)
+    tasks.validate_sizes(config, num_train=1000)
   with pytest.raises(ValueError, match="config.num_workers=4"):
-    config_lib.validate_sizes(config, num_train=3)
+    tasks.validate_sizes(config, num_train=3)
 
 
 def test_override_sets_dotted_keys_and_names_unknown_ones():

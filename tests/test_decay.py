@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from gssp_jax import config as config_lib
+from gssp_jax import defaults
 from gssp_jax import sync
 from gssp_jax.sync import decay
 from gssp_jax.sync import replay
@@ -265,7 +266,7 @@ def test_progress_chain_conformance(name, tmp_path):
 def test_weight_decay_mode_is_validated():
   config = config_lib.default_config()
   assert config.optimizer.weight_decay_mode == "progress"
-  assert config_lib.WEIGHT_DECAY_MODES == optim.WEIGHT_DECAY_MODES
+  assert defaults.WEIGHT_DECAY_MODES == optim.WEIGHT_DECAY_MODES
   config.optimizer.weight_decay_mode = "per_step"
   config_lib.validate_config(config)
   config.optimizer.weight_decay_mode = "per_epoch"

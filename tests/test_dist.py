@@ -18,6 +18,7 @@ import pytest
 
 from gssp_jax import config as config_lib
 import dist_replay
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import launch
 from gssp_jax.runtime import wire
 from tests.conftest import REPO
@@ -97,14 +98,14 @@ def test_a_port_in_use_is_refused():
     with pytest.raises(ValueError, match="cannot be bound"):
       launch.check_bindable("--server_address", f"127.0.0.1:{port}")
     with pytest.raises(ValueError, match="cannot be bound"):
-      wire.make_server([], f"127.0.0.1:{port}", dist_replay.CREDENTIALS, max_workers=2)
+      endpoints.make_server([], f"127.0.0.1:{port}", dist_replay.CREDENTIALS, max_workers=2)
   with pytest.raises(ValueError, match="cannot be bound here"):   # not an address of this host
     launch.check_bindable("--server_address", "192.0.2.1:5000")
 
 
 def test_a_worker_gives_a_clear_error_when_the_server_stays_gone():
-  client = wire.Client(f"127.0.0.1:{launch.free_port()}", dist_replay.CREDENTIALS,
-                       retry_seconds=0.5)
+  client = endpoints.Client(f"127.0.0.1:{launch.free_port()}", dist_replay.CREDENTIALS,
+                            retry_seconds=0.5)
   start = time.monotonic()
   with pytest.raises(wire.ServerGone, match=r"stayed unreachable for 0 s"):
     client.call("Heartbeat", {"mesh": 0})

@@ -29,6 +29,7 @@ import helpers
 from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.runtime import auth
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import wire
@@ -97,7 +98,7 @@ def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(serve
           b"", metadata=((wire.HEADER_KEY, header),), timeout=10)
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
   channel.close()
-  other = wire.Client(address, auth.Credentials(os.urandom(32), "replay-run"), retry_seconds=1)
+  other = endpoints.Client(address, auth.Credentials(os.urandom(32), "replay-run"), retry_seconds=1)
   with pytest.raises(wire.CallError) as raised:   # another run's secret
     other.call("Join", {"mesh": 0, "instance": "x", "config": server_lib.config_id(
         server.config)}, reply_limit=1 << 20)
@@ -264,14 +265,14 @@ def _echo_server(flight=False, calls=None, max_workers=4):
     return {"n": wire.body_bytes(body), "parts": isinstance(body, list)}, body
   methods = [wire.Method("Echo", echo, lambda header: 40 << 20),
              wire.Method("EchoParts", echo, lambda header: 40 << 20, parts=True)]
-  return wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=max_workers,
-                          flight=flight)
+  return endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=max_workers,
+                               flight=flight)
 
 
 @pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
 def test_bodies_travel_exactly_as_one_message_or_in_chunks(flight):
   grpc_server, port = _echo_server(flight)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
   try:
     for size in (0, 1, 1000, wire.CHUNK_BYTES, wire.CHUNK_BYTES + 1, 3 * wire.CHUNK_BYTES + 7):
       body = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
@@ -378,7 +379,7 @@ def test_the_flight_data_plane_refuses_strangers_and_bad_bodies_before_any_handl
   from pyarrow import flight  # pylint: disable=g-import-not-at-top
   calls = []
   server, port = _echo_server(flight=True, calls=calls)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
   try:
     client.call("Echo", {}, np.zeros([wire.CHUNK_BYTES + 1], np.uint8), reply_limit=40 << 20)
     assert len(calls) == 1
@@ -522,7 +523,7 @@ def _vanishing_peer(plane: str, script: str, calls: list):
   process running ``script`` against the plane's port, once it has said SENT: ``(client,
   peer)``. Afterwards the peer is killed and waited for, the client closed, the server stopped."""
   server, port = _echo_server(flight=plane == "flight", calls=calls, max_workers=1)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
   address = f"127.0.0.1:{server.flight.port if plane == 'flight' else port}"
   peer = subprocess.Popen([sys.executable, "-c", script, address, auth.TOKEN_KEY,
                            CREDENTIALS.token], stdout=subprocess.PIPE, text=True)
@@ -587,8 +588,9 @@ def test_flight_keeps_status_codes_and_retries_unavailable():
       raise wire.Refused(grpc.StatusCode.UNAVAILABLE, "starting")
     return {"n": wire.body_bytes(body)}, body
   methods = [wire.Method("Echo", handler, lambda header: 40 << 20)]
-  server, port = wire.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4, flight=True)
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=10)
+  server, port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
+                                       flight=True)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=10)
   body = np.arange(wire.CHUNK_BYTES + 8, dtype=np.uint8)
   try:
     header, reply = client.call("Echo", {}, body, reply_limit=40 << 20)
@@ -601,8 +603,8 @@ def test_flight_keeps_status_codes_and_retries_unavailable():
     with pytest.raises(wire.BadMessage, match="allowed: 0..100"):   # a reply over its limit
       client.call("Echo", {}, body, reply_limit=100)
     server.stop(0).wait(10)
-    server, _ = wire.make_server(methods, f"127.0.0.1:{port}", CREDENTIALS, max_workers=4,
-                                 flight=True)
+    server, _ = endpoints.make_server(methods, f"127.0.0.1:{port}", CREDENTIALS, max_workers=4,
+                                      flight=True)
     header, _ = client.call("Echo", {}, body, reply_limit=40 << 20)
     assert header["n"] == body.size
   finally:
@@ -612,18 +614,18 @@ def test_flight_keeps_status_codes_and_retries_unavailable():
 
 @pytest.mark.parametrize("flight", [False, True], ids=["grpc", "flight"])
 def test_a_call_waits_for_a_server_that_is_bound_but_not_serving_and_holds_its_port(flight):
-  """``wire.bind_server`` holds the port and answers nothing until ``serve``: a call made
+  """``endpoints.bind_server`` holds the port and answers nothing until ``serve``: a call made
   meanwhile waits (no "not ready" answer to poll) and is answered once the server serves; a
   stranger cannot bind the port in between. A large body goes over Flight once served."""
-  server = wire.bind_server("127.0.0.1:0", CREDENTIALS, max_workers=4, flight=flight)
-  client = wire.Client(f"127.0.0.1:{server.port}", CREDENTIALS, retry_seconds=30)
+  server = endpoints.bind_server("127.0.0.1:0", CREDENTIALS, max_workers=4, flight=flight)
+  client = endpoints.Client(f"127.0.0.1:{server.port}", CREDENTIALS, retry_seconds=30)
   body = np.arange(wire.CHUNK_BYTES + 8, dtype=np.uint8) if flight else np.arange(100, dtype=np.uint8)
   replies = []
   caller = threading.Thread(target=lambda: replies.append(
       client.call("Echo", {}, body, reply_limit=40 << 20)))
   try:
     with pytest.raises(ValueError, match="cannot be bound"):
-      wire.bind_server(f"127.0.0.1:{server.port}", CREDENTIALS, max_workers=2)
+      endpoints.bind_server(f"127.0.0.1:{server.port}", CREDENTIALS, max_workers=2)
     caller.start()
     caller.join(1.0)
     assert caller.is_alive() and not replies, "answered before the server served"
@@ -689,19 +691,19 @@ def test_tls_and_mutual_tls(tmp_path):
     server_dist = {"tls_cert": path("server.pem"), "tls_key": path("server.key"),
                    "tls_ca": path("ca.pem"), "tls_client_auth": client_auth,
                    "data_plane": "flight"}
-    grpc_server, port = wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2,
-                                         **wire.server_settings(server_dist))
+    grpc_server, port = endpoints.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2,
+                                              **endpoints.server_settings(server_dist))
     address = f"127.0.0.1:{port}"
     try:
       client_dist = {"tls_cert": path("client.pem"), "tls_key": path("client.key"),
                      "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
-      client = wire.Client(address, CREDENTIALS, retry_seconds=5,
-                           **wire.client_settings(client_dist))
+      client = endpoints.Client(address, CREDENTIALS, retry_seconds=5,
+                                **endpoints.client_settings(client_dist))
       assert "peer" in client.call("Echo", {})[0]
       assert client.call("Echo", {}, big)[0]["n"] == big.size
       assert client._flight   # pylint: disable=protected-access  (it went over Flight, with TLS)
       client.close()
-      plain = wire.Client(address, CREDENTIALS, retry_seconds=1)   # no TLS: no connection
+      plain = endpoints.Client(address, CREDENTIALS, retry_seconds=1)   # no TLS: no connection
       with pytest.raises((wire.ServerGone, wire.CallError)):
         plain.call("Echo", {}, timeout=5)
       plain.close()
@@ -714,8 +716,8 @@ def test_tls_and_mutual_tls(tmp_path):
       if client_auth:   # mTLS: a client without a certificate is turned away
         bare_dist = {"tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
                      "tls_client_auth": False}
-        bare = wire.Client(address, CREDENTIALS, retry_seconds=1,
-                           **wire.client_settings(bare_dist))
+        bare = endpoints.Client(address, CREDENTIALS, retry_seconds=1,
+                                **endpoints.client_settings(bare_dist))
         with pytest.raises((wire.ServerGone, wire.CallError)):
           bare.call("Echo", {}, timeout=5)
         bare.close()
@@ -758,9 +760,9 @@ def test_a_mesh_that_hung_stops_beating_and_beats_again_once_it_rejoins():
   beats = []
   method = wire.Method("Heartbeat", lambda header, body, peer: (
       beats.append(header["session"]) or {"stop": False, "rejoin": False}, None))
-  grpc_server, port = wire.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2)
+  grpc_server, port = endpoints.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2)
   config = helpers.mnist_smoke(None, **{"dist.heartbeat_timeout": 0.4, "dist.hang_timeout": 0.5})
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=5)
   heart = worker._Heartbeat(client, 0, "i", config)   # pylint: disable=protected-access
   try:
     deadline = time.monotonic() + 30
@@ -922,7 +924,7 @@ def test_a_token_of_another_run_with_the_same_secret_is_refused(flight):
   assert this.token != earlier.token
   assert not this.check_receipt(earlier.receipt(1, 0, 1, "s", 8), 1, 0, 1, "s", 8)
   grpc_server, port = _echo_server(flight)   # this run's (dist_replay.RUN_ID)
-  replay = wire.Client(f"127.0.0.1:{port}", earlier, retry_seconds=1)
+  replay = endpoints.Client(f"127.0.0.1:{port}", earlier, retry_seconds=1)
   body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8)   # large: Flight's path where offered
   try:
     with pytest.raises(wire.CallError) as raised:
@@ -930,7 +932,7 @@ def test_a_token_of_another_run_with_the_same_secret_is_refused(flight):
     assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
   finally:
     replay.close()
-  ours = wire.Client(f"127.0.0.1:{port}", this, retry_seconds=5)
+  ours = endpoints.Client(f"127.0.0.1:{port}", this, retry_seconds=5)
   try:
     assert ours.call("Echo", {}, body, reply_limit=16 << 20)[0]["n"] == body.size
   finally:
@@ -963,7 +965,7 @@ def test_callers_without_the_token_that_never_send_their_message_hold_no_thread(
     yield b""
   strangers = [channel.stream_unary(f"/{wire.SERVICE}/Echo").future(silent(), timeout=120)
                for _ in range(6)]
-  client = wire.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=1)
+  client = endpoints.Client(f"127.0.0.1:{port}", CREDENTIALS, retry_seconds=1)
   try:
     for stranger in strangers:   # each refused at once, without its message
       with pytest.raises(grpc.RpcError) as raised:

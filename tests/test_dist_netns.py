@@ -31,6 +31,7 @@ NOT_IN_THE_RUN = {auth.SECRET_ENV: "", auth.SECRET_FILE_ENV: ""}   # an outsider
 # no gssp-token metadata. Prints the status code's name.
 NO_TOKEN = """
 import sys, grpc
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import wire
 header = wire.encode_header({"mesh": 0, "instance": "outsider", "session": "outsider"})
 channel = grpc.insecure_channel(sys.argv[1])
@@ -45,9 +46,10 @@ except grpc.RpcError as e:
 # The run's own client, with the token of another random secret. Prints "METHOD CODE" lines.
 WRONG_SECRET = """
 import sys
-from gssp_jax.runtime import auth, wire
-client = wire.Client(sys.argv[1], auth.Credentials(bytes.fromhex(auth.new_secret()), "outsider"),
-                     retry_seconds=30)
+from gssp_jax.runtime import auth, endpoints, wire
+client = endpoints.Client(sys.argv[1],
+                          auth.Credentials(bytes.fromhex(auth.new_secret()), "outsider"),
+                          retry_seconds=30)
 for method in ("Heartbeat", "Join"):
   try:
     client.call(method, {"mesh": 0, "instance": "outsider", "session": "outsider",

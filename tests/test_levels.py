@@ -30,6 +30,7 @@ from gssp_jax.sim import levels
 from gssp_jax.sim import planner as planner_lib
 from gssp_jax.sim import watch
 from gssp_jax.sync import rounds as rounds_lib
+from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import optim
 
 W, B, N = 4, 4, 64
@@ -666,7 +667,7 @@ def test_level_keys_are_validated_and_never_ignored(key, value, executor, backen
                                {"sync.scheme": "ssp", "executor": executor})
   config[key] = value
   with pytest.raises(ValueError, match=f"config.{key}={value!r}.*" + error):
-    config_lib.validate_levels_per_call(config, backend=backend)
+    executors_lib.validate_levels_per_call(config, backend=backend)
   config[key] = 2
   config.executor = "auto"
-  config_lib.validate_levels_per_call(config, backend="gpu")   # auto -> levels on a GPU: fine
+  executors_lib.validate_levels_per_call(config, backend="gpu")   # auto -> levels on a GPU: fine

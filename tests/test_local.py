@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 from gssp_jax import config as config_lib
-from gssp_jax import runtime
+from gssp_jax.runtime import settings as runtime_settings
 from gssp_jax.sim import executor
 from gssp_jax.sync import local as local_lib
 from gssp_jax.train import loop
@@ -213,7 +213,7 @@ def test_bad_local_configs_are_rejected_before_any_compilation(scheme, changes, 
 
 def test_the_real_runtime_runs_every_local_update_scheme():
   for scheme in ("local_sgd", "diloco", "async_local_sgd", "halos"):
-    runtime.check_real_run(helpers.cluster_config(scheme))   # bit for bit: tests/test_shards.py
+    runtime_settings.check_real_run(helpers.cluster_config(scheme))   # bit for bit: tests/test_shards.py
 
 
 def test_halos_drops_and_takes_back_a_worker_without_holding_anyone():

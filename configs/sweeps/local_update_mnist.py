@@ -56,7 +56,7 @@ Cost, measured: see docs/REPRODUCTION.md (a trial is 1.5-3 min on this 2-core CP
 import statistics
 
 from configs import mnist_lenet5_hetero
-from gssp_jax.config import default_config, parse_arg
+from gssp_jax.defaults import default_config, parse_arg
 from gssp_jax.sweep import Grid, product, sweep, tune
 
 SEEDS = (0, 1, 2)

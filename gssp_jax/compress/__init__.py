@@ -7,6 +7,8 @@ with a leading worker axis and returns the dense *sent* gradients.
 
 from __future__ import annotations
 
+from gssp_jax import checks
+from gssp_jax import defaults
 from gssp_jax.compress.dgc import dgc
 from gssp_jax.compress.gdtopk import gdtopk
 from gssp_jax.compress.gdtopk import gdtopk_continuous_ratios
@@ -34,7 +36,27 @@ def make_compressor(name: str, num_workers: int, **kwargs):
   return COMPRESSORS[name](num_workers, **kwargs)
 
 
+
+def validate(config) -> None:
+  """``config.compress.*``: a known compressor and scope, ratios in (0, 1].
+
+  ``gdtopk`` only under GSSP (its ratios are per GSSP group).
+
+  Raises:
+    ValueError: one line naming the key, its value and what is allowed.
+  """
+  checks.choice(config, "compress.name", defaults.COMPRESSORS)
+  checks.choice(config, "compress.scope", defaults.COMPRESS_SCOPES)
+  for key in ("compress.ratio", "compress.sample_ratio"):
+    value = checks.get(config, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+      checks.fail(key, value, "a number in (0, 1]")
+  if config.compress.name == "gdtopk" and config.sync.scheme != "gssp":
+    checks.fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
+                "per GSSP group); use topk or dgc otherwise")
+
 __all__ = [
-    "COMPRESSORS", "TopKState", "dgc", "expected_push_bytes", "gdtopk", "gdtopk_continuous_ratios", "gdtopk_group_ratios",
-    "make_compressor", "push_bytes", "residual_norm", "topk", "worker_ratios",
+    "COMPRESSORS", "TopKState", "dgc", "expected_push_bytes", "gdtopk", "gdtopk_continuous_ratios",
+    "gdtopk_group_ratios", "make_compressor", "push_bytes", "residual_norm", "topk", "validate",
+    "worker_ratios",
 ]

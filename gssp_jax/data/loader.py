@@ -151,13 +151,18 @@ def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None 
       return dataset
 
   if allow_download:
-    try:
-      downloaded = download.download(name, cache, download_url)
-    except DataError as e:
-      raise _not_found(name, root, cache, download_error=e) from e
-    dataset = _load_from_dir(name, downloaded, cache, max_len, min_freq)
-    if dataset is None:  # download() fetched every file, so this means a bug in the plan
-      raise DataError(f"downloaded {name} into {downloaded} but found no files there")
-    return dataset
-
+    return _download_and_load(name, root, cache, download_url, max_len, min_freq)
   raise _not_found(name, root, cache)
+
+
+def _download_and_load(name: str, root: str | None, cache: str, download_url: str | None,
+                       max_len: int | None, min_freq: int) -> ImageDataset | TranslationDataset:
+  """The checksummed download into ``<cache>/downloads``, decoded as a data directory is."""
+  try:
+    downloaded = download.download(name, cache, download_url)
+  except DataError as e:
+    raise _not_found(name, root, cache, download_error=e) from e
+  dataset = _load_from_dir(name, downloaded, cache, max_len, min_freq)
+  if dataset is None:  # download() fetched every file, so this means a bug in the plan
+    raise DataError(f"downloaded {name} into {downloaded} but found no files there")
+  return dataset

@@ -7,7 +7,7 @@ Flight (``pyarrow.flight``, gRPC underneath) sends Arrow buffers that wrap
 NumPy memory and hands received ones over as buffers NumPy views without a
 copy (``benchmarks/flight_probe.py``: 0.84-0.92x the raw grpcio stream).
 
-A server made with ``wire.make_server(..., flight=True)`` serves every one of
+A server made with ``endpoints.make_server(..., flight=True)`` serves every one of
 its :class:`wire.Method` s a second time here, as one ``DoExchange`` each call:
 
 * the **command** (the descriptor) is ``{"m": method, "h": header}`` in
@@ -206,7 +206,7 @@ def stop_server(server) -> threading.Event:
 
 
 class Link:
-  """A client's Flight connection to one server: :meth:`call` as ``wire.Client`` calls it."""
+  """A client's Flight connection to one server: :meth:`call` as ``endpoints.Client`` calls it."""
 
   def __init__(self, host: str, port: int, token: str, tls: dict[str, Any] | None,
                server_name: str = ""):

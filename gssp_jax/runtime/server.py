@@ -82,9 +82,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from gssp_jax import config as config_lib
 from gssp_jax.runtime import auth
 from gssp_jax.runtime import core as core_lib
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import locks
 from gssp_jax.runtime import membership as membership_lib
@@ -164,7 +164,7 @@ class DistServer:
     """The scheme, the layout over the shards and shard 0 (its jitted functions compiled)."""
     config, task = self.config, self.task
     self.cluster = cluster_lib.cluster_from_config(config)
-    self.emulated = config_lib.cluster_is_set(config)
+    self.emulated = cluster_lib.cluster_is_set(config)
     self.scheme, _ = shard_lib.build_chain(config)
     # A local-update scheme's outer optimizer's learning rates (the simulator's table, computed
     # now, not under the lock while meshes wait), and each mesh's H_w (as the simulator).
@@ -461,9 +461,9 @@ class DistServer:
                            lambda header: push_checks.body_limit(header, self.layout),
                            parts=True),
                wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
-    self._grpc, port = wire.make_server(methods, address, self.credentials,
-                                        max_workers=2 * self.W + 2 * self.S + 8,
-                                        **wire.server_settings(self.config.dist))
+    self._grpc, port = endpoints.make_server(methods, address, self.credentials,
+                                             max_workers=2 * self.W + 2 * self.S + 8,
+                                             **endpoints.server_settings(self.config.dist))
     host, _ = wire.check_address("--server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),

@@ -29,6 +29,7 @@ import grpc
 import msgpack
 import numpy as np
 
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import shard as shard_lib
 from gssp_jax.runtime import wire
@@ -59,7 +60,7 @@ class LocalShard:
 class RemoteShard:
   """Shard s in another process: a sender thread streams its ops; calls fetch what it made."""
 
-  def __init__(self, index: int, address: str, client: wire.Client, session: str,
+  def __init__(self, index: int, address: str, client: endpoints.Client, session: str,
                layout: layout_lib.ShardLayout):
     self.index, self.address, self.client, self.session = index, address, client, session
     self.layout = layout
@@ -177,8 +178,9 @@ class ShardLinks:
                            f"shard {s} is already registered (at {old.address}); each --shard "
                            "runs once")
       dist = self.config.dist
-      client = wire.Client(address, self._credentials(),
-                           retry_seconds=float(dist.retry_seconds), **wire.client_settings(dist))
+      client = endpoints.Client(address, self._credentials(),
+                                retry_seconds=float(dist.retry_seconds),
+                                **endpoints.client_settings(dist))
       self.links[s] = RemoteShard(s, address, client, self.session, self.layout)
       logging.info("shard %d registered at %s", s, address)
     if old is not None:   # outside the lock: closing may call the old shard (Stop), up to 5 s

@@ -26,6 +26,7 @@ from absl import logging
 import numpy as np
 
 from gssp_jax.runtime import auth
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import shard as shard_lib
@@ -43,8 +44,8 @@ class ShardHandle(NamedTuple):
   """A started shard: its state, its service, its gRPC server and its link to the server."""
   core: shard_lib.ShardCore
   service: shard_lib.ShardService
-  grpc_server: wire.Server
-  client: wire.Client
+  grpc_server: endpoints.Server
+  client: endpoints.Client
   address: str
 
 
@@ -53,14 +54,15 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
   """Binds, registers, builds (or restores), compiles, then serves and announces shard ``index``.
 
   Its port is bound first and held, answering nothing, until the shard is
-  ready: a caller's call waits meanwhile (``wire.Server``).
+  ready: a caller's call waits meanwhile (``endpoints.Server``).
   """
-  grpc_server = wire.bind_server(bind_address, credentials,
-                                 max_workers=2 * config.num_workers + 8,
-                                 **wire.server_settings(config.dist))
+  grpc_server = endpoints.bind_server(bind_address, credentials,
+                                      max_workers=2 * config.num_workers + 8,
+                                      **endpoints.server_settings(config.dist))
   address = _advertised(bind_address, grpc_server.port)
-  client = wire.Client(server_address, credentials, retry_seconds=float(config.dist.join_timeout),
-                       **wire.client_settings(config.dist))
+  client = endpoints.Client(server_address, credentials,
+                            retry_seconds=float(config.dist.join_timeout),
+                            **endpoints.client_settings(config.dist))
   try:
     header, _ = client.call("Register", {"shard": index, "address": address,
                                          "num_servers": num_servers,

@@ -55,9 +55,9 @@ import msgpack
 import numpy as np
 from jax.sharding import Mesh
 
-from gssp_jax import config as config_lib
 from gssp_jax.data import sharding
 from gssp_jax.runtime import auth
+from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import mesh_compute
 from gssp_jax.runtime import server as server_lib
@@ -82,9 +82,9 @@ make_mesh_step = mesh_compute.make_mesh_step
 make_mesh_local_step = mesh_compute.make_mesh_local_step
 
 
-def _clients(addresses, credentials, config) -> list[wire.Client]:
-  return [wire.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
-                      **wire.client_settings(config.dist))
+def _clients(addresses, credentials, config) -> list[endpoints.Client]:
+  return [endpoints.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
+                           **endpoints.client_settings(config.dist))
           for a in addresses]
 
 
@@ -95,7 +95,7 @@ class _Heartbeat:
   server drops a hung mesh); :meth:`ensure_running` restarts it after a rejoin.
   """
 
-  def __init__(self, client: wire.Client, mesh: int, instance: str,
+  def __init__(self, client: endpoints.Client, mesh: int, instance: str,
                config: ml_collections.ConfigDict):
     self.client, self.mesh, self.instance = client, mesh, instance
     self.interval = max(0.05, config.dist.heartbeat_timeout / 4)
@@ -159,12 +159,12 @@ class MeshWorker:
     self.instance = uuid.uuid4().hex
     self._shard0 = None   # shard 0's weights from the last join or push reply (rank 0; _accept)
     self.task = tasks.make_task(config)
-    config_lib.validate_sizes(config, self.task.num_train)
+    tasks.validate_sizes(config, self.task.num_train)
     self.B = config.batch_size
     plan = simulate.plan_pushes(config, self.task.num_train)
     self.batches = sharding.WorkerBatches(plan.shards, config.seed, self.B)
     self.cluster = cluster_lib.cluster_from_config(config)
-    self.emulate = config.dist.emulate_cluster and config_lib.cluster_is_set(config)
+    self.emulate = config.dist.emulate_cluster and cluster_lib.cluster_is_set(config)
     init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # Shapes only: the weights come from the servers (the server initialises them once).
     shapes = jax.eval_shape(self.task.init, init_rng)
@@ -190,8 +190,8 @@ class MeshWorker:
                                       self.train_rng, self.local, clip, mesh=self.mesh,
                                       rank=self.rank, num_processes=self.P, batch_size=self.B)
     self.layout: layout_lib.ShardLayout | None = None
-    self.server: wire.Client | None = None
-    self.shards: list[wire.Client] = []
+    self.server: endpoints.Client | None = None
+    self.shards: list[endpoints.Client] = []
     self._calls: shard_links.CallPool | None = None   # the other shards' calls, at once
     self.iterations = 0
     self.seq = 0

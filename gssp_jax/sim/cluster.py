@@ -21,6 +21,8 @@ import os
 
 import numpy as np
 
+from gssp_jax import defaults
+
 PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
 # Keys of the compute-time model; a trace gives every iteration's time, so none applies to it.
 _MODEL_KEYS = ("speeds", "tiers", "sigma", "base_time", "calibrate", "jitter", "straggler_prob",
@@ -207,11 +209,10 @@ def cluster_speeds(cfg, num_workers: int, seed: int) -> np.ndarray:
 
 def check_trace_keys(cfg) -> None:
   """Rejects a compute-time model key set beside ``profile='trace'`` (the trace gives the times)."""
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (no cycle)
-  defaults = config_lib.default_config().cluster
+  cluster_defaults = defaults.default_config().cluster
   for key in _MODEL_KEYS:
-    value, default = cfg[key], defaults[key]
-    if (tuple(value) if isinstance(value, (tuple, list)) else value) != default:
+    value, default = cfg[key], cluster_defaults[key]
+    if defaults.comparable(value) != defaults.comparable(default):
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile='trace':"
                        f" the trace gives every iteration's time; leave it at {default!r}")
 
@@ -227,11 +228,10 @@ def check_profile_keys(cfg) -> None:
   ``'lognormal'``, ``trace_file`` only by ``'trace'``; non-empty ``speeds``
   replace the tiers' and log-normal factors, so those keys cannot apply beside them.
   """
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (no cycle)
-  defaults = config_lib.default_config().cluster
+  cluster_defaults = defaults.default_config().cluster
   for key, profile in PROFILE_KEYS.items():
-    value, default = cfg[key], defaults[key]
-    if config_lib.comparable(value) == config_lib.comparable(default):
+    value, default = cfg[key], cluster_defaults[key]
+    if defaults.comparable(value) == defaults.comparable(default):
       continue
     if cfg.profile != profile:
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile="
@@ -241,6 +241,25 @@ def check_profile_keys(cfg) -> None:
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply beside cluster.speeds="
                        f"{tuple(cfg.speeds)!r}, which replace the profile's factors; set one of"
                        " them")
+
+
+def validate(config) -> None:
+  """``config.cluster.*``: builds the cluster (calibrated runs with a stand-in base time).
+
+  Raises:
+    ValueError: one line naming the ``config.cluster`` key, its value and what is allowed.
+  """
+  cluster_from_config(config, base_time=1.0 if config.cluster.calibrate else None)
+
+
+def cluster_is_set(config) -> bool:
+  """True when ``config.cluster`` describes a cluster: a profile, or any key off its default."""
+  if config.cluster.profile != "none":
+    return True
+  cluster_defaults = defaults.default_config().cluster
+  return any(defaults.comparable(config.cluster[key])
+             != defaults.comparable(cluster_defaults[key])
+             for key in cluster_defaults if key in config.cluster)
 
 
 def cluster_from_config(config, base_time: float | None = None) -> Cluster:

@@ -76,12 +76,7 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
     global_momentum, global_period: the global server's (beta, N); a delivered
       progress ``d`` moves it by ``learning_rate * d / global_period``.
   """
-  W = transforms.check_int("halos", "num_workers", num_workers, 1)
-  G = transforms.check_int("halos", "num_groups", num_groups, 1)
-  if G > W:
-    raise ValueError(f"halos num_groups={G} is invalid; allowed: at most num_workers={W}")
-  static_route = (transforms.equal_groups("halos", W, G) if assignment is None
-                  else transforms.check_assignment("halos", "assignment", assignment, W, G))
+  W, G, static_route = _checked_groups(num_workers, num_groups, assignment)
   R = 2 * G + 1
   local_opt = transforms.replicated(
       local_lib.delayed_nesterov(local_momentum, local_period, num_workers=W), G)
@@ -99,9 +94,7 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
              forward=None, deliver=None, adopt=None, worker_ids=None, learning_rate=None,
              no_branches=False, **extra):
     del params, extra
-    arrived = transforms.mask(arrived, [W], bool, True)
-    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
-    pulls = arrived if pulls is None else transforms.mask(pulls, [W], bool, True)
+    arrived, route, pulls = transforms.worker_masks(W, static_route, arrived, groups, pulls)
     forward = transforms.mask(forward, [G], bool, False)
     deliver = transforms.mask(deliver, [G], bool, False)
     adopt = transforms.mask(adopt, [R], jnp.int32, -1)
@@ -114,23 +107,7 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
     outbox = jax.tree.map(lambda o, p: jnp.where(transforms.rows(forward, o), -p, o),
                           state.outbox, progress)
     any_deliver = jnp.any(deliver)
-
-    def global_step(opt_state):
-      """The global server's step on the delivered progress: only in rounds that deliver."""
-      sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
-                          state.outbox)
-      upd, new_state = global_opt.update(sent, opt_state)
-      upd = jax.tree.map(lambda u: jnp.where(any_deliver, u * lr, 0.0), upd)
-      return upd, jax.tree.map(lambda n, o: jnp.where(any_deliver, n, o), new_state, opt_state)
-
-    def no_step(opt_state):
-      return jax.tree.map(lambda o: jnp.zeros_like(o[0]), state.outbox), opt_state
-
-    if no_branches:   # masks (``transforms.gssp``): the step is kept only where a sum arrives
-      global_upd, global_state = global_step(state.global_opt)
-    else:
-      global_upd, global_state = jax.lax.cond(any_deliver, global_step, no_step,
-                                              state.global_opt)
+    global_upd, global_state = _global_step(global_opt, state, deliver, lr, no_branches)
     # The reply's merge happens after this update (apply_round): the progress restarts there.
     merged = adopt[:G] >= 0
     progress = jax.tree.map(lambda p: jnp.where(transforms.rows(merged, p), 0.0, p), progress)
@@ -144,3 +121,37 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
                            progress=progress, outbox=outbox)
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _checked_groups(num_workers, num_groups, assignment):
+  """:func:`halos`'s ``(W, G, [W] static groups)``, checked."""
+  W = transforms.check_int("halos", "num_workers", num_workers, 1)
+  G = transforms.check_int("halos", "num_groups", num_groups, 1)
+  if G > W:
+    raise ValueError(f"halos num_groups={G} is invalid; allowed: at most num_workers={W}")
+  static_route = (transforms.equal_groups("halos", W, G) if assignment is None
+                  else transforms.check_assignment("halos", "assignment", assignment, W, G))
+  return W, G, static_route
+
+
+def _global_step(global_opt, state: HALoSState, deliver, lr, no_branches: bool):
+  """The global server's step on the delivered progress, only in rounds that deliver.
+
+  ``no_branches``: masks (as ``transforms.gssp``), the step kept only where a
+  sum arrives; otherwise a ``cond`` skips it. Returns ``(update, its state)``.
+  """
+  any_deliver = jnp.any(deliver)
+
+  def step(opt_state):
+    sent = jax.tree.map(lambda o: jnp.where(transforms.rows(deliver, o), o, 0.0).sum(0),
+                        state.outbox)
+    upd, new_state = global_opt.update(sent, opt_state)
+    upd = jax.tree.map(lambda u: jnp.where(any_deliver, u * lr, 0.0), upd)
+    return upd, jax.tree.map(lambda n, o: jnp.where(any_deliver, n, o), new_state, opt_state)
+
+  def no_step(opt_state):
+    return jax.tree.map(lambda o: jnp.zeros_like(o[0]), state.outbox), opt_state
+
+  if no_branches:
+    return step(state.global_opt)
+  return jax.lax.cond(any_deliver, step, no_step, state.global_opt)

@@ -31,6 +31,9 @@ import ml_collections
 import numpy as np
 import optax
 
+from gssp_jax import checks
+from gssp_jax import defaults
+
 LOCAL_SCHEMES = ("local_sgd", "diloco", "async_local_sgd", "halos")
 
 
@@ -188,6 +191,31 @@ def _check_halos(h) -> None:
       raise ValueError(f"config.local.halos.{key}={value!r} is invalid; allowed: {allowed}")
 
 
+def validate(config: ml_collections.ConfigDict) -> None:
+  """``config.local.*`` but its optimizer (``train/optim.py`` checks that one).
+
+  In range under a local-update scheme; left at its defaults under any other.
+
+  Raises:
+    ValueError: naming the key, its value and what is allowed.
+  """
+  if "local" not in config:   # a config recorded before the local-update schemes
+    return
+  if is_local(config.sync.scheme):
+    check_local_config(config)
+    return
+  local_defaults = defaults.default_config().local
+  for key in ("steps", "dylu", "delayed_nesterov",
+              *(f"optimizer.{k}" for k in local_defaults.optimizer),
+              *(f"halos.{k}" for k in local_defaults.get("halos", {}))):
+    value, default = checks.get(config.local, key), checks.get(local_defaults, key)
+    if defaults.comparable(value) != defaults.comparable(default):
+      raise ValueError(
+          f"config.local.{key}={value!r} cannot apply: sync.scheme={config.sync.scheme!r} is not"
+          f" a local-update scheme ({', '.join(LOCAL_SCHEMES)}); leave it at its"
+          f" default {default!r}")
+
+
 def check_local_config(config: ml_collections.ConfigDict) -> None:
   """The ``local.*`` keys of a local-update scheme, and the outer optimizer ``local_sgd`` fixes.
 
@@ -204,10 +232,10 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
                      " (0 = off)")
   opt = config.optimizer
   if scheme == "local_sgd":
-    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    defaults = config_lib.default_config().local.optimizer
+    inner_defaults = defaults.default_config().local.optimizer
     for key in default_inner_keys():
-      if config_lib.comparable(local.optimizer[key]) != config_lib.comparable(defaults[key]):
+      if (defaults.comparable(local.optimizer[key])
+          != defaults.comparable(inner_defaults[key])):
         raise ValueError(
             f"config.local.optimizer.{key}={local.optimizer[key]!r} cannot apply to "
             "sync.scheme='local_sgd': its workers run optimizer.* and its server averages their"
@@ -235,10 +263,9 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.local.{key}={value!r} cannot apply: sync.scheme={scheme!r} "
                        f"does not read it (read only by {', '.join(readers[key])})")
   if scheme != "halos":
-    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-    defaults = config_lib.default_config().local.halos
-    for key in defaults:
-      if config_lib.comparable(local.halos[key]) != config_lib.comparable(defaults[key]):
+    halos_defaults = defaults.default_config().local.halos
+    for key in halos_defaults:
+      if defaults.comparable(local.halos[key]) != defaults.comparable(halos_defaults[key]):
         raise ValueError(f"config.local.halos.{key}={local.halos[key]!r} cannot apply: "
                          f"sync.scheme={scheme!r} does not read it (read only by halos)")
   if not math.isfinite(float(local.optimizer.learning_rate)) \

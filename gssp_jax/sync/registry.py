@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
 import optax
 
+from gssp_jax import checks
+from gssp_jax import defaults
 from gssp_jax.sync import grouping
 from gssp_jax.sync import halos as halos_lib
 from gssp_jax.sync import transforms
@@ -44,7 +46,7 @@ _BUILT_IN_KEYS = {
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
 # The ``config.sync.*`` keys each scheme reads, as it was registered (a scheme registered without
 # them may read any): a key changed from its default under a scheme that does not read it is
-# rejected by ``config.validate_config``; the keys it reads are its builder's to check.
+# rejected by :func:`validate`; the keys it reads are its builder's to check.
 SYNC_KEYS: dict[str, tuple[str, ...]] = {}
 
 
@@ -229,8 +231,7 @@ def register_scheme(name: str, builder: Callable[..., Scheme],
     raise ValueError(f"register_scheme({name!r}): builder={builder!r} is invalid; allowed: a "
                      "callable (config, worker_times) -> Scheme")
   if sync_keys is not None and name not in _BUILT_IN:   # a researcher's: each must exist
-    from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top (it imports this)
-    known = config_lib.default_config().sync
+    known = defaults.default_config().sync
     for key in sync_keys:
       node = known
       for part in str(key).split("."):
@@ -301,6 +302,105 @@ for _name in _BUILT_IN:
 SCHEMES = _FIXED = tuple(_BUILT_IN)
 del _name
 
+
+
+def check_name(config) -> None:
+  """``config.sync.scheme`` names a scheme: a built-in or a registered one."""
+  checks.choice(config, "sync.scheme", scheme_names())
+
+
+def validate(config, *, allow_unread: Collection[str] = ()) -> None:
+  """``config.sync.*``: builds the scheme (host-only, no compilation), checks the keys it does not read.
+
+  Args:
+    config: the run's config.
+    allow_unread: dotted ``sync.*`` keys that may differ from their default
+      although the scheme does not read them: what a sweep's base config sets
+      for its other trials (``sweep.expand``). Their range checks still run.
+
+  Raises:
+    ValueError: one line naming the ``config.sync`` key, its value and what is allowed.
+  """
+  check_name(config)
+  if config.sync.regroup_every_epoch and config.sync.scheme != "gssp":
+    checks.fail("sync.regroup_every_epoch", True,
+                "True only with sync.scheme='gssp' (False otherwise)")
+  check_unread_sync_keys(config, allow_unread)
+  try:
+    scheme_from_config(config)
+  except ValueError as e:
+    raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+
+
+def _check_staleness_range(key, value):
+  ok = (isinstance(value, (tuple, list)) and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        and value[0] <= value[1])
+  if not ok:
+    checks.fail(key, value, "a pair (s_L, s_U) of ints with 0 <= s_L <= s_U")
+
+
+# The range/type check of every sync key, run under every scheme: a scheme's builder checks
+# the keys it reads (with their relations, e.g. num_groups dividing num_workers); these check
+# the others, which must still hold a value that could apply.
+_SYNC_CHECKS = {
+    "staleness": checks.int_at_least(0),
+    "staleness_range": _check_staleness_range,
+    "num_groups": checks.int_at_least(1),
+    "grouping": checks.one_of("speed", "kmeans", "round_robin", "contiguous"),
+    "regroup_every_epoch": checks.check_bool,
+    "inter_group": checks.one_of("peer", "global"),
+    "forward_every": checks.int_at_least(0),
+    "num_nodes": checks.int_at_least(1),
+    "inhad_threshold": checks.int_at_least(0),
+    "group_size": checks.int_at_least(1),
+    "casp.max_communities": checks.int_at_least(1),
+    "casp.reconfigure_every": checks.int_at_least(1),
+    "casp.traffic_penalty": checks.check_non_negative,
+}
+
+
+def _sync_values(config):
+  """``(key, value, default)`` of every sync key in ``_SYNC_CHECKS`` that ``config`` has.
+
+  A config recorded before a key existed lacks it: its default applies, so it is skipped.
+  """
+  sync_defaults = defaults.default_config().sync
+  for key in _SYNC_CHECKS:
+    try:
+      value = checks.get(config.sync, key)
+    except (KeyError, AttributeError):
+      continue
+    yield key, value, checks.get(sync_defaults, key)
+
+
+def check_unread_sync_keys(config, allow_unread: Collection[str] = ()) -> None:
+  """Range-checks the sync keys the scheme does not read and rejects any changed from its default.
+
+  Schemes registered without ``sync_keys`` may read any key, so only the
+  range checks run for them; keys in ``allow_unread`` are only range-checked.
+
+  Raises:
+    ValueError: one line naming the key, its value, and why it cannot apply.
+  """
+  scheme = config.sync.scheme
+  reads = SYNC_KEYS.get(scheme)
+  for key, value, default in _sync_values(config):
+    if reads is not None and key in reads:
+      continue   # the scheme's builder checks it
+    _SYNC_CHECKS[key](f"sync.{key}", value)
+    if (reads is not None and f"sync.{key}" not in allow_unread
+        and defaults.comparable(value) != defaults.comparable(default)):
+      readers = [name for name, keys in SYNC_KEYS.items() if key in keys]
+      raise ValueError(
+          f"config.sync.{key}={value!r} cannot apply: sync.scheme={scheme!r} does not read it"
+          f" (read only by {', '.join(readers)}); leave it at its default {default!r}")
+
+
+def changed_sync_keys(config) -> tuple[str, ...]:
+  """The dotted ``sync.*`` keys (but ``scheme``) whose value differs from the default."""
+  return tuple(f"sync.{key}" for key, value, default in _sync_values(config)
+               if defaults.comparable(value) != defaults.comparable(default))
 
 def describe(scheme: Scheme) -> dict[str, Any]:
   return dict(name=scheme.name, num_workers=scheme.num_workers, num_replicas=scheme.num_replicas,

@@ -332,6 +332,30 @@ def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids
   return jax.tree.map(one, workers, replicas)
 
 
+def arrived_mean(replica_model_state, worker_model_state, groups, arrived, num_replicas: int,
+                 worker_ids=None):
+  """Each replica's model state as the mean of its arrived workers' (unchanged where none arrived).
+
+  Args:
+    replica_model_state: ``[R, ...]`` the replicas' non-trainable state.
+    worker_model_state: ``[W, ...]`` the workers' state from this round's forward passes.
+    groups: ``[W]`` each worker's replica (``replica_route``).
+    arrived: ``[W]`` the workers whose push this round holds.
+    num_replicas: R.
+    worker_ids: the listed workers (``round_indices``), or None for every row.
+  """
+  ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
+  onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
+            & (arrived[safe] & valid)[:, None]).astype(jnp.float32)          # [K, R]
+  got = onehot.sum(0) > 0
+
+  def take_mean(rep, wk):
+    flat = wk[safe].reshape(ids.shape[0], -1).astype(jnp.float32)
+    mean = transforms.exact_matmul(onehot.T, flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
+    return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
+  return jax.tree.map(take_mean, replica_model_state, worker_model_state)
+
+
 def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_state,
                 worker_params, worker_grads, args: dict, replica_model_state=None,
                 worker_model_state=None):
@@ -382,16 +406,8 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   pulls = jnp.asarray(args["pulls"], bool)
   worker_params = pull_rows(worker_params, replica_params, groups, pulls, pull_ids)
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
-    ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
-    onehot = ((groups[safe][:, None] == jnp.arange(num_replicas)[None, :])
-              & (arrived[safe] & valid)[:, None]).astype(jnp.float32)          # [K, R]
-    got = onehot.sum(0) > 0
-
-    def take_mean(rep, wk):
-      flat = wk[safe].reshape(ids.shape[0], -1).astype(jnp.float32)
-      mean = transforms.exact_matmul(onehot.T, flat) / jnp.maximum(onehot.sum(0), 1.0)[:, None]
-      return jnp.where(transforms.rows(got, rep), mean.reshape(rep.shape).astype(rep.dtype), rep)
-    replica_model_state = jax.tree.map(take_mean, replica_model_state, worker_model_state)
+    replica_model_state = arrived_mean(replica_model_state, worker_model_state, groups, arrived,
+                                       num_replicas, worker_ids)
     if "stats_mean" in args:   # absent from args built before the field existed
       replica_model_state = mean_of_first(replica_model_state,
                                           jnp.asarray(args["stats_mean"], jnp.int32))

@@ -171,6 +171,15 @@ def _mask(value, shape, dtype, default):
   return jnp.broadcast_to(jnp.asarray(value, dtype), shape)
 
 
+def worker_masks(num_workers: int, static_route, arrived, groups, pulls):
+  """A round's ``[W]`` ``(arrived, route, pulls)``; by default every worker arrives, on its
+  static group (``static_route``), and the arrived ones pull."""
+  arrived = _mask(arrived, [num_workers], bool, True)
+  route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
+  pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+  return arrived, route, pulls
+
+
 def route_sum(grads, arrived: jax.Array, route: jax.Array, num_out: int, scale: float,
               worker_ids=None):
   """``out[r] = scale * sum of grads[w] with arrived[w] and route[w] == r``; leaves ``[num_out, ...]``.
@@ -252,9 +261,7 @@ def server_sync(num_workers: int, *, num_replicas: int = 1, assignment=None, sca
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
              worker_ids=None, **extra):
     del params, extra
-    arrived = _mask(arrived, [num_workers], bool, True)
-    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
-    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    arrived, route, pulls = worker_masks(num_workers, static_route, arrived, groups, pulls)
     if applies is None:
       applies = jnp.zeros([num_replicas], bool).at[route].max(arrived)
     applies = _mask(applies, [num_replicas], bool, True)
@@ -347,17 +354,8 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
       (the protocol groups workers by speed and passes ``groups``).
     scale: factor on every worker gradient, default ``1 / W``.
   """
-  num_workers = check_int("gssp", "num_workers", num_workers, 1)
-  num_groups = check_int("gssp", "num_groups", num_groups, 1)
-  if inter_group not in INTER_GROUP:
-    raise ValueError(f"gssp inter_group={inter_group!r} is invalid; allowed: "
-                     f"{', '.join(INTER_GROUP)}")
-  if num_groups > num_workers:
-    raise ValueError(f"gssp num_groups={num_groups} is invalid; allowed: at most num_workers="
-                     f"{num_workers}")
-  static_route = (equal_groups("gssp", num_workers, num_groups) if assignment is None
-                  else check_assignment("gssp", "assignment", assignment, num_workers, num_groups))
-  scale = check_scale("gssp", 1.0 / num_workers if scale is None else scale)
+  num_workers, num_groups, static_route, scale = _gssp_settings(num_workers, num_groups,
+                                                               inter_group, assignment, scale)
   is_global = inter_group == "global"
   num_replicas = num_groups + int(is_global) * (num_groups + 1)
 
@@ -371,59 +369,42 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
              forward=None, deliver=None, adopt=None, worker_ids=None, no_branches=False,
              **extra):
     del params, extra
-    arrived = _mask(arrived, [num_workers], bool, True)
-    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
-    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    arrived, route, pulls = worker_masks(num_workers, static_route, arrived, groups, pulls)
     forward = _mask(forward, [num_groups], bool, False)
     deliver = _mask(deliver, [num_groups], bool, False)
     adopt = _mask(adopt, [num_replicas], jnp.int32, -1)
-    if no_branches and worker_ids is not None and jnp.shape(worker_ids)[0] == 1:
-      # The level executor's rounds (one arrival slot, GSSP's bound): rows, not [G, ...].
-      applies = _gssp_applies(arrived, route, deliver, applies, num_groups, num_replicas,
-                              is_global)
-      out, pending, outbox = _gssp_listed_exchange(
-          updates, state, arrived=arrived, route=route, forward=forward, deliver=deliver,
-          applies=applies, worker_ids=worker_ids, num_groups=num_groups,
-          num_replicas=num_replicas, scale=scale, is_global=is_global)
-      return out, _gssp_state(state, arrived, route, pulls, forward, applies, adopt, pending,
-                              outbox, num_groups)
-    contrib = route_sum(updates, arrived, route, num_groups, scale, worker_ids)   # [G, ...]
-    pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
-
-    def exchange(operand):
-      """Deliveries and forwards, as masks: a round with neither gives ``no_exchange``'s result."""
-      contrib, pending, outbox = operand
-      sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
-      if is_global:   # groups, the global server, the (never applied) reply slots
-        incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
-                                                              jnp.zeros_like(c)]), contrib, sent)
-      else:  # Every group server applies the other groups' delivered sums.
-        incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
-      outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
-      outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
-      pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
-      return incoming, pending, outbox
-
-    def no_exchange(operand):
-      contrib, pending, outbox = operand
-      incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1]),
-                                                          jnp.zeros_like(c)]), contrib)
-                  if is_global else contrib)
-      return incoming, pending, outbox
-
-    operand = (contrib, pending, state.outbox)
-    if no_branches:   # a device program of many rounds: no round trip to the host (a GPU's cond)
-      incoming, pending, outbox = exchange(operand)
-    else:             # one round per call: skip the exchange's passes where it has none
-      incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
-                                               no_exchange, operand)
     applies = _gssp_applies(arrived, route, deliver, applies, num_groups, num_replicas,
                             is_global)
-    out = jax.tree.map(lambda u: jnp.where(rows(applies, u), u, 0.0), incoming)
+    round_ = dict(arrived=arrived, route=route, forward=forward, deliver=deliver,
+                  applies=applies, worker_ids=worker_ids, num_groups=num_groups, scale=scale,
+                  is_global=is_global)
+    if no_branches and worker_ids is not None and jnp.shape(worker_ids)[0] == 1:
+      # The level executor's rounds (one arrival slot, GSSP's bound): rows, not [G, ...].
+      out, pending, outbox = _gssp_listed_exchange(updates, state, num_replicas=num_replicas,
+                                                   **round_)
+    else:
+      out, pending, outbox = _gssp_masked_exchange(updates, state, no_branches=no_branches,
+                                                   **round_)
     return out, _gssp_state(state, arrived, route, pulls, forward, applies, adopt, pending,
                             outbox, num_groups)
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _gssp_settings(num_workers, num_groups, inter_group, assignment, scale):
+  """:func:`gssp`'s arguments, checked: ``(W, G, [W] static groups, scale)``."""
+  num_workers = check_int("gssp", "num_workers", num_workers, 1)
+  num_groups = check_int("gssp", "num_groups", num_groups, 1)
+  if inter_group not in INTER_GROUP:
+    raise ValueError(f"gssp inter_group={inter_group!r} is invalid; allowed: "
+                     f"{', '.join(INTER_GROUP)}")
+  if num_groups > num_workers:
+    raise ValueError(f"gssp num_groups={num_groups} is invalid; allowed: at most num_workers="
+                     f"{num_workers}")
+  static_route = (equal_groups("gssp", num_workers, num_groups) if assignment is None
+                  else check_assignment("gssp", "assignment", assignment, num_workers, num_groups))
+  scale = check_scale("gssp", 1.0 / num_workers if scale is None else scale)
+  return num_workers, num_groups, static_route, scale
 
 
 def _gssp_applies(arrived, route, deliver, applies, num_groups: int, num_replicas: int,
@@ -446,6 +427,52 @@ def _gssp_state(state, arrived, route, pulls, forward, applies, adopt, pending, 
   clocks = _account(state, arrived=arrived, route=route, pulls=pulls, applies=applies,
                     bumps=adopt >= 0)
   return GSSPState(**clocks, pending=pending, outbox=outbox, since_forward=since)
+
+
+def _gssp_masked_exchange(updates, state, *, arrived, route, forward, deliver, applies,
+                          worker_ids, num_groups: int, scale: float, is_global: bool,
+                          no_branches: bool):
+  """GSSP's round on whole ``[G, ...]`` buffers, as masks: ``(out, pending, outbox)``.
+
+  Every arrival's scaled gradient joins its group's ``pending`` sum; delivered
+  outboxes are applied (peer: at every other group server; global: at the
+  global server) and emptied; forwarding groups move ``pending`` to their
+  outbox. ``no_branches``: a device program of many rounds (no ``cond``, no
+  round trip to the host on a GPU); otherwise a round without an exchange
+  skips its passes.
+  """
+  contrib = route_sum(updates, arrived, route, num_groups, scale, worker_ids)   # [G, ...]
+  pending = jax.tree.map(lambda p, c: p + c, state.pending, contrib)
+
+  def exchange(operand):
+    """Deliveries and forwards, as masks: a round with neither gives ``no_exchange``'s result."""
+    contrib, pending, outbox = operand
+    sent = jax.tree.map(lambda o: jnp.where(rows(deliver, o), o, 0.0), outbox)
+    if is_global:   # groups, the global server, the (never applied) reply slots
+      incoming = jax.tree.map(lambda c, s: jnp.concatenate([c, s.sum(0, keepdims=True),
+                                                            jnp.zeros_like(c)]), contrib, sent)
+    else:  # Every group server applies the other groups' delivered sums.
+      incoming = jax.tree.map(lambda c, s: c + (s.sum(0, keepdims=True) - s), contrib, sent)
+    outbox = jax.tree.map(lambda o: jnp.where(rows(deliver, o), 0.0, o), outbox)
+    outbox = jax.tree.map(lambda o, p: jnp.where(rows(forward, o), o + p, o), outbox, pending)
+    pending = jax.tree.map(lambda p: jnp.where(rows(forward, p), 0.0, p), pending)
+    return incoming, pending, outbox
+
+  def no_exchange(operand):
+    contrib, pending, outbox = operand
+    incoming = (jax.tree.map(lambda c: jnp.concatenate([c, jnp.zeros_like(c[:1]),
+                                                        jnp.zeros_like(c)]), contrib)
+                if is_global else contrib)
+    return incoming, pending, outbox
+
+  operand = (contrib, pending, state.outbox)
+  if no_branches:
+    incoming, pending, outbox = exchange(operand)
+  else:
+    incoming, pending, outbox = jax.lax.cond(jnp.any(deliver) | jnp.any(forward), exchange,
+                                             no_exchange, operand)
+  out = jax.tree.map(lambda u: jnp.where(rows(applies, u), u, 0.0), incoming)
+  return out, pending, outbox
 
 
 def _gssp_listed_exchange(updates, state, *, arrived, route, forward, deliver, applies,
@@ -586,9 +613,7 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
              aggregate=None, worker_ids=None, **extra):
     del params, extra
-    arrived = _mask(arrived, [num_workers], bool, True)
-    route = jnp.asarray(static_route) if groups is None else jnp.asarray(groups, jnp.int32)
-    pulls = arrived if pulls is None else _mask(pulls, [num_workers], bool, True)
+    arrived, route, pulls = worker_masks(num_workers, static_route, arrived, groups, pulls)
     aggregate = jnp.asarray(True if aggregate is None else aggregate, bool)
     applies = aggregate[None] if applies is None else _mask(applies, [1], bool, True)
     apply = applies[0]

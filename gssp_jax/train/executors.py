@@ -23,8 +23,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from gssp_jax import config as config_lib
+from gssp_jax import checks
+from gssp_jax import defaults
 from gssp_jax.data import sharding
+from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import optim
@@ -89,6 +91,57 @@ class Executor(Protocol):
     """The summary's executor-specific keys: time to target, totals, scheme, cluster."""
 
 
+def uses_simulator(config: ml_collections.ConfigDict) -> bool:
+  """BSP without a cluster description trains in the fused loop; everything else is simulated."""
+  return config.sync.scheme != "bsp" or cluster_lib.cluster_is_set(config)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """``config.executor`` is known and can run this config (fused: BSP without a cluster).
+
+  Raises:
+    ValueError: one line naming the key, its value and what is allowed.
+  """
+  name = config.get("executor", "auto")
+  if name not in defaults.EXECUTORS:
+    checks.fail("executor", name, ", ".join(defaults.EXECUTORS))
+  if name == "fused" and uses_simulator(config):
+    why = (f"sync.scheme={config.sync.scheme!r}" if config.sync.scheme != "bsp"
+           else "config.cluster describes a cluster")
+    raise ValueError(f"config.executor='fused' cannot apply: {why}, and the fused executor"
+                     " trains only BSP without a cluster (no virtual time); use 'rounds' or"
+                     " 'auto'")
+  validate_levels_per_call(config)
+
+
+def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
+  """``levels_per_call`` (0 or a power of two up to 64) and ``level_job_slots`` (0..W).
+
+  Either set (not 0) is an error unless the run uses the ``levels`` executor.
+
+  Args:
+    config: the run's config.
+    backend: the JAX backend ``executor='auto'`` resolves against (``jax.default_backend()``
+      if None; only read when a key is set under ``auto``).
+  """
+  value = config.get("levels_per_call", 0)
+  if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64
+      or value & (value - 1)):
+    checks.fail("levels_per_call", value, "0 (chosen by the run) or a power of two from 1 to 64")
+  slots = config.get("level_job_slots", 0)
+  if (isinstance(slots, bool) or not isinstance(slots, int)
+      or not 0 <= slots <= config.num_workers):
+    checks.fail("level_job_slots", slots, f"0 (min(num_workers, 64)) or 1..num_workers "
+                f"({config.num_workers})")
+  for key, set_value in (("levels_per_call", value), ("level_job_slots", slots)):
+    name = executor_name(config, backend) if set_value else "levels"
+    if name != "levels":
+      raise ValueError(f"config.{key}={set_value} cannot apply: it sets the levels executor, and"
+                       f" this run uses {name!r} (config.executor="
+                       f"{config.get('executor', 'auto')!r}); set config.executor='levels' or "
+                       f"leave {key}=0")
+
+
 def executor_name(config: ml_collections.ConfigDict, backend: str | None = None) -> str:
   """The executor ``config.executor`` names.
 
@@ -105,14 +158,14 @@ def executor_name(config: ml_collections.ConfigDict, backend: str | None = None)
   name = config.get("executor", "auto")
   if name != "auto":
     return name
-  if not config_lib.uses_simulator(config):
+  if not uses_simulator(config):
     return "fused"
   backend = jax.default_backend() if backend is None else backend
   return "rounds" if backend == "cpu" else "levels"
 
 
 def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
-  """Builds the executor the config picks (``config.EXECUTORS``, checked by ``validate_config``).
+  """Builds the executor the config picks (``defaults.EXECUTORS``, checked by :func:`validate`).
 
   The one place an executor name becomes an executor; the simulator's two
   variants differ only in the device runner they name.

@@ -14,14 +14,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from gssp_jax import config as config_lib
+from gssp_jax import checks
+from gssp_jax import defaults
 from gssp_jax.sync import decay as decay_lib
 from gssp_jax.sync import transforms
 
 # How weight decay is counted where a server applies many small steps (see gssp_jax.sync.decay):
 # "progress": by the gradient mass each application carries, so every scheme decays per epoch as
 # BSP does; "per_step": once per server optimizer step (the GSSP authors' code).
-WEIGHT_DECAY_MODES = ("progress", "per_step")
+WEIGHT_DECAY_MODES = defaults.WEIGHT_DECAY_MODES
 
 
 def learning_rate_schedule(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
@@ -95,7 +96,7 @@ def clip_gradient(grads, max_norm: float):
   return clipped
 
 
-BUILTIN = config_lib.OPTIMIZERS   # sgd, adam, adamw: built in below
+BUILTIN = defaults.OPTIMIZERS   # sgd, adam, adamw: built in below
 # Arguments a constructor may not take from ``optimizer.args``: the run sets them (the learning
 # rate follows the schedule, weight decay follows progress through ``optimizer.weight_decay``).
 RESERVED_ARGS = ("learning_rate", "weight_decay")
@@ -173,6 +174,31 @@ def optimizer_constructor(name: str, args: str = "", where: str = "optimizer"
       raise ValueError(f"{where}.args sets {key!r}, which {name} does not take; allowed: "
                        f"{', '.join(allowed) or 'none'}")
   return fn, kwargs
+
+
+def validate(config: ml_collections.ConfigDict, where: str = "optimizer") -> None:
+  """The optimizer at ``config.{where}`` (``optimizer`` or ``local.optimizer``): every key it has.
+
+  ``name`` built in (no ``args``), or an optax/user optimizer whose ``args`` it
+  takes; the schedule; a positive rate; momentum in [0, 1); weight decay,
+  warm-up and gradient clip >= 0; ``nesterov`` a bool.
+
+  Raises:
+    ValueError: one line naming the key, its value and what is allowed.
+  """
+  cfg = checks.get(config, where)
+  if not (cfg.name in BUILTIN and cfg.get("args", "") == ""):
+    optimizer_constructor(cfg.name, cfg.get("args", ""), f"config.{where}")
+  checks.choice(config, f"{where}.schedule", defaults.SCHEDULES)
+  if "weight_decay_mode" in cfg:
+    checks.choice(config, f"{where}.weight_decay_mode", WEIGHT_DECAY_MODES)
+  checks.positive(config, f"{where}.learning_rate")
+  for key in ("momentum", "weight_decay", "warmup_epochs", "grad_clip"):
+    if key in cfg:
+      checks.non_negative(config, f"{where}.{key}")
+  checks.below_one(config, f"{where}.momentum")
+  if "nesterov" in cfg:
+    checks.check_bool(f"{where}.nesterov", cfg.nesterov)
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict, steps_per_epoch: int,

@@ -13,7 +13,6 @@ import jax
 import ml_collections
 
 from gssp_jax import compress
-from gssp_jax import config as config_lib
 from gssp_jax.train import tasks
 from gssp_jax.train import workdir as workdir_lib
 
@@ -37,7 +36,7 @@ def prepare_run(config: ml_collections.ConfigDict, workdir: str):
   if os.path.exists(config_path):
     workdir_lib.check_resumable(config, config_path)
   task = tasks.make_task(config)
-  config_lib.validate_sizes(config, task.num_train)
+  tasks.validate_sizes(config, task.num_train)
   workdir_lib.write_json(config_path, json.loads(config.to_json()))
   return task
 

@@ -18,8 +18,11 @@ import numpy as np
 import optax
 import sacrebleu
 
+from gssp_jax import checks
 from gssp_jax import data as data_lib
+from gssp_jax import defaults
 from gssp_jax import models as models_lib
+from gssp_jax.data import user as user_data_lib
 
 Batch = dict[str, jax.Array]
 
@@ -175,6 +178,69 @@ class TranslationTask:
     bleu = sacrebleu.corpus_bleu(hyps, [self.references]).score
     loss = total / max(count, 1)
     return {"bleu": bleu, "test_loss": loss, "test_perplexity": float(np.exp(min(loss, 50.0)))}
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """The task's keys: ``model``, ``dataset`` (a pair that fits), ``model_args.width``, ``data.*``.
+
+  A user model or dataset is resolved (imported) now, so a typo fails here.
+
+  Raises:
+    ValueError: one line naming the key, its value and what is allowed.
+  """
+  _check_model_and_dataset(config)
+  width = config.model_args.get("width", 1.0)
+  if config.model in ("resnet18", "vgg19") and (
+      isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0):
+    checks.fail("model_args.width", width, "a number > 0 (1.0 = the paper's channel counts)")
+  checks.positive(config, "data.eval_batch_size", int)
+  for key in ("data.train_size", "data.test_size", "data.max_len"):
+    checks.non_negative(config, key)
+    if not isinstance(checks.get(config, key), int):
+      checks.fail(key, checks.get(config, key), "an integer >= 0")
+
+
+def _check_model_and_dataset(config) -> None:
+  """Built-in model and dataset (a pair that fits), or user ones (resolved, i.e. imported, now)."""
+  model, dataset = config.model, config.dataset
+  user_model = models_lib.is_user_model(model)
+  user_data = user_data_lib.is_user_dataset(dataset)
+  try:
+    if user_model:
+      models_lib.check_user_model_args(model, dict(config.model_args))
+    if user_data:
+      user_data_lib.check_name(dataset)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+  if not user_model:
+    checks.choice(config, "model", tuple(defaults.MODEL_DATASETS) + (
+        "a name given to gssp_jax.models.register_model",
+        "'package.module:Name' or 'path/file.py:Name' (a Flax module)"))
+  if not user_data:
+    checks.choice(config, "dataset", defaults.DATASETS + (
+        "'tfds:<builder>'", "a name given to gssp_jax.data.register_dataset",
+        "'package.module:load' or 'path/file.py:load'"))
+  if user_model and dataset == "multi30k":
+    checks.fail("dataset", dataset, f"an image-classification dataset for the user model "
+                f"{model!r} (mnist, cifar10 or a user dataset); multi30k trains model='seq2seq'")
+  if not user_model and user_data and model == "seq2seq":
+    checks.fail("dataset", dataset,
+                "multi30k for model 'seq2seq' (user datasets are classification)")
+  if not user_model and not user_data and dataset not in defaults.MODEL_DATASETS[model]:
+    checks.fail("dataset", dataset,
+                f"{', '.join(defaults.MODEL_DATASETS[model])} for model {model!r}")
+
+
+def validate_sizes(config: ml_collections.ConfigDict, num_train: int) -> None:
+  """The checks that need the dataset's size (still before any compilation)."""
+  shard = num_train // config.num_workers
+  if shard < 1:
+    checks.fail("num_workers", config.num_workers,
+                f"at most the number of training examples ({num_train})")
+  if config.batch_size > shard:
+    checks.fail("batch_size", config.batch_size,
+                f"at most the per-worker shard size {shard} (= {num_train} training examples //"
+                f" num_workers={config.num_workers})")
 
 
 def make_task(config: ml_collections.ConfigDict):

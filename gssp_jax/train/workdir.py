@@ -12,6 +12,8 @@ from typing import Any
 
 import ml_collections
 
+from gssp_jax import defaults
+
 # Keys that may change between a run and its resumption.
 _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
                    "train.checkpoint_every", "train.max_checkpoints", "train.log_every",
@@ -32,8 +34,7 @@ def _recorded(old: dict) -> dict:
 
   ``local.*`` (the local-update schemes, 2026-11-26) at its defaults is every earlier run.
   """
-  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  local = flatten(json.loads(config_lib.default_config().local.to_json()), "local.")
+  local = flatten(json.loads(defaults.default_config().local.to_json()), "local.")
   return {**_ADDED_KEYS, **local, **flatten(old)}
 
 

@@ -1,0 +1,209 @@
+"""The defaults every config starts from: the constants of the contract and ``default_config``.
+
+A leaf: it imports nothing of gssp_jax, so everything that needs a default (the
+builders that validate their own keys, the config files under ``configs/``)
+imports it without pulling in the rest. :mod:`gssp_jax.config` validates.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+# Model -> datasets it can train on.
+MODEL_DATASETS = {
+    "lenet5": ("mnist", "cifar10"),
+    "resnet18": ("cifar10", "mnist"),
+    "vgg19": ("cifar10", "mnist"),
+    "seq2seq": ("multi30k",),
+}
+DATASETS = ("mnist", "cifar10", "multi30k")
+COMPRESSORS = ("none", "topk", "dgc", "gdtopk")
+COMPRESS_SCOPES = ("tensor", "global")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine")
+WEIGHT_DECAY_MODES = ("progress", "per_step")
+# auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
+# CPU and the dependency-level batched runner on an accelerator (train/executors.py).
+# dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/runtime).
+EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
+DATA_PLANES = ("flight", "grpc")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key the framework reads, with its default."""
+  c = ml_collections.ConfigDict()
+  c.model = "lenet5"
+  # Extra constructor arguments of the model (e.g. emb_dim, hidden_dim, dropout for seq2seq).
+  c.model_args = ml_collections.ConfigDict()
+  c.dataset = "mnist"
+  c.data_dir = ""        # '' -> $GSSP_DATA_DIR -> prepared TFDS -> download (if data_download)
+  # Download the canonical files (checksummed, into $GSSP_CACHE_DIR) when no local source has
+  # them; offline this fails within seconds with a message saying how to provide the files.
+  c.data_download = True
+  c.data_url = ""        # base URL for data_download; '' -> $GSSP_DATA_URL -> canonical mirrors
+  c.data = ml_collections.ConfigDict()
+  c.data.train_size = 0  # use only the first N training examples (0 = all)
+  c.data.test_size = 0   # evaluate on the first N test examples (0 = all)
+  c.data.augment = False  # random crop (4-pixel padding) + horizontal flip, in JAX
+  c.data.max_len = 0     # translation: truncate sentences to this many tokens (0 = no limit)
+  c.data.eval_batch_size = 500
+  c.seed = 0
+  # What advances the run: auto | fused (BSP, no cluster: one jitted chunk of updates, no
+  # virtual time) | rounds (the simulated cluster, one device call per round; any scheme) |
+  # levels (the simulated cluster, the schedule planned ahead and run in compiled chunks of many
+  # dependency levels; for accelerators, also runs on a CPU).
+  c.executor = "auto"
+  # levels executor: pieces (dependency levels) per device call, a power of two up to 64, or 0 =
+  # chosen by the run (16, fewer when an evaluation interval holds fewer). It sets only how
+  # often the host dispatches: a resumed run may change it.
+  c.levels_per_call = 0
+  # levels executor: job slots per piece (the gradients of one vmap), 1..num_workers, or 0 =
+  # min(num_workers, 64). Bounds the activations in memory (ResNet-18 at 256 workers).
+  c.level_job_slots = 0
+  c.num_workers = 4
+  c.batch_size = 32      # per worker
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "sgd"   # sgd | adam | adamw | any optax optimizer's name | "module:function"
+  c.optimizer.args = ""      # other optimizers' keyword arguments: "b1=0.95,b2=0.98"
+  c.optimizer.learning_rate = 0.05
+  c.optimizer.momentum = 0.9
+  c.optimizer.nesterov = False
+  c.optimizer.weight_decay = 5e-4
+  # progress: decay per unit of applied gradient mass (every scheme decays per epoch as BSP);
+  # per_step: at every server optimizer step (the GSSP authors' code). Same in the BSP loop.
+  c.optimizer.weight_decay_mode = "progress"
+  c.optimizer.schedule = "constant"
+  c.optimizer.warmup_epochs = 0.0
+  # Global-norm clip of each worker's gradient (0 = off), in every executor: before its
+  # compressor and before any server scales it (1/W per push, K/W per GSSP delivery), so it
+  # bounds the same quantity for every scheme. BSP's step is the mean of the clipped worker
+  # gradients, not the clip of their mean. The server optimizers do not clip.
+  c.optimizer.grad_clip = 0.0
+
+  c.sync = ml_collections.ConfigDict()
+  c.sync.scheme = "bsp"
+  c.sync.staleness = 3                # ssp, gssp (inside a group): clocks ahead of the slowest
+  c.sync.staleness_range = (3, 15)    # dssp: (s_L, s_U)
+  c.sync.num_groups = 4               # gssp groups
+  c.sync.grouping = "speed"           # speed | kmeans | round_robin | contiguous
+  c.sync.regroup_every_epoch = False  # gssp: regroup by the speeds measured over each epoch
+  c.sync.inter_group = "peer"         # gssp exchange: peer | global
+  c.sync.forward_every = 0            # gssp: pushes per forward (0 = the group's size)
+  c.sync.num_nodes = 4                # inhad: machines workers aggregate on
+  c.sync.inhad_threshold = 0          # inhad: iteration numbers per server update (0 = W)
+  c.sync.group_size = 2               # dssync: workers per averaging group
+  c.sync.casp = ml_collections.ConfigDict()
+  c.sync.casp.max_communities = 4     # the agent picks k in 1..max_communities
+  c.sync.casp.reconfigure_every = 64  # community pushes between the agent's decisions
+  c.sync.casp.traffic_penalty = 0.01  # reward = progress/time - penalty * pushes/time
+  # The local-update schemes (local_sgd, diloco, async_local_sgd; gssp_jax/sync/local.py): a
+  # worker's job is local.steps inner optimizer steps (local.optimizer.*, its state kept per
+  # worker) from the weights it pulled; it pushes the pseudo-gradient pulled - local, which the
+  # server applies with the outer optimizer, config.optimizer.* (local_sgd: SGD at rate 1, no
+  # momentum: model averaging). Every other scheme leaves local.* at its defaults.
+  c.local = ml_collections.ConfigDict()
+  c.local.steps = 1                   # H: inner steps per job (one push = H data iterations)
+  c.local.dylu = False                # async_local_sgd: H_w = floor(H * fastest time / w's time)
+  c.local.delayed_nesterov = 0        # async_local_sgd: N > 0 = Delayed Nesterov, the momentum
+  #                                     stepped every N pushes (optimizer.momentum is its beta)
+  c.local.optimizer = ml_collections.ConfigDict()
+  c.local.optimizer.name = "sgd"      # as optimizer.name (any optax optimizer too)
+  c.local.optimizer.args = ""
+  c.local.optimizer.learning_rate = 0.05
+  c.local.optimizer.momentum = 0.0
+  c.local.optimizer.nesterov = False
+  c.local.optimizer.weight_decay = 0.0
+  c.local.optimizer.schedule = "constant"   # over each worker's own inner steps
+  c.local.optimizer.warmup_epochs = 0.0
+  # halos: local servers per group (sync.num_groups, sync.grouping) with Delayed Nesterov, a
+  # global server with its own (optimizer.learning_rate, optimizer.momentum); every
+  # sync.forward_every local updates after its last merge (0: the group's size) a local server
+  # sends its progress; it merges the reply as (1 - merge_weight) local + merge_weight global.
+  c.local.halos = ml_collections.ConfigDict()
+  c.local.halos.merge_weight = 0.25
+  c.local.halos.local_learning_rate = 3.2   # a push g moves its local server 3.2 g / local_period
+  c.local.halos.local_momentum = 0.9
+  c.local.halos.local_period = 16           # N of the local servers' Delayed Nesterov
+  c.local.halos.global_period = 2           # N of the global server's
+  # The simulated cluster (gssp_jax.sim). profile 'none' with every other cluster key at its
+  # default: BSP trains in the fused loop (no virtual time), any other scheme in the simulator
+  # on a homogeneous cluster. Setting any timing key (speeds, base_time, jitter, bandwidth, ...)
+  # simulates BSP too; a key the profile does not read (tiers, sigma, trace_file) is an error.
+  c.cluster = ml_collections.ConfigDict()
+  c.cluster.profile = "none"          # none | homogeneous | tiers | lognormal | trace
+  c.cluster.speeds = ()               # per-worker slowdown factors (1 = base, 2 = twice as slow)
+  c.cluster.tiers = (1.0, 1.5, 2.0, 3.0)  # 'tiers': workers split evenly over these factors
+  c.cluster.sigma = 0.5               # 'lognormal': factors exp(sigma * N(0, 1)), seeded
+  c.cluster.trace_file = ""           # 'trace': CSV, one row per iteration, one column per worker
+  c.cluster.base_time = 0.05          # seconds per iteration at factor 1
+  c.cluster.calibrate = False         # measure the real step time here and use it as base_time
+  c.cluster.jitter = 0.0              # sigma of per-iteration log-normal noise
+  c.cluster.straggler_prob = 0.0      # per-iteration chance a transient straggle starts
+  c.cluster.straggler_slowdown = 5.0
+  c.cluster.straggler_duration = 10   # iterations a straggle lasts
+  c.cluster.bandwidth = 1.25e9        # bytes/s of each worker's link (10 Gb/s); or one per worker
+  c.cluster.latency = 1e-4            # seconds per message on a worker link; or one per worker
+  c.cluster.server_bandwidth = 1.25e9  # each server's interface: its pushes in, its pulls out
+  #                                    (shared, below), and messages between servers
+  c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
+  #                                    (max-min fair), and so do pulls; False: each alone
+  c.cluster.server_latency = 1e-4
+  c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
+  c.cluster.node_latency = 5e-6
+  c.compress = ml_collections.ConfigDict()
+  c.compress.name = "none"
+  c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)
+  c.compress.scope = "tensor"      # top-k per tensor or over the whole model
+  c.compress.sample_ratio = 0.01   # dgc: fraction sampled to estimate the threshold
+  c.compress.error_feedback = True
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_epochs = 1.0
+  c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
+  c.train.target_accuracy = 0.0   # vision: time_to_target is the first eval reaching it (0 = none)
+  c.train.target_bleu = 0.0       # translation: likewise for BLEU
+  c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)
+  c.train.max_checkpoints = 2
+  c.train.log_every = 200         # updates between progress lines (chunk length cap)
+  c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)
+
+  # The real multi-process runtime (python -m experiments.launch; gssp_jax/runtime). Per-process
+  # settings: they may differ between the server and the meshes, and between sessions.
+  c.dist = ml_collections.ConfigDict()
+  c.dist.server_address = ""      # host:port the parameter server binds ('' = 127.0.0.1, free port)
+  c.dist.heartbeat_timeout = 10.0  # seconds without a heartbeat before the server drops a mesh
+  c.dist.join_timeout = 300.0     # seconds a mesh may take to join at the start (imports, data)
+  c.dist.retry_seconds = 60.0     # seconds a mesh keeps retrying an unreachable server
+  c.dist.hang_timeout = 300.0     # seconds one iteration may compute before the mesh stops beating
+  c.dist.save_timeout = 120.0     # seconds the launcher waits, after Ctrl-C/SIGTERM, for the server
+                                  # to save its checkpoint and stop, before SIGKILL
+  c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
+  c.dist.num_servers = 1          # parameter shards (experiments.launch --num_servers sets it)
+  c.dist.all_lost_timeout = 60.0  # seconds with every mesh lost before the run ends as failed
+  # Where large bodies (pushes, pulls, joins of over 4 MiB) travel: 'flight' (Arrow Flight, no
+  # copy into bytes; docs/PERFORMANCE.md) or 'grpc' (grpcio streams, the wire's size limits).
+  c.dist.data_plane = "flight"
+  # TLS (optional; the run secret, GSSP_SECRET_FILE or GSSP_SECRET, is always required): PEM
+  # files of this process's certificate and key and of the CA that signed the run's certificates.
+  c.dist.tls_cert = ""
+  c.dist.tls_key = ""
+  c.dist.tls_ca = ""
+  c.dist.tls_client_auth = False  # mutual TLS: servers also require a client certificate (tls_ca)
+  c.dist.tls_server_name = ""     # the name the servers' certificates carry, if not their host
+  return c
+
+
+
+def comparable(value):
+  """A config value comparable with its default (tuples and lists alike)."""
+  return tuple(value) if isinstance(value, (tuple, list)) else value
+
+
+def parse_arg(arg: str | None, allowed: tuple[str, ...] = ("smoke",)) -> set[str]:
+  """Parses a config file's ``:arg`` (comma-separated flags such as ``smoke``)."""
+  flags = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = sorted(flags - set(allowed))
+  if unknown:
+    raise ValueError(f"unknown config arg {unknown[0]!r}; allowed: {', '.join(allowed)}")
+  return flags
