@@ -14,8 +14,10 @@ keys (groups, staleness, peer exchange) and InHAD's ``sync.num_nodes``; a key th
 chosen scheme does not read is allowed here because the file sets it for another
 scheme, while one given on the command line that the scheme does not read is rejected.
 Every scheme uses the same optimizer (SGD 0.05, momentum 0.9, cosine over 8 epochs, each
-gradient scaled by 1/16). Full: 8 epochs, 1.5-5 min per scheme on a 2-core CPU (GSSP the
-slowest, 4-4.5 min; docs/RESULTS.md, the measured tables in docs/REPRODUCTION.md). `:smoke`: 2,048 examples, 2 epochs, seconds.
+gradient scaled by 1/16). Full: 8 epochs, 64 s (BSP) to 212 s (HALoS) per scheme on a 2-core
+CPU (the README's tour table, 2026-11-27); `--config.train.num_epochs=1` shrinks a run to a
+fifth and it still learns. `:smoke`: 2,048 examples, 2 epochs, seconds: it checks that a
+scheme runs, not that it learns (a local-update scheme makes one server update there).
 """
 
 from configs import mnist_lenet5

@@ -22,6 +22,7 @@ A Ray cluster, from its head node (or a local Ray instance without --ray_address
       --workdir=DIR --num_meshes=4 --num_servers=2 [--ray_gpus_per_process=1]
 """
 
+import json
 import os
 import sys
 
@@ -129,6 +130,10 @@ def main(argv):
     except KeyboardInterrupt as e:
       raise launch.interrupted(e, workdir) from None
   logging.info("the server exited with code %d; every process ended", code)
+  summary_path = os.path.join(workdir, "summary.json")
+  if os.path.exists(summary_path):   # the server writes it as it ends (failed runs too)
+    with open(summary_path) as f:
+      print(cli.final_line(json.load(f), workdir))
   if code:
     sys.exit(code)
 

@@ -33,15 +33,11 @@ def main(argv):
   cli.check_workdir(_WORKDIR.value)
   config_lib.validate_config(_CONFIG.value)
   xla_env.use_compilation_cache()   # a rerun or a resumed run skips compilation
-  with (cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")),   # appended on resume
+  with (cli.removed_if_nothing_ran(_WORKDIR.value),   # e.g. no data where it was pointed
+        cli.log_to_file(os.path.join(_WORKDIR.value, "log.txt")),   # appended on resume
         cli.sigterm_as_interrupt()):   # `kill` records an interrupted run like Ctrl-C
     summary = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  final = summary["final"] or {}
-  metric = summary["metric"]
-  if metric in final:
-    print(f"final {metric}: {final[metric]:.4f} after {final['epoch']:.2f} epochs,"
-          f" {summary['totals']['wall_time']:.0f} s ({summary['status']});"
-          f" workdir {_WORKDIR.value}")
+  print(cli.final_line(summary, _WORKDIR.value))
 
 
 if __name__ == "__main__":

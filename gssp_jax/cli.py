@@ -7,6 +7,7 @@ import contextlib
 import logging as std_logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -231,6 +232,26 @@ def _unknown_override(argv: Sequence[str], error: BaseException) -> str | None:
   return None
 
 
+# absl's messages for a --config.<key>=<value> of the wrong type -> what the key allows.
+_TYPE_ERRORS = (("invalid literal for int()", "an integer"),
+                ("could not convert string to float", "a number"),
+                ("Non-boolean argument to boolean flag", "True or False"))
+
+
+def _bad_override_value(error: BaseException) -> str | None:
+  """``--config.num_workers=four``: absl says ``invalid literal for int() ...``; say what is
+  allowed, in the one-line form every other invalid value takes."""
+  text = str(error)
+  found = re.match(r"flag (--?[A-Za-z0-9_.]+)=(.*?): ", text)
+  if found is None:
+    return None
+  for said, allowed in _TYPE_ERRORS:
+    if said in text:
+      flag, value = found.groups()
+      return f"{flag}={value} is invalid; allowed: {allowed}"
+  return None
+
+
 def parse_flags(argv: Sequence[str]) -> list[str]:
   """absl's flag parsing with user errors in one line; config files must exist and load."""
   with user_errors(argv):
@@ -239,6 +260,11 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
       rest = flags.FLAGS(list(argv))
     except (AttributeError, KeyError) as e:   # ml_collections: --config.<key it does not have>
       message = _unknown_override(argv, e)
+      if message is None:
+        raise
+      raise ValueError(message) from e
+    except flags.IllegalFlagValueError as e:   # a value of the wrong type
+      message = _bad_override_value(e)
       if message is None:
         raise
       raise ValueError(message) from e
@@ -262,6 +288,43 @@ def check_workdir(path: str) -> str:
     raise NotADirectoryError(f"--workdir={path} {where}; allowed: a directory (created if "
                              "missing) or a new path")
   return path
+
+
+@contextlib.contextmanager
+def removed_if_nothing_ran(workdir: str):
+  """Removes ``workdir`` again if this command created it and fails before its run wrote
+  anything but ``log.txt`` (a data directory without the data, a user model that does not
+  import): a bad command leaves nothing behind. A workdir that existed, or holds anything
+  else (a config, metrics, a checkpoint), is never touched."""
+  created = not os.path.exists(workdir)
+  try:
+    yield
+  except BaseException:
+    if created and os.path.isdir(workdir) and set(os.listdir(workdir)) <= {"log.txt"}:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+
+
+def final_line(summary: dict[str, Any], workdir: str) -> str:
+  """A finished run's last line (``experiments.main`` and ``experiments.launch`` print it).
+
+  ``final test_accuracy: 0.9861 after 8.00 epochs, 95 s (done); workdir DIR``; a
+  run that cannot have learned says why after its status (``summary["warnings"]``,
+  ``train/health.py``), and a collapsed one its reason.
+  """
+  final, metric = summary.get("final") or {}, summary.get("metric")
+  status = summary["status"]
+  notes = list(summary.get("warnings") or [])
+  if summary.get("collapse_reason"):
+    notes.insert(0, summary["collapse_reason"])
+  if notes:
+    status += "; did not learn: " + "; ".join(notes)
+  wall = (summary.get("totals") or {}).get("wall_time")
+  took = f", {wall:.0f} s" if wall is not None else ""
+  if metric in final:
+    return (f"final {metric}: {final[metric]:.4f} after {final['epoch']:.2f} epochs{took}"
+            f" ({status}); workdir {workdir}")
+  return f"no evaluation{took} ({status}); workdir {workdir}"
 
 
 def run_main(main: Callable[[list[str]], Any],

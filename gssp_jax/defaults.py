@@ -161,7 +161,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0
   c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
-  c.train.target_accuracy = 0.0   # vision: time_to_target is the first eval reaching it (0 = none)
+  c.train.target_accuracy = 0.0   # vision: time_to_target interpolates to it (0 = none)
   c.train.target_bleu = 0.0       # translation: likewise for BLEU
   c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)
   c.train.max_checkpoints = 2

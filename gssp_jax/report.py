@@ -236,7 +236,8 @@ STALENESS_NOTE = ("staleness_mean: in updates of the gradient's server (a GSSP d
                   "InHAD aggregate or a BSP round counts 1); staleness_data_mean: in worker "
                   "iterations of data that server incorporated in between (a BSP round counts "
                   "W, a GSSP delivery its K pushes). Only the second compares across schemes; "
-                  "'–' where a run predates it.")
+                  "'–' where a run predates it. blocked_time: virtual seconds a worker waited, "
+                  "the mean over the workers (blocked_time.png shows each worker's).")
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

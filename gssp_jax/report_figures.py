@@ -97,7 +97,8 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   seed divided by this trial's (``speedup_vs_bsp``), over the ``speedup_n``
   seeds where both reached the target. A ratio of the two bars' means would
   disagree with that table when the seeds differ (BSP's bar averaging 2 seeds
-  and another's holding 1 once showed "1.07× faster" beside a table's 0.76×).
+  and another's holding 1 once showed "1.07× faster" beside a table's 0.76×). The label
+  prints the table's figure itself (:func:`speedup_text`).
 
   Returns:
     dicts with ``label``, ``scheme``, ``seeds``, ``times`` (one per seed that
@@ -127,12 +128,12 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
 
 
 def speedup_text(speedup: float, baseline: str = "BSP", seeds: int = 1) -> str:
-  """A bar's label: the median per-seed speedup against ``baseline`` (report.md's), over
-  ``seeds`` seeds."""
-  over = f" (median, {seeds} seeds)" if seeds > 1 else ""
-  if speedup >= 1:
-    return f"{speedup:.2f}× faster\nthan {baseline}{over}"
-  return f"{1 / speedup:.2f}× slower\nthan {baseline}{over}"
+  """A bar's label: the median per-seed speedup against ``baseline`` over ``seeds`` seeds, as
+  report.md's table prints it (``0.59× vs BSP``, never its inverse), and which way it goes."""
+  shown = f"{speedup:.2f}"   # the table's figure, so the two read the same
+  way = "as fast" if shown == "1.00" else ("faster" if speedup > 1 else "slower")
+  over = f"; median, {seeds} seeds" if seeds > 1 else ""
+  return f"{shown}× vs {baseline}\n({way}{over})"
 
 
 def staleness_table(rows: list[dict]) -> list[dict]:
@@ -376,7 +377,9 @@ def plot_per_worker(table: list[dict], title: str, ylabel: str, fname: str,
     for x, v, i in zip(xs, t["values"], range(w)):
       s = float(t["speeds"][i]) if t["speeds"] is not None else None
       lab = (f"slowdown ×{s:g}" if s is not None else "slowdown unknown")
+      # A white edge keeps workers of one tier (one colour) apart: one bar per worker.
       ax.bar(x, v, width=0.8 / w, color=tone(s) if s is not None else "grey",
+             edgecolor="white", linewidth=0.6,
              label=None if lab in seen or len(known) > _MAX_TIER_LEGEND else lab)
       seen.add(lab)
       if v == 0:
@@ -395,7 +398,7 @@ def plot_per_worker(table: list[dict], title: str, ylabel: str, fname: str,
   else:
     ax.legend(fontsize=7, title="worker's tier", title_fontsize=7)
   seeds = max(t["seeds"] for t in table)
-  ax.set_title(f"{title}, workers in order within each configuration"
+  ax.set_title(f"{title}\nworkers in order within each configuration"
                + (f" (mean over {seeds} seeds)" if seeds > 1 else ""), fontsize=10)
   ax.set_ylabel(ylabel)
   ax.grid(axis="y", alpha=0.3)
@@ -427,7 +430,8 @@ def plot(rows: list[dict], out_dir: str) -> tuple[list[str], list[str]]:
   if any(t["fractions"] is not None for t in stale):
     names.append(plot_staleness(stale, color, out_dir))
   for key, title, ylabel, fname in (
-      ("blocked_time_per_worker", "Blocked time per worker", "blocked virtual time (s)",
+      ("blocked_time_per_worker", "Blocked time of each worker (report.md's blocked_time: "
+       "their mean)", "blocked virtual time (s)",
        "blocked_time.png"),
       ("bytes_pushed_per_worker", "Bytes pushed per worker link", "bytes pushed",
        "bytes_per_link.png")):

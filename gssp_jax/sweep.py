@@ -33,6 +33,7 @@ configuration at its best tuned value (``gssp_jax.report``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -163,11 +164,25 @@ def _call(fn, arg):
   return fn()
 
 
+def _missing_sweep_file(path: str) -> str:
+  """Says that ``path`` is no sweep file, the sweep files beside it, and the nearest name."""
+  what = "is a directory" if os.path.isdir(path) else "does not exist"
+  folder = os.path.dirname(path) or "."
+  if not os.path.isdir(folder):
+    folder = "configs/sweeps"
+  files = sorted(os.path.join(folder, f) for f in os.listdir(folder)
+                 if f.endswith(".py") and not f.startswith("_")) if os.path.isdir(folder) else []
+  near = difflib.get_close_matches(path, files, n=1, cutoff=0.6)
+  hint = f" (did you mean {near[0]!r}?)" if near else ""
+  allowed = ", ".join(files) if files else "a Python file defining get_config() and get_sweep()"
+  return f"sweep file {path!r} {what}{hint}; allowed: {allowed}"
+
+
 def load_sweep(spec: str):
   """The sweep file's module and its ``:arg`` (None without one)."""
   path, arg = split_spec(spec)
-  if not os.path.exists(path):
-    raise ValueError(f"sweep file {path!r} does not exist")
+  if not os.path.isfile(path):
+    raise ValueError(_missing_sweep_file(path))
   module_spec = importlib.util.spec_from_file_location("gssp_sweep_" + trial_name({"p": path}),
                                                        path)
   module = importlib.util.module_from_spec(module_spec)

@@ -97,14 +97,63 @@ def test_sweep_and_report_errors_one_line(tmp_path):
                   "'staleness'?)")
   line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/nope.py",
                         f"--workdir={workdir}", "--config.seed=1"))
-  assert line == "error: sweep file 'configs/sweeps/nope.py' does not exist"
+  assert line.startswith("error: sweep file 'configs/sweeps/nope.py' does not exist") and (
+      "; allowed: configs/sweeps/cifar10_resnet18_lr.py, " in line
+      and "configs/sweeps/tiny.py" in line)
+  line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/tinyy.py",
+                        f"--workdir={workdir}"))
+  assert line.startswith("error: sweep file 'configs/sweeps/tinyy.py' does not exist (did you "
+                         "mean 'configs/sweeps/tiny.py'?); allowed: ")
   line = _one_line(_run("experiments.sweep", "--sweep=configs/sweeps/tiny.py",
                         f"--workdir={workdir}", "--config.num_workers=four"))
-  assert line == ("error: flag --config.num_workers=four: invalid literal for int() with base "
-                  "10: 'four'")
+  assert line == "error: --config.num_workers=four is invalid; allowed: an integer"
+  for flag, allowed in (("--config.optimizer.learning_rate=fast", "a number"),
+                        ("--config.data_download=maybe", "True or False")):
+    line = _one_line(_run("experiments.main", "--config=configs/mnist_lenet5.py",
+                          f"--workdir={workdir}", flag))
+    assert line == f"error: {flag} is invalid; allowed: {allowed}"
   assert not workdir.exists()
   line = _one_line(_run("experiments.report", str(tmp_path / "nope")))
   assert "does not exist" in line
+
+
+def test_a_data_directory_without_the_data_names_remedies_that_apply_and_leaves_nothing(
+    tmp_path):
+  """The download on (the default) and failing (a mirror that refuses): the remedies are a data
+  directory or a reachable mirror, never "enable the download"; the new workdir is removed."""
+  empty, workdir = tmp_path / "empty", tmp_path / "run"
+  empty.mkdir()
+  proc = _run("experiments.main", "--config=configs/mnist_lenet5.py:smoke", f"--workdir={workdir}",
+              f"--config.data_dir={empty}", "--config.data_url=http://127.0.0.1:9/",
+              env={"GSSP_CACHE_DIR": str(tmp_path / "cache")})
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  message = proc.stderr[proc.stderr.index("error: No data found"):]
+  assert f"data directory {empty}: none of the mnist files" in message
+  assert "download: failed: download of http://127.0.0.1:9/" in message
+  assert "data_download=True" not in message
+  assert "2. or, with a network, download from a reachable mirror" in message
+  assert not workdir.exists()
+  # With the download off, enabling it is the second remedy.
+  proc = _run("experiments.main", "--config=configs/mnist_lenet5.py:smoke", f"--workdir={workdir}",
+              f"--config.data_dir={empty}", "--config.data_download=False")
+  assert "2. enable the checksummed download with --config.data_download=True" in proc.stderr
+  assert not workdir.exists()
+
+
+def test_a_workdir_is_kept_once_its_run_wrote_anything_but_its_log(tmp_path):
+  for made, kept in ((["log.txt"], False), (["log.txt", "config.json"], True)):
+    workdir = tmp_path / f"w{len(made)}"
+    with pytest.raises(ValueError), cli.removed_if_nothing_ran(str(workdir)):
+      workdir.mkdir()
+      for name in made:
+        (workdir / name).write_text("")
+      raise ValueError("no data")
+    assert workdir.exists() == kept
+  existing = tmp_path / "w2"   # existed before the command: never removed
+  (existing / "config.json").unlink()
+  with pytest.raises(ValueError), cli.removed_if_nothing_ran(str(existing)):
+    raise ValueError("no data")
+  assert existing.exists()
 
 
 def test_missing_data_is_a_user_error_printed_whole():

@@ -12,6 +12,7 @@ import types
 import pytest
 
 from configs import mnist_lenet5
+from gssp_jax import cli
 from gssp_jax import report
 from gssp_jax import sweep
 from gssp_jax.train import health
@@ -344,3 +345,29 @@ def test_a_rate_where_any_seed_misses_the_target_loses_and_edge_winners_are_flag
   assert choice["at_edge"] == "lowest"
   md = open(report.write_report(str(root), str(tmp_path / "out"))["md"]).read()
   assert "1 of 1 configuration(s) won at the grid's edge" in md
+
+
+def test_a_run_too_short_to_learn_or_at_chance_is_warned_whatever_its_status():
+  at_chance = [{"epoch": 1.0, "test_accuracy": 0.3}, {"epoch": 2.0, "test_accuracy": 0.072}]
+  warnings = health.learning_warnings(at_chance, metric="test_accuracy", num_classes=10,
+                                      updates=1)
+  assert warnings[0].startswith("only 1 server update (fewer than 10): too few to learn")
+  assert warnings[1] == ("test_accuracy 0.0720 is at chance (at most 1.5 / 10 classes): the "
+                         "model has not learned")
+  learned = [{"epoch": 1.0, "test_accuracy": 0.95}]
+  assert health.learning_warnings(learned, metric="test_accuracy", num_classes=10,
+                                  updates=10) == []
+  assert health.learning_warnings(learned, metric="test_accuracy", num_classes=10,
+                                  updates=9)[0].startswith("only 9 server updates")
+  # BLEU has no chance level; an unknown update count is not judged.
+  assert health.learning_warnings([{"bleu": 0.0}], metric="bleu", num_classes=None,
+                                  updates=None) == []
+  config = mnist_lenet5.get_config()
+  executor = types.SimpleNamespace(metric_name="test_accuracy", target=0.98,
+                                   summary_fields=lambda history, reached: {
+                                       "totals": {"updates": 1, "wall_time": 3.0}})
+  summary = loop.summarize(config, at_chance, "done", executor)
+  assert summary["status"] == "done" and len(summary["warnings"]) == 2
+  line = cli.final_line(summary, "/tmp/w")
+  assert line.startswith("final test_accuracy: 0.0720 after 2.00 epochs, 3 s (done; did not "
+                         "learn: only 1 server update") and line.endswith("; workdir /tmp/w")

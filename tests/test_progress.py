@@ -90,7 +90,9 @@ def test_a_simulated_gssp_run_logs_its_cluster_once_and_serves_the_global_model(
   progress = [i for i, line in enumerate(log) if "test_accuracy" in line]
   assert len(progress) == 2 and header < progress[0]
   assert "slowdown 1 x1, 3 x1" in log[header] and "base_time 0.05 s" in log[header]
-  assert "scheme: gssp, staleness 3, inter-group global" in log[header + 1]
+  assert ("scheme: gssp, staleness bound 3 clocks ahead (in its group), inter-group global"
+          in log[header + 1])
+  assert all(" updates | ETA" in log[i] for i in progress)   # the measured figure's unit
   assert "groups: [[0], [1]]" in log[header + 1]
 
   lines, board = _metrics(tmp_path), _scalars(tmp_path)

@@ -107,3 +107,13 @@ def test_relative_links_point_to_existing_files_and_headings():
 def test_link_checker_sees_links_but_not_code():
   text = "see [a](docs/A.md#x) and ![p](p.png)\n`[b](c.md)`\n```\n[d](e.md)\n```\n[f](https://x)"
   assert _links(text) == ["docs/A.md#x", "p.png", "https://x"]
+
+
+def test_the_usage_guides_tiny_sweep_is_the_file_itself():
+  """docs/USAGE.md shows configs/sweeps/tiny.py less its docstring: the copy cannot drift."""
+  import ast  # pylint: disable=g-import-not-at-top
+  source = (REPO / "configs/sweeps/tiny.py").read_text()
+  body = "\n".join(source.splitlines()[ast.parse(source).body[0].end_lineno:]).strip() + "\n"
+  shown = [code for code in marked_blocks((REPO / "docs/USAGE.md").read_text())
+           if "def get_sweep" in code and "tiers = (1.0, 2.0)" in code]
+  assert shown == [body]

@@ -192,8 +192,9 @@ def test_time_to_target_labels_are_the_tables_median_speedup_and_count_seeds(tmp
   agg = {a["sync.scheme"]: a for a in report.aggregate(report.collect(str(tmp_path)))}
   assert table["gssp"]["speedup"] == pytest.approx(agg["gssp"]["speedup_vs_bsp_median"])
   assert report_figures.speedup_text(table["gssp"]["speedup"], seeds=2) == (
-      "1.33× faster\nthan BSP (median, 2 seeds)")
-  assert report_figures.speedup_text(0.8) == "1.25× slower\nthan BSP"
+      "1.33× vs BSP\n(faster; median, 2 seeds)")
+  assert report_figures.speedup_text(0.8) == "0.80× vs BSP\n(slower)"   # the table's 0.80×
+  assert report_figures.speedup_text(0.999) == "1.00× vs BSP\n(as fast)"
   assert (table["asp"]["reached"], table["asp"]["mean"], table["asp"]["speedup"]) == (0, None,
                                                                                      None)
   assert table["bsp"]["baseline"] == table["gssp"]["baseline"] == "bsp"
@@ -213,7 +214,7 @@ def test_a_speedup_label_agrees_with_the_table_when_the_seeds_differ(tmp_path):
   assert table["gssp"]["speedup"] == agg["gssp"]["speedup_vs_bsp_median"] == pytest.approx(
       2.5 / 3.0)
   assert report_figures.speedup_text(table["gssp"]["speedup"], seeds=table["gssp"][
-      "speedup_n"]) == "1.20× slower\nthan BSP"
+      "speedup_n"]) == "0.83× vs BSP\n(slower)"
 
 
 def test_metric_curves_are_the_mean_over_seeds_with_a_min_max_band(tmp_path):

@@ -87,9 +87,7 @@ def fetch(url: str, dest: pathlib.Path, algorithm: str, expected: str,
           out.write(block)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
       raise DataError(
-          f"download of {url} failed ({e}). Check the network or the base URL (config.data_url / "
-          f"${paths.DATA_URL_ENV}), or provide the files locally with --config.data_dir=DIR "
-          f"or ${paths.DATA_DIR_ENV}.") from e
+          f"download of {url} failed ({e})") from e
     if h.hexdigest() != expected:
       raise DataError(
           f"{dest.name} downloaded from {url} has {algorithm} {h.hexdigest()}, expected "

@@ -82,18 +82,23 @@ def _not_found(name: str, root: pathlib.Path | None, cache_dir: pathlib.Path,
             f"data directory: not set (neither data_dir nor ${paths.DATA_DIR_ENV})")
   tried = (f"failed: {download_error}" if download_error else
            "disabled (allow_download / data_download is False)")
+  if download_error is None:   # the download is the other way: it was off
+    second = (f"enable the checksummed download with --config.data_download=True (files go to "
+              f"{download.downloads_dir(cache_dir)}; mirror with --config.data_url=URL or "
+              f"${paths.DATA_URL_ENV})")
+  else:   # it was on and failed: only a reachable mirror would change that
+    second = (f"or, with a network, download from a reachable mirror of that layout: "
+              f"--config.data_url=URL or ${paths.DATA_URL_ENV}")
   return DataError(
       f"No data found for dataset {name!r}. Looked at:\n"
       f"  - {looked}\n"
       f"  - {tfds_source.describe(name)}\n"
       f"  - download: {tried}\n"
-      f"Provide the files in one of these ways:\n"
+      f"Provide the files:\n"
       f"  1. pass --config.data_dir=DIR or export {paths.DATA_DIR_ENV}=DIR, laid out as\n"
       f"     {_expected_layout(name)}\n"
       f"     (a copy of the project's shared data folder has exactly this layout);\n"
-      f"  2. enable the checksummed download with --config.data_download=True (files go to "
-      f"{download.downloads_dir(cache_dir)}; mirror with --config.data_url=URL or "
-      f"${paths.DATA_URL_ENV}).")
+      f"  2. {second}.")
 
 
 def load_dataset(name: str, data_dir: str | None = None, *, max_len: int | None = None,

@@ -441,7 +441,8 @@ class LocalLauncher:
     """Runs until the server exits; returns its exit code. Always ends every child."""
     try:
       address = self.start_server()
-      logging.info("server at %s; starting %d shard(s) and %d meshes x %d processes", address,
+      logging.info("server at %s (it holds shard 0 of %d); starting %d more shard process(es)"
+                   " and %d meshes x %d processes", address, self.topo.num_servers,
                    self.topo.num_servers - 1, self.topo.num_meshes, self.topo.processes_per_mesh)
       for s in range(1, self.topo.num_servers):
         self.start_shard(s, address)

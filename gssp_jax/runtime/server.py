@@ -372,7 +372,7 @@ class DistServer:
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | {rate:.1f} pushes/s |"
             f" meshes alive {record['meshes_alive']}/{self.W} | staleness mean"
-            f" {record['staleness']['mean']:.2f} | ETA {workdir_lib.format_duration(eta)}")
+            f" {record['staleness']['mean']:.2f} updates | ETA {workdir_lib.format_duration(eta)}")
 
   def save(self) -> None:
     core = self.core

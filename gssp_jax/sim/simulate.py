@@ -514,7 +514,7 @@ class Simulation:
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"
             f" {record['blocked_time']:.1f} s | staleness mean {record['staleness']['mean']:.2f}"
-            f" | ETA {workdir_lib.format_duration(eta)}")
+            f" updates | ETA {workdir_lib.format_duration(eta)}")
 
   def save(self) -> None:
     # What is planned but not run is saved with the host state, not run: a run's flush points
@@ -715,9 +715,13 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
   extras = "".join(f", {k} {c[k]}" for k in ("jitter", "straggler_prob") if c[k])
   link = f"link {_counts(cluster.bandwidth / 1e6)} MB/s, latency {_counts(cluster.latency)} s"
   groups = [np.flatnonzero(scheme.groups == g).tolist() for g in np.unique(scheme.groups)]
-  knobs = {"bsp": "", "asp": "", "ssp": f", staleness {s.staleness}",
-           "dssp": f", staleness range {tuple(s.staleness_range)}",
-           "gssp": f", staleness {s.staleness}, inter-group {s.inter_group}"}.get(scheme.name, "")
+  # The bound counts clocks ahead of the slowest worker; the progress lines' measured staleness
+  # counts updates of the gradient's server (docs/USAGE.md, "Staleness: the bound and the
+  # measured figure").
+  bound = f"staleness bound {s.staleness} clocks ahead"
+  knobs = {"bsp": "", "asp": "", "ssp": f", {bound}",
+           "dssp": f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
+           "gssp": f", {bound} (in its group), inter-group {s.inter_group}"}.get(scheme.name, "")
   compress_name = config.compress.name
   comp = "" if compress_name == "none" else f", compress {compress_name}"
   return (f"simulated cluster: {scheme.num_workers} workers, {speed}{extras}; {link}\n"

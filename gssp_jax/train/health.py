@@ -28,6 +28,13 @@ updates, still near chance but learning) is not judged. Two rules:
   drifts down under the decaying schedule while it wobbles from evaluation to
   evaluation) is not flagged by noise.
 
+Did it learn at all? A run too short to judge can still end ``done`` having
+learned nothing: a local-update scheme shrunk to a smoke size makes one
+server update in two epochs and ends below chance. :func:`learning_warnings`
+says so, in the summary's ``warnings`` and the run's last line, whatever the
+status: fewer than ``MIN_UPDATES`` (10) server updates, or a final test
+accuracy at chance (the ``chance`` rule's level).
+
 Time to target. Evaluations are points; the first one at or above the target
 over-states the time by up to one evaluation interval. ``time_to_target`` is
 interpolated linearly in virtual time between the last evaluation below the
@@ -43,6 +50,7 @@ from typing import Any, Sequence
 CHANCE_FACTOR = 1.5      # "at chance": accuracy <= CHANCE_FACTOR / num_classes
 CHANCE_EVALS = 2         # ... in this many last evaluations ("sits" at chance)
 MIN_EVALS = 4            # post-warm-up evaluations needed to judge a run at all
+MIN_UPDATES = 10         # fewer server updates than this: too few to have learned anything
 COLLAPSED = "collapsed"
 INTERPOLATION = ("interpolated linearly in virtual time between the last evaluation below the "
                  "target and the first at or above it")
@@ -103,6 +111,32 @@ def judge(status: str, history: Sequence[dict], config, metric: str) -> tuple[st
   reason = collapse_reason(history, metric=metric, num_classes=num_classes(config),
                            warmup_epochs=float(config.optimizer.warmup_epochs))
   return (COLLAPSED, reason) if reason else (status, None)
+
+
+def learning_warnings(history: Sequence[dict], *, metric: str, num_classes: int | None,
+                      updates: int | None) -> list[str]:
+  """Why a finished run cannot have learned, or ``[]``: too few server updates, accuracy at chance.
+
+  Args:
+    history: the run's evaluations in order.
+    metric: the evaluated metric.
+    num_classes: classes of a classifier (the chance level), None for none.
+    updates: the server updates the run applied (``totals.updates``), None if unknown.
+
+  Returns:
+    one-line warnings, each saying what to change.
+  """
+  out = []
+  if updates is not None and updates < MIN_UPDATES:
+    out.append(f"only {updates} server update{'s' if updates != 1 else ''} (fewer than "
+               f"{MIN_UPDATES}): too few to learn; train longer (train.num_epochs), on more data "
+               "(data.train_size) or with fewer local steps (local.steps)")
+  final = history[-1].get(metric) if history else None
+  if (num_classes is not None and metric == "test_accuracy" and final is not None
+      and final <= CHANCE_FACTOR / num_classes):
+    out.append(f"{metric} {final:.4f} is at chance (at most {CHANCE_FACTOR} / {num_classes} "
+               "classes): the model has not learned")
+  return out
 
 
 def time_to(history: Sequence[dict], metric: str, target: float | None, *,

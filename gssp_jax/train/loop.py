@@ -122,14 +122,21 @@ def summarize(config: ml_collections.ConfigDict, history: list[dict], status: st
   metric, target = executor.metric_name, executor.target
   reached = next((m for m in history if target and m.get(metric, 0) >= target), None)
   status, collapse = health.judge(status, history, config, metric)
+  fields = executor.summary_fields(history, reached)
+  warnings = health.learning_warnings(history, metric=metric,
+                                      num_classes=health.num_classes(config),
+                                      updates=fields.get("totals", {}).get("updates"))
+  for warning in warnings:
+    logging.warning("this run did not learn: %s", warning)
   return {
       "config": json.loads(config.to_json()),
       "status": status,
       "collapse_reason": collapse,
+      "warnings": warnings,
       "final": history[-1] if history else None,
       "metric": metric,
       "target": target or None,
       "wall_time_to_target": reached["wall_time"] if reached else None,
       "epochs_to_target": reached["epoch"] if reached else None,
-      **executor.summary_fields(history, reached),
+      **fields,
   }
