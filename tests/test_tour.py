@@ -3,8 +3,9 @@
 Every ``python -m experiments.main`` command of the README's "The main job" and "A short
 tour" runs exactly as written (its ``--workdir`` moved to a temporary folder) plus the shrink
 the README gives, ``--config.train.num_epochs=1``. Its last line must be the README's: done,
-above chance, with enough server updates to have learned, and at least the shrunk accuracy
-the README's table quotes for it (less 3 points: another CPU type rounds differently). The
+above chance, with enough server updates to have learned, and at least the lowest shrunk
+accuracy the README's table quotes for it over three seeds (less 3 points: another CPU type
+rounds differently, and a shrunk asynchronous run's trajectory moves with it). The
 tiny sweep and its report run as written, and the report's speedup must be the README's.
 """
 
@@ -66,13 +67,14 @@ def tour_commands() -> list[list[str]]:
 
 
 def quoted_shrunk_accuracy(workdir: str) -> float:
-  """The shrunk run's final accuracy the README's cost table quotes for ``workdir``."""
+  """The lowest shrunk final accuracy the README's cost table quotes for ``workdir`` (seed 0's,
+  and seeds 1 and 2's beside it: a shrunk asynchronous run's accuracy depends on its seed)."""
   for row in re.findall(r"^\|.*\|$", _section("### What the tour costs"), re.M):
     cells = [c.strip() for c in row.strip("|").split("|")]
     if cells[0] == f"`{workdir}`":
-      found = re.search(r"([0-9.]+) %", cells[-1])
+      found = re.findall(r"([0-9.]+) %", cells[-1])
       assert found, f"no accuracy in the README's shrunk cell {cells[-1]!r}"
-      return float(found.group(1)) / 100
+      return min(float(v) for v in found) / 100
   raise AssertionError(f"the README's cost table has no row for {workdir}")
 
 
