@@ -98,3 +98,15 @@ def test_nothing_below_config_imports_it():
   graph = _graph()
   importers = sorted(m for m, deps in graph.items() if "gssp_jax.config" in deps)
   assert importers == ["gssp_jax.sweep", "gssp_jax.train.loop"]
+
+
+def test_validation_never_calls_back_up_the_imports(capsys, monkeypatch):
+  """benchmarks/config_follow.py's trace of four configs: every call goes down the layers, and
+  config.py is entered once (by the caller)."""
+  from benchmarks import config_follow  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(os.path.dirname(ROOT))
+  config_follow.main(["config_follow"])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == len(config_follow.CONFIGS)
+  for line in lines:
+    assert "against the import direction  0" in line and line.endswith("entries into config.py 1")
