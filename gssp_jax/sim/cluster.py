@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from gssp_jax import checks
 from gssp_jax import defaults
 
 PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
@@ -31,7 +32,7 @@ _BLOCK = 1024   # iterations drawn at once per worker
 
 
 def _fail(key, value, allowed):
-  raise ValueError(f"config.cluster.{key}={value!r} is invalid; allowed: {allowed}")
+  checks.fail(f"cluster.{key}", value, allowed)
 
 
 def _positive(key, value):

@@ -180,15 +180,15 @@ def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int
 
 def _check_halos(h) -> None:
   """``config.local.halos.*`` in range."""
-  checks = {"merge_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
-            "local_learning_rate": (lambda v: v > 0, "a positive number"),
-            "local_momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-            "local_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-            "global_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")}
-  for key, (ok, allowed) in checks.items():
+  rules = {"merge_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+           "local_learning_rate": (lambda v: v > 0, "a positive number"),
+           "local_momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+           "local_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+           "global_period": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")}
+  for key, (ok, allowed) in rules.items():
     value = h[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-      raise ValueError(f"config.local.halos.{key}={value!r} is invalid; allowed: {allowed}")
+      checks.fail(f"local.halos.{key}", value, allowed)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -223,13 +223,10 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
     ValueError: naming the key, its value and what is allowed.
   """
   scheme, local = config.sync.scheme, config.local
-  steps = local.steps
-  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-    raise ValueError(f"config.local.steps={steps!r} is invalid; allowed: an integer >= 1")
+  checks.int_at_least(1)("local.steps", local.steps)
   n = local.delayed_nesterov
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-    raise ValueError(f"config.local.delayed_nesterov={n!r} is invalid; allowed: an integer >= 0"
-                     " (0 = off)")
+    checks.fail("local.delayed_nesterov", n, "an integer >= 0 (0 = off)")
   opt = config.optimizer
   if scheme == "local_sgd":
     inner_defaults = defaults.default_config().local.optimizer
@@ -255,8 +252,7 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.optimizer.{key}={value!r} cannot apply with {uses_dn}: Delayed "
                      "Nesterov is a Nesterov step without weight decay; set "
                      "optimizer.nesterov=True and optimizer.weight_decay=0")
-  if not isinstance(local.dylu, bool):
-    raise ValueError(f"config.local.dylu={local.dylu!r} is invalid; allowed: True or False")
+  checks.check_bool("local.dylu", local.dylu)
   readers = {"dylu": ("async_local_sgd", "halos"), "delayed_nesterov": ("async_local_sgd",)}
   for key, value in (("dylu", local.dylu), ("delayed_nesterov", n)):
     if value and scheme not in readers[key]:

@@ -134,7 +134,9 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
     checks.fail("level_job_slots", slots, f"0 (min(num_workers, 64)) or 1..num_workers "
                 f"({config.num_workers})")
   for key, set_value in (("levels_per_call", value), ("level_job_slots", slots)):
-    name = executor_name(config, backend) if set_value else "levels"
+    if not set_value:
+      continue
+    name = executor_name(config, backend)
     if name != "levels":
       raise ValueError(f"config.{key}={set_value} cannot apply: it sets the levels executor, and"
                        f" this run uses {name!r} (config.executor="
