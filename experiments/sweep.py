@@ -15,8 +15,10 @@ runs them again. Ctrl-C or
 ``kill`` of this process stops every trial it started (each records
 ``interrupted``). With --launcher=ray [--ray_address=ADDR] each trial is a Ray task with
 --ray_cpus_per_trial and --ray_gpus_per_trial; Ray runs as many at once as they allow,
-resumable as with --parallel. Everything is
-library code (``gssp_jax.sweep``).
+resumable as with --parallel. A tuned key declared with a ladder
+(``tune(key, values, ladder=...)``) is extended where a configuration's best value is an end of
+those it tried, until none is (``gssp_jax.grid_edge``; the added trials are listed in
+DIR/extended.json). Everything is library code (``gssp_jax.sweep``).
 """
 
 from absl import app
@@ -24,6 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from gssp_jax import cli
+from gssp_jax import grid_edge
 from gssp_jax import sweep
 from gssp_jax import xla_env
 from gssp_jax.runtime import ray_launch
@@ -81,7 +84,7 @@ def main(argv):
 
 def _main():
   if _ONLY.value:
-    trials = {t.name: t for t in sweep.expand(_SWEEP.value, _overrides())}
+    trials = {t.name: t for t in sweep.expand(_SWEEP.value, _overrides(), _WORKDIR.value)}
     if _ONLY.value not in trials:
       raise app.UsageError(f"--only={_ONLY.value!r} is not a trial of {_SWEEP.value}; trials: "
                            f"{', '.join(trials)}")
@@ -93,7 +96,7 @@ def _main():
   else:
     ray_launch.refuse_unused(_RAY_FLAGS[1:], "with --launcher=local")
   try:
-    statuses = sweep.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
+    statuses = grid_edge.run_sweep(_SWEEP.value, _WORKDIR.value, parallel=_PARALLEL.value,
                                max_trials=_MAX_TRIALS.value, rerun_changed=_RERUN_CHANGED.value,
                                overrides=_overrides(), ray=ray)
   except sweep.ChangedTrialsError as e:

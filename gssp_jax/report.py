@@ -60,6 +60,16 @@ def grid(workdir: str) -> list[str] | None:
   return None if record is None else [t["name"] for t in record["trials"]]
 
 
+def ladders(workdir: str) -> dict[str, list]:
+  """The tuned keys' ladders the sweep declared (``sweep.json``; ``gssp_jax.grid_edge``)."""
+  return dict((_grid_record(workdir) or {}).get("ladders", {}))
+
+
+def extended(workdir: str) -> list[str]:
+  """The trials of the current grid the grid-edge rule added (``sweep.json``)."""
+  return [t["name"] for t in (_grid_record(workdir) or {}).get("trials", []) if t.get("extended")]
+
+
 def tune_seeds(workdir: str) -> tuple[int, ...] | None:
   """The seeds the sweep declared for choosing tuned values (``sweep.json``), or None: all."""
   seeds = (_grid_record(workdir) or {}).get("tune_seeds")
@@ -319,6 +329,31 @@ def _value_order(value: tuple) -> tuple:
   return tuple((0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)) for x in loaded)
 
 
+def tuned_keys(rows: list[dict]) -> list[str]:
+  """The tuned keys of the trials (``sweep.tune``), in order of appearance."""
+  return list(dict.fromkeys(k for r in rows for k in r.get("_tuned", ())))
+
+
+def configurations(rows: list[dict], tuned: list[str]) -> dict[tuple, dict[tuple, list[dict]]]:
+  """The trials by configuration (every swept value but the tuned keys and the seed, as sorted
+  ``(key, JSON)`` pairs), then by tuned value (a tuple of JSON texts, one per tuned key)."""
+  configs: dict[tuple, dict[tuple, list[dict]]] = {}
+  for r in rows:
+    cfg = tuple(sorted((k, json.dumps(v)) for k, v in r["_overrides"].items()
+                       if k not in tuned and k != "seed"))
+    value = tuple(json.dumps(r["_overrides"].get(k)) for k in tuned)
+    configs.setdefault(cfg, {}).setdefault(value, []).append(r)
+  return configs
+
+
+def best_value(by_value: dict[tuple, list[dict]], seeds: tuple[int, ...] | None = None) -> tuple:
+  """The tuned value :data:`TUNING_CRITERION` picks among one configuration's, chosen on
+  ``seeds``' trials (None: every seed's)."""
+  choosers = lambda members: [m for m in members if seeds is None
+                              or m["_overrides"].get("seed") in seeds] or members
+  return min(by_value, key=lambda v: (_tuning_score(choosers(by_value[v])), _value_order(v)))
+
+
 def select_tuned(rows: list[dict],
                  seeds: tuple[int, ...] | None = None) -> tuple[list[dict], list[dict]]:
   """Each configuration's trials at its best tuned value (criterion: :data:`TUNING_CRITERION`).
@@ -332,23 +367,17 @@ def select_tuned(rows: list[dict],
     deltas recomputed against BSP at BSP's own best value, same seed), and per
     configuration a dict with its swept values, ``chosen`` (tuned key -> value),
     ``mean_time_to_target``, ``median_final``, ``unhealthy_seeds``,
-    ``missed_seeds``, ``candidates`` (how many values were compared) and
-    ``at_edge`` (:func:`_edge`). Without tuned keys: ``(rows, [])``.
+    ``missed_seeds``, ``candidates`` (how many values were compared), ``values`` (them, as
+    text) and ``at_edge`` (:func:`_edge`). Without tuned keys: ``(rows, [])``.
   """
-  tuned = list(dict.fromkeys(k for r in rows for k in r.get("_tuned", ())))
+  tuned = tuned_keys(rows)
   if not tuned:
     return rows, []
-  configs: dict[tuple, dict[tuple, list[dict]]] = {}
-  for r in rows:
-    cfg = tuple(sorted((k, json.dumps(v)) for k, v in r["_overrides"].items()
-                       if k not in tuned and k != "seed"))
-    value = tuple(json.dumps(r["_overrides"].get(k)) for k in tuned)
-    configs.setdefault(cfg, {}).setdefault(value, []).append(r)
   selected, choices = [], []
   choosers = lambda members: [m for m in members if seeds is None
                               or m["_overrides"].get("seed") in seeds] or members
-  for cfg, by_value in configs.items():
-    best = min(by_value, key=lambda v: (_tuning_score(choosers(by_value[v])), _value_order(v)))
+  for cfg, by_value in configurations(rows, tuned).items():
+    best = best_value(by_value, seeds)
     unhealthy, missed, mean_time, final = _tuning_score(choosers(by_value[best]))
     selected += [dict(r) for r in by_value[best]]
     choices.append({**{k: json.loads(v) for k, v in cfg},
@@ -356,7 +385,9 @@ def select_tuned(rows: list[dict],
                     "mean_time_to_target": mean_time if mean_time != float("inf") else None,
                     "median_final": -final if final != float("inf") else None,
                     "unhealthy_seeds": unhealthy, "missed_seeds": missed,
-                    "candidates": len(by_value), "at_edge": _edge(list(by_value), best)})
+                    "candidates": len(by_value),
+                    "values": "; ".join(", ".join(v) for v in sorted(by_value, key=_value_order)),
+                    "at_edge": _edge(list(by_value), best)})
   _add_baselines(selected, ignore=tuned)
   return selected, choices
 
@@ -451,7 +482,8 @@ def _markdown(workdir: str, rows: list[dict], selected: list[dict], choices: lis
   lines += _mean_table(agg, head_cols, metric)
   lines += ["", "## Speedup against BSP, per seed", ""] + speedup_table(agg, head_cols, metric)
   if choices:
-    lines += ["", *tuning_section(rows, choices, metric, seeds), "",
+    lines += ["", *tuning_section(rows, choices, metric, seeds, ladders(workdir),
+                                  extended(workdir)), "",
               "## Every tuned value: mean ± std over seeds", ""]
     every = aggregate(rows)
     lines += _mean_table(every, head_cols, metric)
@@ -537,13 +569,20 @@ def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[st
 
 
 def tuning_section(rows: list[dict], choices: list[dict], metric: str,
-                   seeds: tuple[int, ...] | None = None) -> list[str]:
-  """Markdown lines disclosing the tuning: the grid, the criterion, each configuration's choice."""
+                   seeds: tuple[int, ...] | None = None, ladder: dict[str, list] | None = None,
+                   added: list[str] | None = None) -> list[str]:
+  """Markdown lines disclosing the tuning: the grid, the criterion, each configuration's choice.
+
+  ``ladder`` and ``added``: the sweep's ladders and the trials the grid-edge rule added
+  (:func:`ladders`, :func:`extended`); the grid shown is the declared one, without them.
+  """
+  ladder, added = ladder or {}, set(added or ())
   tuned = list(choices[0]["chosen"])
-  grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in rows if k in r["_overrides"]},
+  declared = [r for r in rows if r["trial"] not in added]
+  grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in declared if k in r["_overrides"]},
                     key=lambda v: _value_order((v,))) for k in tuned}
   info = ("chosen", "mean_time_to_target", "median_final", "unhealthy_seeds", "missed_seeds",
-          "candidates", "at_edge")
+          "candidates", "values", "at_edge")
   cfg_cols = list(dict.fromkeys(k for c in choices for k in c if k not in info))
   cfg_cols.sort(key=lambda k: _column_order(k, 0))
   which = ("the same grid for every scheme (BSP included)" if len(tuned) == 1 else
@@ -555,23 +594,56 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
            f"Tuned per configuration, over {which}: "
            + "; ".join(f"{k} in {{{', '.join(v)}}}" for k, v in grid.items()) + ". "
            "Each configuration (every other swept value but the seed) is reported at the value "
-           f"with {TUNING_CRITERION}.{on} The full per-value table follows.", "",
+           f"with {TUNING_CRITERION}.{on}{_ladder_text(ladder, rows, added)} The full per-value "
+           "table follows.", "",
            "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
                             + ["unhealthy seeds", "seeds that missed", "mean time_to_target",
-                               "median final", "values compared", "at the grid's edge"])
+                               "median final", "values compared", "at the edge of those"])
            + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 6)]
   for c in choices:
     lines.append("| " + " | ".join(
         [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"].get(k)) for k in tuned]
         + [str(c["unhealthy_seeds"]), str(c["missed_seeds"]),
            _fmt(c["mean_time_to_target"], "time_to_target"),
-           _fmt(c["median_final"], "final", metric), str(c["candidates"]),
-           c["at_edge"] or "no"]) + " |")
+           _fmt(c["median_final"], "final", metric), c.get("values") or str(c["candidates"]),
+           _edge_cell(c, ladder)]) + " |")
   edges = [c for c in choices if c["at_edge"]]
-  if edges:
-    lines += ["", f"{len(edges)} of {len(choices)} configuration(s) won at the grid's edge: "
-              "a better value may lie beyond it (extend the grid on that side)."]
+  ends = [c for c in edges if _edge_cell(c, ladder).endswith("the ladder's end")]
+  if ends:
+    lines += ["", f"{len(ends)} of {len(choices)} configuration(s) won at the end of the declared "
+              "ladder: a better value may lie beyond it, which this sweep does not try."]
+  if len(edges) > len(ends):
+    lines += ["", f"{len(edges) - len(ends)} of {len(choices)} configuration(s) won at the "
+              "grid's edge: a better value may lie beyond it ("
+              + ("a rerun of the sweep extends them along the ladder)." if ladder else
+                 "extend the grid on that side).")]
   return lines
+
+
+def _ladder_text(ladder: dict[str, list], rows: list[dict], added: set[str]) -> str:
+  """The sentence on the ladders and the trials the grid-edge rule added ('' without ladders)."""
+  if not ladder:
+    return ""
+  text = "; ".join(f"{k} in ({', '.join(f'{x:g}' for x in v)})" for k, v in ladder.items())
+  n = sum(r["trial"] in added for r in rows)
+  return (f" Declared ladder: {text}. Where a configuration's best value was an end of the "
+          "values it had tried, the sweep ran it at the ladder's next value on every seed, and "
+          "again, until its best lay inside them or at the ladder's end (gssp_jax.grid_edge): "
+          f"{n} trial(s) were added so (in `extended.json`).")
+
+
+def _edge_cell(choice: dict, ladder: dict[str, list]) -> str:
+  """``no``, ``lowest``/``highest``, or that with ``the ladder's end`` or ``the ladder goes on``."""
+  side = choice["at_edge"]
+  if not side:
+    return "no"
+  for key, values in ladder.items():
+    value = choice["chosen"].get(key)
+    if value in values:
+      end = values[0] if side == "lowest" else values[-1]
+      where = "the ladder's end" if value == end else "the ladder goes on"
+      return f"{side}, {where}"
+  return side
 
 
 def plot(rows: list[dict], out_dir: str, notes: list[str] | None = None) -> list[str]:

@@ -57,6 +57,7 @@ from gssp_jax.sync import registry
 
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
+EXTENDED_FILE = "extended.json"   # trials the grid-edge rule added (``gssp_jax.grid_edge``)
 STALE_DIR = "_stale"       # changed trials moved aside by `rerun_changed`
 MAX_NAME = 200             # characters of a trial directory's name (file names: 255 bytes)
 
@@ -71,21 +72,62 @@ class Grid(list):
   ``tune_seeds``: the seeds whose trials choose each configuration's tuned value (default:
   every seed); a grid that runs the other seeds only at the chosen value declares it, and
   the report chooses on those seeds alone (``report.select_tuned``).
+
+  ``ladders``: per tuned key, the increasing values it may be extended to (:func:`tune`'s
+  ``ladder``): where a configuration's best value is an end of those it tried, the runner adds
+  the ladder's next value on that side (``gssp_jax.grid_edge``).
   """
 
-  def __init__(self, items=(), tuned: Sequence[str] = (), tune_seeds: Sequence[int] | None = None):
+  def __init__(self, items=(), tuned: Sequence[str] = (), tune_seeds: Sequence[int] | None = None,
+               ladders: dict[str, Sequence[float]] | None = None):
     super().__init__(items)
     self.tuned = tuple(dict.fromkeys(tuned))
     self.tune_seeds = None if tune_seeds is None else tuple(int(s) for s in tune_seeds)
+    self.ladders = {k: tuple(v) for k, v in (ladders or {}).items()}
+    for key, ladder in self.ladders.items():
+      if key not in self.tuned:
+        raise ValueError(f"ladders: key {key!r} is not tuned; allowed: the tuned keys "
+                         f"{list(self.tuned)}")
+      _check_ladder(key, ladder, ())
 
 
 class Trials(list):
-  """:func:`expand`'s trials, with the grid's ``tune_seeds`` (for ``sweep.json``)."""
+  """:func:`expand`'s trials, with the grid's ``tune_seeds`` and ``ladders`` (for
+  ``sweep.json``)."""
   tune_seeds: tuple[int, ...] | None = None
+  ladders: dict[str, tuple] = {}
 
 
 def _tuned(axes) -> tuple[str, ...]:
   return tuple(k for a in axes for k in getattr(a, "tuned", ()))
+
+
+def _ladders(axes) -> dict[str, tuple]:
+  """The axes' ladders merged; one key with two different ladders is refused."""
+  merged: dict[str, tuple] = {}
+  for axis in axes:
+    for key, ladder in getattr(axis, "ladders", {}).items():
+      if merged.setdefault(key, ladder) != ladder:
+        raise ValueError(f"tuned key {key!r} has two ladders, {merged[key]} and {ladder}; "
+                         "allowed: one ladder per key")
+  return merged
+
+
+def _check_ladder(key: str, ladder: Sequence[Any], values: Sequence[Any]) -> tuple:
+  """``ladder`` as a tuple: numbers, strictly increasing, holding every value of ``values``."""
+  if isinstance(ladder, (str, bytes)) or not isinstance(ladder, Sequence):
+    raise ValueError(f"tune {key!r}: ladder={ladder!r} is invalid; allowed: a list of numbers")
+  ladder = tuple(ladder)
+  if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ladder):
+    raise ValueError(f"tune {key!r}: ladder={ladder!r} is invalid; allowed: numbers only")
+  if len(ladder) < 2 or any(a >= b for a, b in zip(ladder, ladder[1:])):
+    raise ValueError(f"tune {key!r}: ladder={ladder!r} is invalid; allowed: at least two numbers, "
+                     "strictly increasing")
+  missing = [v for v in values if v not in ladder]
+  if missing:
+    raise ValueError(f"tune {key!r}: values {missing} are not on ladder={ladder!r}; allowed: a "
+                     "ladder that holds every tuned value")
+  return ladder
 
 
 def sweep(key: str, values: Sequence[Any]) -> list[dict]:
@@ -95,22 +137,30 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict]:
   return [{key: v} for v in values]
 
 
-def tune(key: str, values: Sequence[Any]) -> Grid:
+def tune(key: str, values: Sequence[Any], ladder: Sequence[float] | None = None) -> Grid:
   """An axis of a hyperparameter tuned per configuration, e.g. ``tune("optimizer.learning_rate",
-  [0.02, 0.05, 0.1])``: every value runs, the report picks each configuration's best."""
+  [0.02, 0.05, 0.1])``: every value runs, the report picks each configuration's best.
+
+  ``ladder`` (increasing numbers holding ``values``, e.g. ``(0.005, 0.01, 0.02, 0.05, 0.1,
+  0.2, 0.5)``): where a configuration's best value is the lowest (highest) it has tried, the
+  runner also runs it at the ladder's next lower (higher) value, every seed, until its best
+  lies inside the values tried or the ladder ends (``gssp_jax.grid_edge``).
+  """
   if key == "seed":
     raise ValueError("tune('seed', ...) is invalid; allowed: any config key but seed (seeds "
                      "are repetitions, declared with sweep('seed', ...))")
   axis = sweep(key, values)
   if not axis:
     raise ValueError(f"tune {key!r}: values={values!r} is invalid; allowed: at least one value")
-  return Grid(axis, tuned=(key,))
+  ladders = {} if ladder is None else {key: _check_ladder(key, ladder, list(values))}
+  return Grid(axis, tuned=(key,), ladders=ladders)
 
 
 def product(*axes: list[dict]) -> Grid:
   """Every combination of the axes (the first varies slowest)."""
   return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
-               for combo in itertools.product(*axes)], tuned=_tuned(axes))
+               for combo in itertools.product(*axes)], tuned=_tuned(axes),
+              ladders=_ladders(axes))
 
 
 def zipped(*axes: list[dict]) -> Grid:
@@ -119,7 +169,7 @@ def zipped(*axes: list[dict]) -> Grid:
   if len(lengths) > 1:
     raise ValueError(f"zipped axes have different lengths {sorted(lengths)}; allowed: equal")
   return Grid([dict(itertools.chain.from_iterable(d.items() for d in combo))
-               for combo in zip(*axes)], tuned=_tuned(axes))
+               for combo in zip(*axes)], tuned=_tuned(axes), ladders=_ladders(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +180,7 @@ class Trial:
   tuned: tuple[str, ...] = ()   # the overrides' keys that are tuned, not compared
   # Sync keys the base config sets for other trials' schemes (config.validate_config).
   allow_unread: tuple[str, ...] = ()
+  extended: bool = False   # added by the grid-edge rule (``extended.json``), not the sweep file
 
 
 def trial_name(overrides: dict) -> str:
@@ -222,18 +273,19 @@ def check_overrides(overrides: dict, grid: Sequence[dict], path: str) -> None:
                        "the grid's values in the sweep file)")
 
 
-def expand(path: str, overrides: dict | None = None) -> list[Trial]:
+def expand(path: str, overrides: dict | None = None, workdir: str | None = None) -> list[Trial]:
   """The sweep's trials, each config built and validated (nothing runs or compiles).
 
   ``path`` may end in ``:arg`` (``configs/sweeps/x.py:full``); the arg goes to
   ``get_config(arg)`` and ``get_sweep(arg)`` when they take one. ``overrides``
   (dotted keys, as ``--config.key=value``) change the base config of every
-  trial; they do not enter the trial names.
+  trial; they do not enter the trial names. With ``workdir``, the trials the grid-edge
+  rule added there (``extended.json``, :func:`extended_overrides`) follow the file's.
 
   Raises:
     ValueError: an empty grid, an unknown key, a value of the wrong type or an
       invalid value, naming the key; two trials with the same overrides; an
-      override of a key the grid sets.
+      override of a key the grid sets; ladders with ``tune_seeds``.
   """
   overrides = dict(overrides or {})
   module, arg = load_sweep(path)
@@ -245,26 +297,79 @@ def expand(path: str, overrides: dict | None = None) -> list[Trial]:
   allow_unread = _base_sync_keys(module, arg, grid, overrides)
   trials, names = Trials(), set()
   trials.tune_seeds = getattr(grid, "tune_seeds", None)
+  trials.ladders = dict(getattr(grid, "ladders", {}))
   if trials.tune_seeds is not None and not set(trials.tune_seeds) & {
       o.get("seed") for o in grid}:
     raise ValueError(f"sweep file {path}: tune_seeds={trials.tune_seeds!r} is invalid; allowed: "
                      "seeds the grid's trials set")
-  for overrides_of_trial in grid:
+  if trials.tune_seeds is not None and trials.ladders:
+    raise ValueError(f"sweep file {path}: ladders with tune_seeds are invalid (the other seeds "
+                     "ran at a value chosen before, which an extension could change); allowed: "
+                     "one or the other")
+  tuned = tuple(getattr(grid, "tuned", ()))
+  extra = [] if workdir is None else extended_overrides(workdir, grid, trials.ladders)
+  for overrides_of_trial, extended in [(o, False) for o in grid] + [(o, True) for o in extra]:
     config = _call(module.get_config, arg)
     _set(config, overrides, f"sweep {path}, --config.*")
     _set(config, overrides_of_trial, f"sweep file {path}")
     try:
       config_lib.validate_config(config, allow_unread=allow_unread)
     except ValueError as e:
-      raise ValueError(f"sweep file {path}, trial {overrides_of_trial}: {e}") from None
+      where = f"{EXTENDED_FILE} in {workdir}" if extended else f"sweep file {path}"
+      raise ValueError(f"{where}, trial {overrides_of_trial}: {e}") from None
     name = trial_name(overrides_of_trial)
     if name in names:
+      if extended:   # the sweep file has since declared this value itself
+        continue
       raise ValueError(f"sweep file {path}: trial {overrides_of_trial} appears twice")
     names.add(name)
     trials.append(Trial(name, dict(overrides_of_trial), config,
-                        tuple(k for k in getattr(grid, "tuned", ()) if k in overrides_of_trial),
-                        allow_unread))
+                        tuple(k for k in tuned if k in overrides_of_trial), allow_unread,
+                        extended))
   return trials
+
+
+def extended_overrides(workdir: str, grid: Sequence[dict] | None = None,
+                       ladders: dict[str, tuple] | None = None) -> list[dict]:
+  """The trials the grid-edge rule added to ``workdir`` (``extended.json``), in order.
+
+  With ``grid`` and ``ladders`` (the sweep file's), only those that still belong to it: one
+  laddered key differs from a trial of the grid, to a value on that key's ladder. The others
+  (the file dropped their configuration or ladder) stay in the file, unused.
+  """
+  path = os.path.join(workdir, EXTENDED_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    # [key, value] pairs: the grid's key order, which names the trial (JSON objects are sorted).
+    added = [{k: v for k, v in t["overrides"]} for t in json.load(f)["trials"]]
+  if grid is None:
+    return added
+  ladders = ladders or {}
+
+  def belongs(o):
+    for key, ladder in ladders.items():
+      if key in o and o[key] in ladder:
+        rest = {k: v for k, v in o.items() if k != key}
+        if any(key in g and {k: v for k, v in g.items() if k != key} == rest for g in grid):
+          return True
+    return False
+  return [o for o in added if belongs(o)]
+
+
+def add_extended(workdir: str, added: Sequence[dict], why: Sequence[str]) -> None:
+  """Appends trials (override dicts) to ``workdir``'s ``extended.json``, each with its reason."""
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, EXTENDED_FILE)
+  record = {"trials": []}
+  if os.path.exists(path):
+    with open(path) as f:
+      record = json.load(f)
+  record["trials"] += [{"name": trial_name(o), "overrides": [[k, v] for k, v in o.items()],
+                        "why": w}
+                       for o, w in zip(added, why)]
+  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.write_json(path, record, default=str)
 
 
 def _base_sync_keys(module, arg, grid, overrides: dict) -> tuple[str, ...]:
@@ -462,10 +567,13 @@ def write_grid(workdir: str, path: str, trials: Sequence[Trial],
   """Records the current grid (trial names, overrides, tuned keys) and the base config's
   ``--config.*`` overrides in ``<workdir>/sweep.json``."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned)} for t in trials]
+  grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned),
+           **({"extended": True} if t.extended else {})} for t in trials]
   record = {"sweep": path, "overrides": dict(overrides or {}), "trials": grid}
   if getattr(trials, "tune_seeds", None) is not None:
     record["tune_seeds"] = list(trials.tune_seeds)
+  if getattr(trials, "ladders", None):
+    record["ladders"] = {k: list(v) for k, v in trials.ladders.items()}
   workdir_lib.write_json(os.path.join(workdir, GRID_FILE), record, default=str)
 
 
@@ -507,7 +615,7 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
                      "trials at once as their resources allow: --ray_cpus_per_trial, "
                      "--ray_gpus_per_trial)")
   overrides = dict(overrides or {})
-  trials = expand(path, overrides)
+  trials = expand(path, overrides, workdir)
   changed = changed_trials(trials, workdir)
   if changed and not rerun_changed:
     before = recorded_overrides(workdir)

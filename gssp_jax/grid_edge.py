@@ -1,0 +1,137 @@
+"""The grid-edge rule: a tuned value that wins at an end of the values tried is tried beyond it.
+
+A sweep file may give a tuned key a ladder (``sweep.tune(key, values, ladder=...)``: increasing
+numbers that hold the declared values). Once every trial of a configuration (every swept value
+but the tuned keys and the seed) has finished, its best value is the one the report picks
+(``report.best_value``, :data:`report.TUNING_CRITERION`). If that value of a laddered key is the
+lowest (highest) the configuration has tried along that key, and the ladder goes on below
+(above), the configuration runs at the ladder's next value, on every seed of its best value.
+The rule repeats until no configuration's best can move, so no winner sits at the edge of what
+it tried unless the ladder ends there (the report says which).
+
+The added trials go to the sweep's ``extended.json`` before they run, so a rerun, a child
+process (``experiments.sweep --only``) and the report treat them as trials of the grid; the
+sweep runner does not take them for a changed sweep. Nothing is extended while any trial of the
+sweep is unfinished (failed, interrupted, not run): a rerun finishes them first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from absl import logging
+
+from gssp_jax import report
+from gssp_jax import sweep as sweep_lib
+
+
+def _configuration(overrides: dict, tuned: Sequence[str]) -> tuple:
+  return report.configurations([{"_overrides": overrides}], list(tuned)).popitem()[0]
+
+
+def extensions(workdir: str, trials: Sequence[sweep_lib.Trial],
+               ladders: dict[str, tuple]) -> list[tuple[dict, str]]:
+  """The trials the rule adds now: ``(overrides, why)`` for each, in the grid's order.
+
+  Args:
+    workdir: the sweep's directory (its ``sweep.json`` names ``trials``).
+    trials: the sweep's current trials (``sweep.expand(path, overrides, workdir)``).
+    ladders: per tuned key, its ladder (``Trials.ladders``).
+  """
+  if not ladders:
+    return []
+  rows = report.collect(workdir)
+  tuned = report.tuned_keys(rows)
+  waiting = {_configuration(t.overrides, tuned) for t in trials
+             if sweep_lib.trial_status(os.path.join(workdir, t.name)) not in sweep_lib.FINISHED}
+  by_name = {t.name: t for t in trials}
+  added = []
+  for cfg, by_value in report.configurations(rows, tuned).items():
+    if cfg in waiting:
+      continue
+    best = report.best_value(by_value)
+    for i, key in enumerate(tuned):
+      step = _next_value(key, i, best, list(by_value), ladders.get(key))
+      if step is None:
+        continue
+      value, why = step
+      for member in by_value[best]:
+        # The trial's own overrides keep the grid's key order (trial.json sorts them).
+        trial = by_name.get(member["trial"])
+        overrides = {**(trial.overrides if trial else member["_overrides"]), key: value}
+        if sweep_lib.trial_name(overrides) not in by_name:
+          added.append((overrides, why))
+  return added
+
+
+def _next_value(key: str, i: int, best: tuple, values: list[tuple],
+                ladder: tuple | None) -> tuple[float, str] | None:
+  """The ladder's next value beyond ``best[i]`` where it is an end of the values tried along
+  ``key`` (the other tuned keys at ``best``'s), with the reason; None where it is not, where
+  fewer than two values were tried, a value is off the ladder, or the ladder ends there."""
+  if not ladder:
+    return None
+  along = sorted(json.loads(v[i]) for v in values
+                 if all(v[j] == best[j] for j in range(len(best)) if j != i))
+  chosen = json.loads(best[i])
+  if len(along) < 2 or any(x not in ladder for x in along):
+    return None
+  at = ladder.index(chosen)
+  if chosen == along[0] and at > 0:
+    value, side = ladder[at - 1], "lowest"
+  elif chosen == along[-1] and at < len(ladder) - 1:
+    value, side = ladder[at + 1], "highest"
+  else:
+    return None
+  tried = ", ".join(f"{x:g}" for x in along)
+  return value, f"{key}={chosen:g} won as the {side} value tried ({tried}); next on the ladder"
+
+
+def run_sweep(path: str, workdir: str, **kwargs) -> dict[str, str]:
+  """``sweep.run_sweep``, then the rule: adds and runs trials until no winner can move.
+
+  ``kwargs`` go to ``sweep.run_sweep``. With ``max_trials`` set, the sweep runs as asked and
+  nothing is extended (a rerun without it extends).
+
+  Returns:
+    each trial's status, the added ones included.
+  """
+  while True:
+    statuses = sweep_lib.run_sweep(path, workdir, **kwargs)
+    if kwargs.get("max_trials"):
+      return statuses
+    unfinished = [n for n, s in statuses.items() if s not in sweep_lib.FINISHED]
+    trials = sweep_lib.expand(path, kwargs.get("overrides"), workdir)
+    if not trials.ladders:
+      return statuses
+    if unfinished:
+      logging.info("grid edge: not extended while %d trial(s) are unfinished (%s); a rerun "
+                   "finishes them first", len(unfinished), ", ".join(unfinished[:5]))
+      return statuses
+    added = extensions(workdir, trials, trials.ladders)
+    if not added:
+      logging.info("grid edge: every configuration's best value lies inside the values it "
+                   "tried, or at the end of its ladder")
+      return statuses
+    for overrides, why in added:
+      logging.info("grid edge: adding %s: %s", sweep_lib.trial_name(overrides), why)
+    sweep_lib.add_extended(workdir, [o for o, _ in added], [w for _, w in added])
+
+
+def possible(trials: Sequence[sweep_lib.Trial], ladders: dict[str, tuple]) -> int:
+  """The most trials the rule could still add: per configuration and laddered key it tunes,
+  the ladder's values not tried yet, times its seeds (an upper bound, for the plan)."""
+  tuned = list(dict.fromkeys(k for t in trials for k in t.tuned))
+  by_cfg: dict[tuple, list[dict]] = {}
+  for t in trials:
+    by_cfg.setdefault(_configuration(t.overrides, tuned), []).append(t.overrides)
+  total = 0
+  for members in by_cfg.values():
+    seeds = {json.dumps(m.get("seed")) for m in members}
+    for key, ladder in ladders.items():
+      tried = {m[key] for m in members if key in m}
+      if len(tried) >= 2 and tried <= set(ladder):
+        total += len([x for x in ladder if x not in tried]) * len(seeds)
+  return total
