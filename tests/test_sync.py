@@ -506,6 +506,44 @@ def test_dssp_controller_picks_the_push_closest_to_any_of_the_slowest_ones():
   assert protocol.thresholds == [(10.0, 0, 0)]
 
 
+def _controller_by_definition(protocol, worker, time):
+  """Algorithm 2 as written: every candidate against every simulated push of the slowest."""
+  alive = np.flatnonzero(protocol.alive)
+  slow = int(alive[np.argmin(protocol.clock[alive])])
+  i_fast = protocol.last[worker] - protocol.prev[worker]
+  i_slow = protocol.last[slow] - protocol.prev[slow]
+  if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
+    return None
+  ahead = int(protocol.clock[worker] - protocol.clock[alive].min())
+  r_cap = max(0, min(protocol.high - protocol.low, protocol.high - ahead + 1))
+  fast = time + np.arange(r_cap + 1) * i_fast
+  num_slow = max(1, int(np.ceil((fast[-1] - protocol.last[slow]) / i_slow)) + 1)
+  slow_pushes = protocol.last[slow] + np.arange(1, num_slow + 1) * i_slow
+  return int(np.argmin(np.abs(fast[:, None] - slow_pushes[None, :]).min(axis=1)))
+
+
+def test_dssp_controller_equals_its_definition_on_random_and_regular_clusters():
+  """The controller searches only the slowest's two pushes around each candidate; the answer
+  must be the definition's, ties included (regular intervals make exact ties)."""
+  rng = np.random.default_rng(0)
+  for case in range(3000):
+    protocol = sync.DSSPProtocol(16, (3, 15))
+    protocol.clock[:] = rng.integers(10, 20, 16)
+    w = int(rng.integers(16))
+    protocol.clock[w] = 10 + int(rng.integers(3, 20))
+    if case % 3 == 0:   # regular tiers: exact ties between candidates
+      protocol.last[:] = 1.0 + rng.integers(0, 8, 16) * 0.005
+      protocol.prev[:] = protocol.last - 0.01 * np.repeat([1.0, 1.5, 2.0, 3.0], 4)
+    else:
+      protocol.last[:] = 1.0 + rng.random(16) * rng.choice([0.01, 1.0, 100.0])
+      protocol.prev[:] = protocol.last - rng.random(16) * rng.choice([0.001, 0.01, 0.1, 1.0])
+    if case % 11 == 0:
+      protocol.alive[rng.integers(16)] = False
+      protocol.alive[w] = True
+    time = float(protocol.last[w])
+    assert protocol.extra_iterations(w, time) == _controller_by_definition(protocol, w, time), case
+
+
 def test_dssp_re_decides_under_persistent_heterogeneity():
   # Speeds 1 s and 3 s, s=(3, 15): the fastest is never back within s_L. Its credit runs
   # out and the controller decides again, many times, with the newest timestamps.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gssp_jax.sync import transforms
@@ -222,21 +224,36 @@ class DSSPProtocol(SSPProtocol):
   def extra_iterations(self, worker: int, time: float) -> int | None:
     """The controller's ``r`` for ``worker`` pushing at ``time`` (None: no history yet).
 
-    Reads the clocks (after the push) and the push times; changes nothing.
+    Reads the clocks (after the push) and the push times; changes nothing. The fastest
+    worker's candidate pushes are ``time + i * I_f``; each one's waiting time is its distance to
+    the nearest of the slowest's pushes ``last_s + k * I_s`` (``k = 1..K``), which rise with
+    ``k``, so the nearest is one of the two around it (the same floats as comparing with every
+    ``k``, in plain Python: this runs at many pushes of the fastest worker).
     """
     alive = np.flatnonzero(self.alive)
     slow = int(alive[np.argmin(self.clock[alive])])   # the first slowest alive worker
-    i_fast = self.last[worker] - self.prev[worker]
-    i_slow = self.last[slow] - self.prev[slow]
-    if not (np.isfinite(i_fast) and np.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
+    last_s = float(self.last[slow])
+    i_fast = float(self.last[worker] - self.prev[worker])
+    i_slow = last_s - float(self.prev[slow])
+    if not (math.isfinite(i_fast) and math.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
       return None
     ahead = int(self.clock[worker] - alive_min(self.clock, self.alive))
     r_cap = max(0, min(self.high - self.low, self.high - ahead + 1))
-    fast = time + np.arange(r_cap + 1) * i_fast
-    num_slow = max(1, int(np.ceil((fast[-1] - self.last[slow]) / i_slow)) + 1)
-    slow_pushes = self.last[slow] + np.arange(1, num_slow + 1) * i_slow
-    wait = np.abs(fast[:, None] - slow_pushes[None, :]).min(axis=1)
-    return int(np.argmin(wait))   # the first minimum: ties go to the smaller r
+    num_slow = max(1, math.ceil((time + r_cap * i_fast - last_s) / i_slow) + 1)
+    best, best_r = math.inf, 0
+    for r in range(r_cap + 1):
+      fast = time + r * i_fast
+      k = min(max(math.floor((fast - last_s) / i_slow), 1), num_slow)
+      while k < num_slow and last_s + (k + 1) * i_slow <= fast:
+        k += 1
+      while k > 1 and last_s + k * i_slow > fast:
+        k -= 1
+      wait = abs(fast - (last_s + k * i_slow))
+      if k < num_slow:
+        wait = min(wait, abs(fast - (last_s + (k + 1) * i_slow)))
+      if wait < best:   # the first minimum: ties go to the smaller r
+        best, best_r = wait, r
+    return best_r
 
   def _within(self, blocked, ahead, time):
     """Only the pusher's allowance is more than ``s_L`` (:meth:`allowance`): one call, not one
@@ -244,8 +261,9 @@ class DSSPProtocol(SSPProtocol):
     within = ahead <= self.low
     pusher = self._pusher
     if pusher >= 0:
-      i = int(np.searchsorted(blocked, pusher))
-      if i < blocked.size and blocked[i] == pusher:
+      ids = blocked.tolist()
+      if pusher in ids:
+        i = ids.index(pusher)
         within[i] = ahead[i] <= self._pusher_allowance(pusher, time, int(ahead[i]))
     return within
 
