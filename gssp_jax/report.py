@@ -615,7 +615,8 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
   if len(edges) > len(ends):
     lines += ["", f"{len(edges) - len(ends)} of {len(choices)} configuration(s) won at the "
               "grid's edge: a better value may lie beyond it ("
-              + ("a rerun of the sweep extends them along the ladder)." if ladder else
+              + ("the sweep extends them along the ladder once its trials have finished)."
+                 if ladder else
                  "extend the grid on that side).")]
   return lines
 
