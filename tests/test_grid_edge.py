@@ -11,6 +11,7 @@ import pytest
 
 from gssp_jax import grid_edge
 from gssp_jax import report
+from gssp_jax import reproduce
 from gssp_jax import sweep
 from tests.conftest import REPO
 from tests.test_fair import _trial
@@ -128,7 +129,7 @@ def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_ad
   through extended.json; the report shows the declared grid and the added trials."""
   path = tmp_path / "edge.py"
   path.write_text(textwrap.dedent(_SWEEP_FILE.replace("{TUNE_SEEDS}", "None")))
-  workdir = tmp_path / "runs"
+  workdir = tmp_path / "runs" / "edge"   # where experiments.reproduce keeps a study "edge"
   env = {**os.environ, "GSSP_DATA_DIR": data_dir}
   command = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
              f"--workdir={workdir}", "--parallel=2"]
@@ -150,6 +151,13 @@ def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_ad
   md = open(report.write_report(str(workdir), str(tmp_path / "out"))["md"]).read()
   assert "optimizer.learning_rate in {0.1, 0.2}" in md   # the declared grid
   assert f"{len(added)} trial(s) were added so" in md
+  # experiments.reproduce's plan counts them, and what the ladder may still add.
+  (row,) = reproduce.plan([reproduce.Study("edge", str(path), "a test", 0.1, "tuned")],
+                          str(tmp_path), str(REPO), 1)
+  assert (row["trials"], row["finished"], row["extended"]) == (len(trials),) * 2 + (len(added),)
+  assert row["may_extend"] == 4 - len(rates)
+  assert f"{len(added)} of its trials were added by the grid-edge rule" in (
+      reproduce.describe_plan([row], 1))
   # A rerun: nothing to run, nothing added, no "changed sweep".
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
