@@ -1,15 +1,19 @@
 """Runs the studies behind the papers' claims, resumably, then writes their reports and the table.
 
   python -m experiments.reproduce --out=DIR [--only=mnist_tuned,mnist_authors,local_update] \
-      [--parallel=N] [--plan]
+      [--parallel=N] [--plan] [--publish=docs/results/claims --doc=docs/REPRODUCTION.md]
 
 It first prints what it will run (each study's trials, how many are finished, the estimated
 hours left: declared per-trial costs until a study has finished trials, then theirs) and then
 runs. A rerun with the same --out skips finished trials and resumes the others from their
 checkpoints; Ctrl-C or ``kill`` stops every trial (each records ``interrupted``). --plan
-prints the plan and the claims table from what has finished, and runs nothing. On a GPU the
+prints the plan, writes the reports and the claims table of what has finished, and runs
+nothing. On a GPU the
 trials' ``executor='auto'`` picks the GPU executor. Studies, claims and the rule that decides a
 claim: ``gssp_jax/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
+--publish copies the table and the studies' reports into the repository, and --doc puts the
+table into a document between its markers (``reproduce.BEGIN``/``END``): the committed table is
+the command's, not typed by hand.
 """
 
 import os
@@ -28,6 +32,10 @@ _ONLY = flags.DEFINE_list("only", [], "studies to run (default: "
                           f"{','.join(reproduce.STUDIES)}")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "trials at once (separate processes when > 1)")
 _PLAN = flags.DEFINE_bool("plan", False, "print the plan and the table so far; run nothing")
+_PUBLISH = flags.DEFINE_string("publish", None, "then copy the table and the studies' reports "
+                               "here (e.g. docs/results/claims)")
+_DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
+                           "between its claims-table markers (e.g. docs/REPRODUCTION.md)")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +45,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}; allowed: flags only")
   if _PARALLEL.value < 1:
     raise ValueError(f"--parallel={_PARALLEL.value} is invalid; allowed: an int >= 1")
+  if _DOC.value and not _PUBLISH.value:
+    raise ValueError(f"--doc={_DOC.value} is invalid without --publish; allowed: --publish=DIR "
+                     "--doc=FILE (the table's files go to DIR, the table into FILE)")
+  if _DOC.value:
+    reproduce.check_doc(_DOC.value)   # before hours of runs, not after
   root = cli.check_workdir(_OUT.value)
   studies = reproduce.select(_ONLY.value)
   rows = reproduce.plan(studies, root, REPO, _PARALLEL.value)   # validates every sweep first
@@ -47,9 +60,15 @@ def main(argv):
     with cli.sigterm_as_interrupt():
       reproduce.run(studies, root, REPO, _PARALLEL.value)
   os.makedirs(root, exist_ok=True)
+  if _PLAN.value:   # the reports of what has finished so far, beside the table
+    reproduce.write_reports(root, studies)
   paths = reproduce.write_claims(root, studies)
   for kind, path in paths.items():
     print(f"claims {kind}: {path}")
+  if _PUBLISH.value:
+    written = reproduce.publish(root, studies, _PUBLISH.value, _DOC.value)
+    print(f"published: {len(written)} files under {_PUBLISH.value}"
+          + (f", the table into {_DOC.value}" if _DOC.value else ""))
 
 
 if __name__ == "__main__":

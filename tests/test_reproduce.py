@@ -91,6 +91,40 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
   md = (out / "claims.md").read_text()
   assert "| GSSP | 46-120 % faster" in md and (out / "claims.png").stat().st_size > 0
   assert "Tuning (disclosed)" in (out / "tiny" / "report.md").read_text()
+  assert "| `tiny` | 8 of 8 | 0 | " in md and "(some untimed)" not in md   # the cost table
+
+  # Published into a document: the table between its markers, its links relative to it.
+  doc = tmp_path / "docs" / "REPRODUCTION.md"
+  doc.parent.mkdir()
+  doc.write_text(
+      f"# Results\n\n{reproduce.BEGIN}\nthe table of before\n{reproduce.END}\n\nAfter.\n")
+  published = subprocess.run(
+      _command(out) + ["--plan", f"--publish={tmp_path / 'docs' / 'results' / 'claims'}",
+                       f"--doc={doc}"], cwd=REPO, env=env, capture_output=True, text=True,
+      timeout=300)
+  assert published.returncode == 0, published.stderr[-3000:]
+  text = doc.read_text()
+  assert "the table of before" not in text and text.endswith("\n\nAfter.\n")
+  assert "| GSSP | 46-120 % faster" in text and "](results/claims/claims.png)" in text
+  assert "[`tiny`](results/claims/tiny/report.md)" in text
+  assert (tmp_path / "docs" / "results" / "claims" / "tiny" / "summary.csv").read_text() == (
+      out / "tiny" / "summary.csv").read_text()
+
+
+def test_a_document_without_the_markers_is_refused_before_anything_is_copied(tmp_path):
+  root = tmp_path / "out"
+  root.mkdir()
+  (root / "claims.md").write_text("# title\n\nbody ![x](claims.png)\n")
+  doc = tmp_path / "doc.md"
+  doc.write_text(f"no markers here\n{reproduce.END}\n")
+  with pytest.raises(ValueError, match="needs the lines"):
+    reproduce.publish(str(root), [], str(tmp_path / "dest"), str(doc))
+  assert not (tmp_path / "dest").exists()
+  with pytest.raises(ValueError, match="no claims table"):
+    reproduce.publish(str(tmp_path), [], str(tmp_path / "dest"))
+  doc.write_text(f"a\n{reproduce.BEGIN}\n{reproduce.END}\nb\n")
+  reproduce.publish(str(root), [], str(tmp_path / "dest"), str(doc))
+  assert "body ![x](dest/claims.png)" in doc.read_text()
 
 
 def test_verdicts_follow_the_figures():
