@@ -145,6 +145,15 @@ def test_verdicts_follow_the_figures():
       "holds here"
   assert "more than the 0.131" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": 0.5})
   assert reproduce.verdict(claim, None) == "not run in this study"
+  # Against the claim's other baselines too: each at its own best rate, per seed.
+  over = reproduce.speedup_over({"times": {0: 10.0, 1: 20.0, 2: None}},
+                                {"times": {0: 12.0, 1: 40.0, 2: 30.0}})
+  assert over == {"median": 1.6, "min": 1.2, "max": 2.0, "n": 2}
+  assert reproduce.verdict(claim, {**fig, "vs": {"SSP": over}}) == "holds here"
+  assert "its median speedup over ASP, 1.20x, is below the 1.46x" in reproduce.verdict(
+      claim, {**fig, "vs": {"ASP": {**over, "median": 1.2}, "SSP": over}})
+  assert "no speedup over SSP" in reproduce.verdict(claim, {**fig, "vs": {"SSP": None}})
+  assert reproduce.speedup_over({"times": {0: None}}, {"times": {0: 1.0}}) is None
 
 
 def test_unknown_studies_are_refused_naming_the_allowed_ones():
