@@ -17,6 +17,7 @@
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
 # tests/test_sim.py on the GPU. "chunks33" (about 3.5 minutes): benchmarks.chunk_profile's
 # device time per piece and top kernels, ResNet-18 and LeNet-5 at 16 workers, LeNet-5 at 256.
+# "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
 # the tails of their stderr to $OUT/errs.txt. The parameter server's throughput (CPU only) runs
@@ -94,6 +95,17 @@ want steady && stage steady 130 $P benchmarks.sim_efficiency --executor=levels -
     --levels_per_call=1,8 --epochs=0.25
 want transport && stage transport 150 python3 -m benchmarks.dist_transport --parts=ratio,server,shards \
     --models=resnet18 --rounds=3 --seconds=6 --repeats=1 --num_servers=1,4
+# Issue 35's studies on the GPU ("claims35"; CLAIMS_ONLY, default cifar10_tuned; CLAIMS_S
+# seconds, default 420; CLAIMS_PARALLEL trials at once, default 4): virtual time does not depend
+# on the machine, so the finished trials (copied back without checkpoints) join the CPU's with
+#   python -m experiments.reproduce --out=DIR --only=cifar10_tuned --merge_from=<files_at>/claims35 --plan
+# The timeout's SIGTERM stops the trials as Ctrl-C does (each records `interrupted`).
+if want claims35; then
+  stage claims35 ${CLAIMS_S:-420} $P experiments.reproduce --only=${CLAIMS_ONLY:-cifar10_tuned} \
+      --out=/tmp/claims35 --parallel=${CLAIMS_PARALLEL:-4}
+  mkdir -p $OUT/claims35 && ( cd /tmp/claims35 && find runs \( -name checkpoints -o -name tensorboard \) \
+      -prune -o -type f -print | tar -cf - -T - ) | tar -xf - -C $OUT/claims35
+fi
 [ -n "$BG" ] && wait $BG
 for f in /tmp/err_*.txt; do echo "##### $f"; grep -v -E "^I[0-9]{4}|checkpoint|^\s*$" $f | tail -25; done > $OUT/errs.txt 2>&1
 echo "total $(( $(date +%s) - T0 )) s" >> $OUT/log.txt

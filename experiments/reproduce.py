@@ -1,7 +1,8 @@
 """Runs the studies behind the papers' claims, resumably, then writes their reports and the table.
 
   python -m experiments.reproduce --out=DIR [--only=mnist_tuned,mnist_authors,local_update] \
-      [--parallel=N] [--plan] [--publish=docs/results/claims --doc=docs/REPRODUCTION.md]
+      [--parallel=N] [--plan] [--merge_from=DIR2] \
+      [--publish=docs/results/claims --doc=docs/REPRODUCTION.md]
 
 It first prints what it will run (each study's trials, how many are finished, the estimated
 hours left: declared per-trial costs until a study has finished trials, then theirs) and then
@@ -11,6 +12,8 @@ prints the plan, writes the reports and the claims table of what has finished, a
 nothing. On a GPU the
 trials' ``executor='auto'`` picks the GPU executor. Studies, claims and the rule that decides a
 claim: ``gssp_jax/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
+--merge_from=DIR2 first adds the finished trials of another --out (run elsewhere, e.g. on a GPU:
+virtual time does not depend on the machine) that this one lacks (``reproduce.merge``).
 --publish copies the table and the studies' reports into the repository, and --doc puts the
 table into a document between its markers (``reproduce.BEGIN``/``END``): the committed table is
 the command's, not typed by hand.
@@ -32,6 +35,8 @@ _ONLY = flags.DEFINE_list("only", [], "studies to run (default: "
                           f"{','.join(reproduce.STUDIES)}")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "trials at once (separate processes when > 1)")
 _PLAN = flags.DEFINE_bool("plan", False, "print the plan and the table so far; run nothing")
+_MERGE_FROM = flags.DEFINE_string("merge_from", None, "first add the finished trials of another "
+                                  "--out (e.g. run on a GPU) that this one lacks")
 _PUBLISH = flags.DEFINE_string("publish", None, "then copy the table and the studies' reports "
                                "here (e.g. docs/results/claims)")
 _DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
@@ -52,6 +57,13 @@ def main(argv):
     reproduce.check_doc(_DOC.value)   # before hours of runs, not after
   root = cli.check_workdir(_OUT.value)
   studies = reproduce.select(_ONLY.value)
+  if _MERGE_FROM.value:
+    for name, got in reproduce.merge(_MERGE_FROM.value, root, studies, REPO).items():
+      print(f"{name}: {len(got['taken'])} finished trial(s) taken from {_MERGE_FROM.value}"
+            + (f"; {len(got['changed'])} left, run with another config: "
+               f"{', '.join(got['changed'])}" if got["changed"] else "")
+            + (f"; {len(got['busy'])} left, running here: {', '.join(got['busy'])}"
+               if got["busy"] else ""))
   rows = reproduce.plan(studies, root, REPO, _PARALLEL.value)   # validates every sweep first
   print(reproduce.describe_plan(rows, _PARALLEL.value), flush=True)
   cli.setup_logging()

@@ -231,6 +231,70 @@ def write_reports(root: str, studies: Sequence[Study]) -> list[str]:
   return done
 
 
+def merge(source: str, root: str, studies: Sequence[Study], repo: str) -> dict[str, dict]:
+  """Adds to ``root`` the finished trials of another ``--out`` (``source``; e.g. run on a GPU):
+  virtual time does not depend on the machine, so a trial's figures are the same wherever it ran
+  (its ``summary.json`` names the machine).
+
+  A trial is taken when it is finished there and not here, and its recorded config is the one
+  the sweep file builds now (else it is left, and counted); the trials the grid-edge rule added
+  there come with their ``extended.json`` entries. Its directory is copied without its
+  checkpoints; an unfinished run of it here is moved to ``runs/<study>/_stale/<time>/`` first
+  (nothing is deleted), unless its ``trial.json`` says it is running (left, and counted: merge
+  while the study does not run here, or its running trials stay).
+
+  Returns:
+    per study: ``{"taken": [...], "changed": [...], "busy": [...]}`` (trial names).
+  """
+  out = {}
+  for study in studies:
+    src, dst = (os.path.join(d, "runs", study.name) for d in (source, root))
+    taken, changed, busy = [], [], []
+    out[study.name] = {"taken": taken, "changed": changed, "busy": busy}
+    if not os.path.isdir(src):
+      continue
+    finished = lambda d, name: sweep_lib.trial_status(os.path.join(d, name)) in sweep_lib.FINISHED
+    path = os.path.join(repo, study.sweep)
+    have = {sweep_lib.trial_name(o) for o in sweep_lib.extended_overrides(dst)}
+    added = _extended_records(src)
+    new = [t for t in added if t["name"] not in have and finished(src, t["name"])]
+    if new:
+      sweep_lib.add_extended(dst, [dict(t["overrides"]) for t in new], [t["why"] for t in new])
+    trials = sweep_lib.expand(path, workdir=dst)
+    differ = sweep_lib.changed_trials(trials, src)
+    todo = [t for t in trials if finished(src, t.name) and not finished(dst, t.name)]
+    changed += [t.name for t in todo if t.name in differ]
+    busy += [t.name for t in todo if t.name not in differ and _running(dst, t.name)]
+    todo = [t for t in todo if t.name not in differ and t.name not in busy]
+    stale = [t.name for t in todo if os.path.exists(os.path.join(dst, t.name))]
+    if stale:
+      sweep_lib.move_aside(dst, stale)
+    for t in todo:
+      shutil.copytree(os.path.join(src, t.name), os.path.join(dst, t.name),
+                      ignore=shutil.ignore_patterns("checkpoints"))
+      taken.append(t.name)
+  return out
+
+
+def _running(workdir: str, name: str) -> bool:
+  """Whether the trial's ``trial.json`` says it is running here (a run in progress, or one that
+  died without a word: either way not replaced under it)."""
+  path = os.path.join(workdir, name, "trial.json")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    return json.load(f).get("status") == "running"
+
+
+def _extended_records(workdir: str) -> list[dict]:
+  """``extended.json``'s entries (name, overrides as pairs, why), or none."""
+  path = os.path.join(workdir, sweep_lib.EXTENDED_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return json.load(f)["trials"]
+
+
 # -- the claims table ---------------------------------------------------------------------------
 
 
@@ -359,6 +423,18 @@ def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
   return rows
 
 
+def _machine(trial_dir: str) -> str:
+  """Where a finished trial ran, from its ``summary.json``: ``CPU (AMD EPYC)``, the GPU's name."""
+  try:
+    with open(os.path.join(trial_dir, "summary.json")) as f:
+      env = json.load(f).get("environment") or {}
+  except (OSError, ValueError):
+    env = {}
+  if env.get("backend") == "cpu":
+    return f"CPU ({env.get('cpu') or 'unknown'})"
+  return str((env.get("devices") or [env.get("backend") or "an unrecorded machine"])[0])
+
+
 def costs(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
   """Per study: its finished trials and the hours they took (each trial's own wall time, start-up
   included, as ``trial.json`` records it, summed over every attempt; with ``--parallel=N`` the
@@ -370,7 +446,11 @@ def costs(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
     done = [os.path.join(workdir, n) for n in names or ()
             if sweep_lib.trial_status(os.path.join(workdir, n)) in sweep_lib.FINISHED]
     minutes = [m for m in map(_trial_minutes, done) if m is not None]
+    machines: dict[str, int] = {}
+    for d in done:
+      machines[_machine(d)] = machines.get(_machine(d), 0) + 1
     rows.append({"study": study.name, "trials": len(names or ()), "finished": len(done),
+                 "ran_on": ", ".join(f"{n} on {m}" for m, n in sorted(machines.items())),
                  "extended": len(report.extended(workdir)) if names is not None else 0,
                  "hours": sum(minutes) / 60.0, "timed": len(minutes),
                  "median_minutes": statistics.median(minutes) if minutes else None})
@@ -429,9 +509,10 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
             "attempt; `trial.json`): the median trial, and the sum, which also holds any time a "
             "trial shared the cores or was paused. With `--parallel=N` on a machine like the "
             "one that ran it, a study takes about its trials times the median, over N.", "",
-            "| study | trials finished | of them added at the grid's edge | median minutes per "
-            "trial | summed trial-hours |", "|---|---|---|---|---|"]
+            "| study | trials finished | of them added at the grid's edge | ran on | median "
+            "minutes per trial | summed trial-hours |", "|---|---|---|---|---|---|"]
   lines += [f"| `{c['study']}` | {c['finished']} of {c['trials']} | {c['extended']} | "
+            f"{c['ran_on'] or '–'} | "
             + ("–" if c["median_minutes"] is None else f"{c['median_minutes']:.1f}") + " | "
             f"{c['hours']:.1f}{'' if c['timed'] == c['finished'] else ' (some untimed)'} |"
             for c in cost]

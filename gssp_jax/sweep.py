@@ -550,7 +550,7 @@ def override_args(overrides: dict) -> list[str]:
   return [f"--config.{key}={text(value)}" for key, value in overrides.items()]
 
 
-def _move_aside(workdir: str, names: Sequence[str]) -> str:
+def move_aside(workdir: str, names: Sequence[str]) -> str:
   """Moves the trials' directories into a fresh ``<workdir>/_stale/<time>/``; returns it."""
   base = os.path.join(workdir, STALE_DIR, time.strftime("%Y%m%d-%H%M%S"))
   dest, n = base, 1
@@ -632,7 +632,7 @@ def run_sweep(path: str, workdir: str, *, parallel: int = 1, max_trials: int = 0
   with cli.log_to_file(os.path.join(workdir, "sweep.log")):
     if changed:
       what = describe_changes(changed, workdir)   # reads the statuses before the move
-      dest = _move_aside(workdir, list(changed))
+      dest = move_aside(workdir, list(changed))
       logging.info("sweep %s: config changed (%s); moved %s to %s; running them again",
                    path, what, ", ".join(changed), dest)
     write_grid(workdir, path, trials, overrides)

@@ -110,6 +110,25 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
   assert (tmp_path / "docs" / "results" / "claims" / "tiny" / "summary.csv").read_text() == (
       out / "tiny" / "summary.csv").read_text()
 
+  # Merged into another --out (as from a GPU's run): finished trials taken without their
+  # checkpoints, a partial run there moved aside, a trial run with another config left.
+  other = tmp_path / "other"
+  names = sorted(_finished(runs))
+  partial = other / "runs" / "tiny" / names[0]
+  partial.mkdir(parents=True)
+  (partial / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+  config = json.loads((out / "runs" / "tiny" / names[1] / "config.json").read_text())
+  config["train"]["num_epochs"] += 1
+  (out / "runs" / "tiny" / names[1] / "config.json").write_text(json.dumps(config))
+  got = reproduce.merge(str(out), str(other), [reproduce.STUDIES["tiny"]], str(REPO))["tiny"]
+  assert got["changed"] == [names[1]] and sorted(got["taken"]) == sorted(set(names) - {names[1]})
+  assert got["busy"] == []
+  assert sorted(_finished(str(other / "runs" / "tiny"))) == sorted(got["taken"])
+  assert not (other / "runs" / "tiny" / names[0] / "checkpoints").exists()
+  assert (out / "runs" / "tiny" / names[0] / "checkpoints").exists()
+  (stale,) = (other / "runs" / "tiny" / sweep.STALE_DIR).iterdir()
+  assert (stale / names[0] / "summary.json").exists()
+
 
 def test_a_document_without_the_markers_is_refused_before_anything_is_copied(tmp_path):
   root = tmp_path / "out"
