@@ -534,9 +534,10 @@ def test_dssp_controller_equals_its_definition_on_random_and_regular_clusters():
     if case % 3 == 0:   # regular tiers: exact ties between candidates
       protocol.last[:] = 1.0 + rng.integers(0, 8, 16) * 0.005
       protocol.prev[:] = protocol.last - 0.01 * np.repeat([1.0, 1.5, 2.0, 3.0], 4)
-    else:
-      protocol.last[:] = 1.0 + rng.random(16) * rng.choice([0.01, 1.0, 100.0])
-      protocol.prev[:] = protocol.last - rng.random(16) * rng.choice([0.001, 0.01, 0.1, 1.0])
+    else:   # intervals within 5x of each other: the definition's [r, K] array stays small
+      scale = rng.choice([0.01, 1.0, 100.0])
+      protocol.last[:] = 1.0 + rng.random(16) * 3 * scale
+      protocol.prev[:] = protocol.last - rng.uniform(0.2, 1.0, 16) * scale
     if case % 11 == 0:
       protocol.alive[rng.integers(16)] = False
       protocol.alive[w] = True
