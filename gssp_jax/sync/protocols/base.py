@@ -99,6 +99,7 @@ class Protocol:
   def __getstate__(self) -> dict:
     state = dict(self.__dict__)
     state.pop("_per_route_cache", None)   # derived from route (and holds closures)
+    state.pop("_round_makers", None)      # closures, made again on first use
     return state
 
   def __setstate__(self, state: dict) -> None:
@@ -130,13 +131,16 @@ class Protocol:
     keeps its value (one copy per regrouping, not per round).
     """
     groups = self.per_route("groups", self._read_only_route)
-    if writable is None:
-      writable = tuple(self.round_fields)
-    elif not set(writable) <= set(self.round_fields):
-      raise ValueError(f"{self.name} round fields {writable!r} are invalid; allowed: a subset "
-                       f"of its round_fields {self.round_fields!r}")
-    return rounds_lib.round_maker(self.num_workers, self.num_replicas, self.num_groups,
-                                  tuple(writable))(time, groups)
+    writable = tuple(self.round_fields) if writable is None else tuple(writable)
+    makers = self.__dict__.setdefault("_round_makers", {})   # per writable: checked once
+    make = makers.get(writable)
+    if make is None:
+      if not set(writable) <= set(self.round_fields):
+        raise ValueError(f"{self.name} round fields {writable!r} are invalid; allowed: a subset "
+                         f"of its round_fields {self.round_fields!r}")
+      make = makers[writable] = rounds_lib.round_maker(self.num_workers, self.num_replicas,
+                                                       self.num_groups, writable)
+    return make(time, groups)
 
   def _read_only_route(self) -> np.ndarray:
     groups = np.array(self.route, np.int32)

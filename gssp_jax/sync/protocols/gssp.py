@@ -156,10 +156,14 @@ class GSSPProtocol(Protocol):
     """Forwards ``group``'s pending sum if due and none is in flight (``rnd`` must have
     ``forward`` writable then: its maker asks :meth:`_due` first)."""
     if self._due(group) and not self.in_flight[group]:
-      rnd.forward[group] = True
-      self.since_forward[group] = 0
-      self.in_flight[group] = True
-      reaction.messages.append(Message("deliver", group))
+      self._forward(group, rnd, reaction)
+
+  def _forward(self, group: int, rnd, reaction) -> None:
+    """Forwards ``group``'s pending sum (due, none in flight; ``rnd``'s ``forward`` writable)."""
+    rnd.forward[group] = True
+    self.since_forward[group] = 0
+    self.in_flight[group] = True
+    reaction.messages.append(Message("deliver", group))
 
   def _members(self, group: int) -> tuple[np.ndarray, list]:
     """The workers of ``group`` (ascending; as an array and a list), kept per route."""
@@ -224,19 +228,22 @@ class GSSPProtocol(Protocol):
     if self._busy(g):
       self.held[g].append(worker)
       return Reaction()
-    return self._process(worker, time)
+    return self._process(worker, time, g)
 
-  def _process(self, worker: int, time) -> Reaction:
-    """Applies ``worker``'s push at its group server (blocked until released)."""
-    g = int(self.route[worker])
+  def _process(self, worker: int, time, g: int | None = None) -> Reaction:
+    """Applies ``worker``'s push at its group server ``g`` (its route's; blocked until
+    released)."""
+    g = int(self.route[worker]) if g is None else g
     self.clock[worker] += 1
     self.since_forward[g] += 1
     # Most pushes neither forward nor deliver: their rounds' exchange fields stay shared.
-    rnd = self.new_round(time, ("forward",) if self._due(g) and not self.in_flight[g] else ())
+    forward = self._due(g) and not self.in_flight[g]
+    rnd = self.new_round(time, ("forward",) if forward else ())
     rnd.arrived[worker] = True
     rnd.applies[g] = True
     reaction = Reaction(rounds=[rnd])
-    self._maybe_forward(g, rnd, reaction)
+    if forward:
+      self._forward(g, rnd, reaction)
     if self.next_route is not None:
       self._maybe_regroup(time, reaction)
       return reaction
