@@ -172,3 +172,24 @@ def test_a_ladder_with_tune_seeds_is_refused_naming_both(tmp_path):
   path.write_text(textwrap.dedent(_SWEEP_FILE.replace("{TUNE_SEEDS}", "(0,)")))
   with pytest.raises(ValueError, match="ladders with tune_seeds are invalid"):
     sweep.expand(str(path))
+
+
+def test_nothing_is_extended_with_max_trials_or_while_a_trial_is_unfinished(monkeypatch, tmp_path):
+  """The rule waits for every trial (a failed or interrupted one is rerun first) and leaves a
+  --max_trials run as asked; with everything finished it adds, reruns, and stops when it adds
+  nothing."""
+  calls, added = [], []
+  statuses = {"a": "done", "b": "failed"}
+  trials = sweep.Trials()
+  trials.ladders = {"optimizer.learning_rate": LADDER}
+  monkeypatch.setattr(sweep, "run_sweep", lambda path, workdir, **kw: calls.append(kw) or statuses)
+  monkeypatch.setattr(sweep, "expand", lambda *a, **k: trials)
+  monkeypatch.setattr(sweep, "add_extended", lambda workdir, o, why: added.append(o))
+  monkeypatch.setattr(grid_edge, "extensions", lambda *a: [] if added else [({"x": 1}, "why")])
+  grid_edge.run_sweep("s.py", str(tmp_path), max_trials=3)
+  assert len(calls) == 1 and not added
+  grid_edge.run_sweep("s.py", str(tmp_path))
+  assert len(calls) == 2 and not added   # "b" failed: nothing is extended
+  statuses["b"] = "collapsed"
+  grid_edge.run_sweep("s.py", str(tmp_path))
+  assert added == [[{"x": 1}]] and len(calls) == 4   # added once, run, then nothing to add
