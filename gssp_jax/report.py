@@ -349,9 +349,14 @@ def configurations(rows: list[dict], tuned: list[str]) -> dict[tuple, dict[tuple
 def best_value(by_value: dict[tuple, list[dict]], seeds: tuple[int, ...] | None = None) -> tuple:
   """The tuned value :data:`TUNING_CRITERION` picks among one configuration's, chosen on
   ``seeds``' trials (None: every seed's)."""
-  choosers = lambda members: [m for m in members if seeds is None
-                              or m["_overrides"].get("seed") in seeds] or members
-  return min(by_value, key=lambda v: (_tuning_score(choosers(by_value[v])), _value_order(v)))
+  return min(by_value, key=lambda v: (_tuning_score(_choosers(by_value[v], seeds)),
+                                      _value_order(v)))
+
+
+def _choosers(members: list[dict], seeds: tuple[int, ...] | None) -> list[dict]:
+  """The trials among ``members`` that choose the value: ``seeds``' (all of them if None or
+  if none is of those seeds)."""
+  return [m for m in members if seeds is None or m["_overrides"].get("seed") in seeds] or members
 
 
 def select_tuned(rows: list[dict],
@@ -374,11 +379,9 @@ def select_tuned(rows: list[dict],
   if not tuned:
     return rows, []
   selected, choices = [], []
-  choosers = lambda members: [m for m in members if seeds is None
-                              or m["_overrides"].get("seed") in seeds] or members
   for cfg, by_value in configurations(rows, tuned).items():
     best = best_value(by_value, seeds)
-    unhealthy, missed, mean_time, final = _tuning_score(choosers(by_value[best]))
+    unhealthy, missed, mean_time, final = _tuning_score(_choosers(by_value[best], seeds))
     selected += [dict(r) for r in by_value[best]]
     choices.append({**{k: json.loads(v) for k, v in cfg},
                     "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},

@@ -18,6 +18,7 @@ Nothing here is written by hand: every figure is read from the trials' summaries
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import json
@@ -256,7 +257,7 @@ def merge(source: str, root: str, studies: Sequence[Study], repo: str) -> dict[s
     finished = lambda d, name: sweep_lib.trial_status(os.path.join(d, name)) in sweep_lib.FINISHED
     path = os.path.join(repo, study.sweep)
     have = {sweep_lib.trial_name(o) for o in sweep_lib.extended_overrides(dst)}
-    added = _extended_records(src)
+    added = sweep_lib.extended_records(src)
     new = [t for t in added if t["name"] not in have and finished(src, t["name"])]
     if new:
       sweep_lib.add_extended(dst, [dict(t["overrides"]) for t in new], [t["why"] for t in new])
@@ -284,15 +285,6 @@ def _running(workdir: str, name: str) -> bool:
     return False
   with open(path) as f:
     return json.load(f).get("status") == "running"
-
-
-def _extended_records(workdir: str) -> list[dict]:
-  """``extended.json``'s entries (name, overrides as pairs, why), or none."""
-  path = os.path.join(workdir, sweep_lib.EXTENDED_FILE)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return json.load(f)["trials"]
 
 
 # -- the claims table ---------------------------------------------------------------------------
@@ -446,9 +438,7 @@ def costs(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
     done = [os.path.join(workdir, n) for n in names or ()
             if sweep_lib.trial_status(os.path.join(workdir, n)) in sweep_lib.FINISHED]
     minutes = [m for m in map(_trial_minutes, done) if m is not None]
-    machines: dict[str, int] = {}
-    for d in done:
-      machines[_machine(d)] = machines.get(_machine(d), 0) + 1
+    machines = collections.Counter(map(_machine, done))
     rows.append({"study": study.name, "trials": len(names or ()), "finished": len(done),
                  "ran_on": ", ".join(f"{n} on {m}" for m, n in sorted(machines.items())),
                  "extended": len(report.extended(workdir)) if names is not None else 0,

@@ -329,6 +329,16 @@ def expand(path: str, overrides: dict | None = None, workdir: str | None = None)
   return trials
 
 
+def extended_records(workdir: str) -> list[dict]:
+  """``workdir``'s ``extended.json`` entries, in order: ``name``, ``overrides`` (``[key, value]``
+  pairs: the grid's key order, which names the trial; JSON objects are sorted) and ``why``."""
+  path = os.path.join(workdir, EXTENDED_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return json.load(f)["trials"]
+
+
 def extended_overrides(workdir: str, grid: Sequence[dict] | None = None,
                        ladders: dict[str, tuple] | None = None) -> list[dict]:
   """The trials the grid-edge rule added to ``workdir`` (``extended.json``), in order.
@@ -337,12 +347,7 @@ def extended_overrides(workdir: str, grid: Sequence[dict] | None = None,
   laddered key differs from a trial of the grid, to a value on that key's ladder. The others
   (the file dropped their configuration or ladder) stay in the file, unused.
   """
-  path = os.path.join(workdir, EXTENDED_FILE)
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    # [key, value] pairs: the grid's key order, which names the trial (JSON objects are sorted).
-    added = [{k: v for k, v in t["overrides"]} for t in json.load(f)["trials"]]
+  added = [dict(t["overrides"]) for t in extended_records(workdir)]
   if grid is None:
     return added
   ladders = ladders or {}
@@ -360,16 +365,11 @@ def extended_overrides(workdir: str, grid: Sequence[dict] | None = None,
 def add_extended(workdir: str, added: Sequence[dict], why: Sequence[str]) -> None:
   """Appends trials (override dicts) to ``workdir``'s ``extended.json``, each with its reason."""
   from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, EXTENDED_FILE)
-  record = {"trials": []}
-  if os.path.exists(path):
-    with open(path) as f:
-      record = json.load(f)
-  record["trials"] += [{"name": trial_name(o), "overrides": [[k, v] for k, v in o.items()],
-                        "why": w}
-                       for o, w in zip(added, why)]
+  trials = extended_records(workdir) + [
+      {"name": trial_name(o), "overrides": [[k, v] for k, v in o.items()], "why": w}
+      for o, w in zip(added, why)]
   os.makedirs(workdir, exist_ok=True)
-  workdir_lib.write_json(path, record, default=str)
+  workdir_lib.write_json(os.path.join(workdir, EXTENDED_FILE), {"trials": trials}, default=str)
 
 
 def _base_sync_keys(module, arg, grid, overrides: dict) -> tuple[str, ...]:
