@@ -87,11 +87,13 @@ class LevelRunner:
 
   def add(self, rnd, learning_rate: float, workers: np.ndarray, ks: np.ndarray) -> None:
     """Round ``rnd`` (None: no round) at ``learning_rate``, then job ``ks[i]`` of each of
-    ``workers`` (those it released; ``make_jobs`` makes them when their chunk is written)."""
+    ``workers`` (``rnd``'s pulling workers, ascending; ``make_jobs`` makes their jobs when
+    their chunk is written)."""
+    ids = workers.tolist()
     if rnd is not None:
-      self.planner.add_round(rnd, learning_rate)
-    if workers.size:
-      self.planner.add_job_numbers(workers, ks)
+      self.planner.add_round(rnd, learning_rate, ids)
+    if ids:
+      self.planner.add_job_numbers(workers, ks, ids)
 
   def state_dict(self) -> dict:
     return {"planner": self.planner.state_dict()}

@@ -177,8 +177,10 @@ class Planner:
 
   # -- input -------------------------------------------------------------------------------
 
-  def add_round(self, rnd, learning_rate: float) -> None:
+  def add_round(self, rnd, learning_rate: float, pulls: list | None = None) -> None:
     """Notes protocol round ``rnd`` (a ``sync.Round``) at ``learning_rate``.
+
+    ``pulls``: ``rnd``'s pulling workers, ascending, where the caller has them already.
 
     Raises:
       ValueError: more arrivals or touched replicas than the shape's slots
@@ -186,7 +188,8 @@ class Planner:
     """
     s = self.shape
     arrived = rnd.arrived.nonzero()[0].tolist()
-    pulls = rnd.pulls.nonzero()[0].tolist()
+    if pulls is None:
+      pulls = rnd.pulls.nonzero()[0].tolist()
     if len(arrived) > s.arrivals:
       self._over_bounds(rnd, "arrivals", len(arrived), s.arrivals)
     slots = max(1, -(-len(pulls) // s.pulls))
@@ -232,24 +235,31 @@ class Planner:
     """Notes the jobs of ``workers`` (distinct), dispatched after the rounds added so far."""
     self._add_jobs(workers, None, (idx, iters, ratios, flushes, steps if self.local else None))
 
-  def add_job_numbers(self, workers, ks) -> None:
-    """Notes job ``ks[i]`` of each of ``workers`` (distinct); ``make_jobs`` makes its fields."""
-    self._add_jobs(workers, np.asarray(ks, np.int64), None)
+  def add_job_numbers(self, workers, ks, ids: list | None = None) -> None:
+    """Notes job ``ks[i]`` of each of ``workers`` (distinct); ``make_jobs`` makes its fields.
+    ``ids``: ``workers`` as a list, where the caller has it already."""
+    self._add_jobs(workers, np.asarray(ks, np.int64), None, ids)
 
-  def _add_jobs(self, workers, ks, fields) -> None:
+  def _add_jobs(self, workers, ks, fields, ids: list | None = None) -> None:
     workers = np.asarray(workers, np.int64)
-    ids = workers.tolist()
+    if ids is None:
+      ids = workers.tolist()
     if len(ids) > 1 and len(set(ids)) != len(ids):
       raise ValueError(f"a step's jobs must be for distinct workers; got workers={ids}")
-    start = 0
-    while start < len(ids):
-      own, count = self.cutter.place_jobs(ids[start:])
-      first = self.cutter.take_jobs(ids[start:start + count], own)
-      part = slice(start, start + count)
-      self.jobs.append((self.piece + (not own), first, workers[part],
-                        None if ks is None else ks[part],
-                        None if fields is None else tuple(
-                            None if f is None else np.asarray(f)[part] for f in fields)))
+    start, n = 0, len(ids)
+    while start < n:
+      rest = ids[start:] if start else ids
+      own, count = self.cutter.place_jobs(rest)
+      first = self.cutter.take_jobs(rest[:count] if count < len(rest) else rest, own)
+      if count == n:   # all of them at once (the common case): no slices
+        noted = (workers, ks, None if fields is None else tuple(
+            None if f is None else np.asarray(f) for f in fields))
+      else:
+        part = slice(start, start + count)
+        noted = (workers[part], None if ks is None else ks[part],
+                 None if fields is None else tuple(
+                     None if f is None else np.asarray(f)[part] for f in fields))
+      self.jobs.append((self.piece + (not own), first, *noted))
       self.totals["jobs"] += count
       start += count
 

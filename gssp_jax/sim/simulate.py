@@ -569,7 +569,7 @@ class Simulation:
       self._account()
     # Before the pulled workers' next jobs: DGC's count reads the arrived jobs' bytes.
     pulled = rnd.pulls.nonzero()[0]
-    self.feed.add(rnd, learning_rate, pulled, self._dispatch(pulled))
+    self.feed.add(rnd, learning_rate, pulled, self._dispatch(pulled) if pulled.size else pulled)
     self.state = self.feed.run_ready(self.state, self.arrays)
 
   def _account(self) -> None:

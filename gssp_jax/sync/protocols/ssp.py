@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -227,30 +228,38 @@ class DSSPProtocol(SSPProtocol):
     Reads the clocks (after the push) and the push times; changes nothing. The fastest
     worker's candidate pushes are ``time + i * I_f``; each one's waiting time is its distance to
     the nearest of the slowest's pushes ``last_s + k * I_s`` (``k = 1..K``), which rise with
-    ``k``, so the nearest is one of the two around it (the same floats as comparing with every
-    ``k``, in plain Python: this runs at many pushes of the fastest worker).
+    ``k``, so the nearest is one of the two around it, found by bisection (the same floats as
+    comparing with every ``k``, in plain Python: this runs at many pushes of the fastest worker).
     """
-    alive = np.flatnonzero(self.alive)
-    slow = int(alive[np.argmin(self.clock[alive])])   # the first slowest alive worker
-    last_s = float(self.last[slow])
-    i_fast = float(self.last[worker] - self.prev[worker])
-    i_slow = last_s - float(self.prev[slow])
+    clock = self.clock
+    if self.alive.all():   # nobody dropped: no gather (the first slowest alive worker)
+      slow = int(clock.argmin())
+    else:
+      alive = np.flatnonzero(self.alive)
+      slow = int(alive[np.argmin(clock[alive])])
+    last, prev = self.last, self.prev
+    last_s = float(last[slow])
+    i_fast = float(last[worker] - prev[worker])
+    i_slow = last_s - float(prev[slow])
     if not (math.isfinite(i_fast) and math.isfinite(i_slow)) or i_fast <= 0 or i_slow <= 0:
       return None
-    ahead = int(self.clock[worker] - alive_min(self.clock, self.alive))
+    ahead = int(clock[worker] - clock[slow])
     r_cap = max(0, min(self.high - self.low, self.high - ahead + 1))
     num_slow = max(1, math.ceil((time + r_cap * i_fast - last_s) / i_slow) + 1)
+    slow_pushes = [last_s + k * i_slow for k in range(1, num_slow + 1)]
+    first, final, after = slow_pushes[0], slow_pushes[-1], bisect.bisect_right
     best, best_r = math.inf, 0
     for r in range(r_cap + 1):
       fast = time + r * i_fast
-      k = min(max(math.floor((fast - last_s) / i_slow), 1), num_slow)
-      while k < num_slow and last_s + (k + 1) * i_slow <= fast:
-        k += 1
-      while k > 1 and last_s + k * i_slow > fast:
-        k -= 1
-      wait = abs(fast - (last_s + k * i_slow))
-      if k < num_slow:
-        wait = min(wait, abs(fast - (last_s + (k + 1) * i_slow)))
+      if fast <= first:
+        wait = first - fast
+      elif fast >= final:
+        wait = fast - final
+      else:   # slow_pushes[k - 1] <= fast < slow_pushes[k]
+        k = after(slow_pushes, fast)
+        wait, later = fast - slow_pushes[k - 1], slow_pushes[k] - fast
+        if later < wait:
+          wait = later
       if wait < best:   # the first minimum: ties go to the smaller r
         best, best_r = wait, r
     return best_r
