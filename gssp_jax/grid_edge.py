@@ -120,18 +120,49 @@ def run_sweep(path: str, workdir: str, **kwargs) -> dict[str, str]:
     sweep_lib.add_extended(workdir, [o for o, _ in added], [w for _, w in added])
 
 
-def possible(trials: Sequence[sweep_lib.Trial], ladders: dict[str, tuple]) -> int:
-  """The most trials the rule could still add: per configuration and laddered key it tunes,
-  the ladder's values not tried yet, times its seeds (an upper bound, for the plan)."""
+def possible(trials: Sequence[sweep_lib.Trial], ladders: dict[str, tuple],
+             workdir: str | None = None) -> int:
+  """The most trials the rule could still add (an upper bound, for the plan).
+
+  Per configuration and laddered key it tunes: the ladder's values not tried yet, times its
+  seeds. With ``workdir`` (the sweep's directory), a configuration whose trials have all
+  finished counts only what lies beyond its best value on the side the rule would move it
+  (:func:`_next_value`): nothing where its best is inside the values tried or at the ladder's
+  end, so a finished study that the rule has settled says 0.
+  """
   tuned = list(dict.fromkeys(k for t in trials for k in t.tuned))
   by_cfg: dict[tuple, list[dict]] = {}
   for t in trials:
     by_cfg.setdefault(_configuration(t.overrides, tuned), []).append(t.overrides)
+  settled = {}
+  if workdir is not None and ladders and os.path.isdir(workdir):   # (absent: nothing ran yet)
+    waiting = {_configuration(t.overrides, tuned) for t in trials
+               if sweep_lib.trial_status(os.path.join(workdir, t.name)) not in sweep_lib.FINISHED}
+    rows = report.collect(workdir)
+    settled = {cfg: by_value for cfg, by_value in report.configurations(rows, tuned).items()
+               if cfg not in waiting and cfg in by_cfg}
   total = 0
-  for members in by_cfg.values():
+  for cfg, members in by_cfg.items():
     seeds = {json.dumps(m.get("seed")) for m in members}
     for key, ladder in ladders.items():
       tried = {m[key] for m in members if key in m}
-      if len(tried) >= 2 and tried <= set(ladder):
-        total += len([x for x in ladder if x not in tried]) * len(seeds)
+      if len(tried) < 2 or not tried <= set(ladder):
+        continue
+      if cfg in settled and key in tuned:
+        untried = _beyond_best(key, tuned.index(key), settled[cfg], ladder)
+      else:
+        untried = [x for x in ladder if x not in tried]
+      total += len(untried) * len(seeds)
   return total
+
+
+def _beyond_best(key: str, i: int, by_value: dict, ladder: tuple) -> list:
+  """The ladder's values the rule may still try along ``key`` for a finished configuration
+  (``by_value`` as ``report.configurations`` gives it): those beyond its best value on the side
+  the rule moves it, none where it does not move it."""
+  best = report.best_value(by_value)
+  step = _next_value(key, i, best, list(by_value), ladder)
+  if step is None:
+    return []
+  value, chosen = step[0], json.loads(best[i])
+  return [x for x in ladder if (x <= value if value < chosen else x >= value)]

@@ -175,7 +175,7 @@ def plan(studies: Sequence[Study], root: str, repo: str, parallel: int) -> list[
                  "finished": len(done), "minutes_per_trial": per_trial,
                  "measured": bool(measured),
                  "extended": sum(t.extended for t in trials),
-                 "may_extend": grid_edge.possible(trials, trials.ladders),
+                 "may_extend": grid_edge.possible(trials, trials.ladders, workdir),
                  "minutes_left": per_trial * (len(trials) - len(done)) / parallel})
   return rows
 
@@ -192,11 +192,15 @@ def describe_plan(rows: list[dict[str, Any]], parallel: int) -> str:
                "2-core CPU (*: declared per-trial cost; m: measured on this machine's finished "
                "trials); a rerun resumes where this one stops")
   for r in rows:
-    if r["extended"] or r["may_extend"]:
+    if r["may_extend"]:
       lines.append(f"{r['study']}: {r['extended']} of its trials were added by the grid-edge "
                    f"rule; it may add up to {r['may_extend']} more (each "
                    f"{r['minutes_per_trial']:.1f} min) where a best rate sits at the edge of "
                    "those tried (gssp_jax.grid_edge)")
+    elif r["extended"]:
+      lines.append(f"{r['study']}: {r['extended']} of its trials were added by the grid-edge "
+                   "rule; it can add no more (every best rate lies inside the rates tried or "
+                   "at its ladder's end)")
   return "\n".join(lines)
 
 

@@ -50,6 +50,11 @@ def test_a_winner_at_either_edge_gets_the_ladders_next_value_on_every_seed(tmp_p
                                               {"optimizer.learning_rate": LADDER})
   assert list(overrides) == ["sync.scheme", "optimizer.learning_rate", "seed"]   # grid's order
   assert "won as the highest value tried (0.05, 0.1)" in why
+  # The plan's bound: beyond each finished best, on its side only (BSP: 0.2; GSSP: 0.01 and
+  # 0.02), on both seeds; without the directory, every untried ladder value (3 per scheme).
+  trials = _trials(root)
+  assert grid_edge.possible(trials, trials.ladders, str(root)) == (1 + 2) * 2
+  assert grid_edge.possible(trials, trials.ladders) == (3 + 3) * 2
 
 
 def test_nothing_is_added_inside_the_values_at_the_ladders_end_or_before_all_finished(tmp_path):
@@ -155,8 +160,8 @@ def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_ad
   (row,) = reproduce.plan([reproduce.Study("edge", str(path), "a test", 0.1, "tuned")],
                           str(tmp_path), str(REPO), 1)
   assert (row["trials"], row["finished"], row["extended"]) == (len(trials),) * 2 + (len(added),)
-  assert row["may_extend"] == 4 - len(rates)
-  assert f"{len(added)} of its trials were added by the grid-edge rule" in (
+  assert row["may_extend"] == 0   # the rule settled every best: nothing more to add
+  assert f"{len(added)} of its trials were added by the grid-edge rule; it can add no more" in (
       reproduce.describe_plan([row], 1))
   # A rerun: nothing to run, nothing added, no "changed sweep".
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
