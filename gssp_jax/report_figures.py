@@ -127,11 +127,21 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   return table
 
 
-def speedup_text(speedup: float, baseline: str = "BSP", seeds: int = 1) -> str:
+COMPACT_LABELS_ABOVE = 5   # bars per figure beyond which their labels are short
+
+
+def speedup_text(speedup: float, baseline: str = "BSP", seeds: int = 1,
+                 compact: bool = False) -> str:
   """A bar's label: the median per-seed speedup against ``baseline`` over ``seeds`` seeds, as
-  report.md's table prints it (``0.59× vs BSP``, never its inverse), and which way it goes."""
+  report.md's table prints it (``0.59× vs BSP``, never its inverse), and which way it goes.
+
+  ``compact``: one short word per line (``0.59×``, ``slower``), for a figure with many bars
+  whose title names the baseline and the median.
+  """
   shown = f"{speedup:.2f}"   # the table's figure, so the two read the same
   way = "as fast" if shown == "1.00" else ("faster" if speedup > 1 else "slower")
+  if compact:
+    return f"{shown}×\n{way}"
   over = f"; median, {seeds} seeds" if seeds > 1 else ""
   return f"{shown}× vs {baseline}\n({way}{over})"
 
@@ -258,23 +268,27 @@ def plot_time_to_target(table: list[dict], color: dict, metric: str, target,
     top = max(t["hi"] for t in table if t["reached"])
     # Several BSP configurations (e.g. a learning-rate sweep): name the one compared with.
     several = len({t["baseline"] for t in table if t["baseline"]}) > 1
+    # Many bars: short labels (the title names the baseline and the median), else they overlap.
+    compact = len(table) > COMPACT_LABELS_ABOVE and not several
     lines = 1
     for x, t in zip(xs, table):
-      reach = f"{t['reached']}/{t['seeds']} seeds"
+      reach = f"{t['reached']}/{t['seeds']}" + ("" if compact else " seeds")
       if not t["reached"]:
         ax1.text(x, 0, f"not reached\n({reach})", ha="center", va="bottom", fontsize=7)
         continue
       text = reach
       if t["speedup"] is not None and t["label"] != t["baseline"]:
         text += "\n" + speedup_text(t["speedup"], t["baseline"] if several else "BSP",
-                                     t["speedup_n"])
+                                     t["speedup_n"], compact=compact)
       lines = max(lines, text.count("\n") + 1)
       ax1.text(x, t["hi"] + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
     ax1.set_ylim(0, top * (1.15 + 0.12 * lines))   # room for each bar's lines of text
     ax1.set_ylabel(f"virtual seconds to {_metric_name(metric)} {target}")
     ax1.set_title("Time to target (bar: mean over the seeds that reached it, "
                   "error bar: min–max)\nspeedup: median over seeds of BSP's time / this "
-                  "trial's, same seed (report.md's table)", fontsize=9)
+                  "trial's, same seed (report.md's table)"
+                  + ("\nlabels: seeds that reached it; speedup vs BSP" if compact else ""),
+                  fontsize=9)
     unreached = [t["label"] for t in table if t["scheme"] == "bsp" and not t["reached"]]
     if unreached:
       ax1.text(0.01, 0.98, f"BSP ({', '.join(unreached)}) did not reach the target: no "

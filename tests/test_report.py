@@ -195,6 +195,7 @@ def test_time_to_target_labels_are_the_tables_median_speedup_and_count_seeds(tmp
       "1.33× vs BSP\n(faster; median, 2 seeds)")
   assert report_figures.speedup_text(0.8) == "0.80× vs BSP\n(slower)"   # the table's 0.80×
   assert report_figures.speedup_text(0.999) == "1.00× vs BSP\n(as fast)"
+  assert report_figures.speedup_text(0.8, seeds=3, compact=True) == "0.80×\nslower"
   assert (table["asp"]["reached"], table["asp"]["mean"], table["asp"]["speedup"]) == (0, None,
                                                                                      None)
   assert table["bsp"]["baseline"] == table["gssp"]["baseline"] == "bsp"
