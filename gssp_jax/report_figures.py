@@ -127,7 +127,7 @@ def time_to_target_table(rows: list[dict]) -> list[dict]:
   return table
 
 
-COMPACT_LABELS_ABOVE = 5   # bars per figure beyond which their labels are short
+COMPACT_LABELS_ABOVE = 4   # bars per figure beyond which their labels are short (5 overlapped)
 
 
 def speedup_text(speedup: float, baseline: str = "BSP", seeds: int = 1,

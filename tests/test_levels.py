@@ -492,6 +492,31 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   assert not _copies_at_least(text, num_workers * layout.num_params)
 
 
+def test_a_chunk_crosses_as_one_int32_buffer_and_unpacks_to_its_rows_exactly():
+  """pack -> one int32 buffer (float bits, bools as 0/1) -> unpack (traced) gives every row,
+  dtype and value back, negative zeros, NaNs and the largest ids included."""
+  rng = np.random.default_rng(0)
+  tree = {"jobs": {"workers": np.arange(6, dtype=np.int32).reshape(2, 3),
+                   "ratios": rng.standard_normal((2, 3)).astype(np.float32),
+                   "flushes": rng.random((2, 3)) < 0.5},
+          "rounds": {"learning_rate": np.array([[-0.0, np.nan], [np.inf, 1e-38]], np.float32),
+                     "pull_ids": np.array([[2**31 - 1, -1], [0, 7]], np.int32),
+                     "applies": np.array([[True, False], [False, True]])},
+          "routes": np.array([[0, 1, 1]], np.int32)}
+  packing = chunk.packing_of(tree)
+  buffer = chunk.pack(packing, tree)
+  assert buffer.dtype == np.int32 and buffer.ndim == 1
+  back = jax.jit(lambda b: chunk.unpack(packing, b))(jax.device_put(buffer))
+  for part in ("jobs", "rounds"):
+    for name, value in tree[part].items():
+      got = np.asarray(back[part][name])
+      assert got.dtype == value.dtype and got.shape == value.shape, (part, name)
+      assert got.tobytes() == value.tobytes(), (part, name)
+  np.testing.assert_array_equal(np.asarray(back["routes"]), tree["routes"])
+  with pytest.raises(ValueError, match="dtype <f8"):
+    chunk.packing_of({**tree, "routes": np.zeros((1, 3))})
+
+
 def _add_jobs_for(planner, num_workers):
   workers = np.arange(num_workers, dtype=np.int32)
   planner.add_jobs(workers, np.zeros([num_workers, 8], np.int32), np.zeros([num_workers],

@@ -178,14 +178,25 @@ def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Ar
 
 
 class Packing(NamedTuple):
-  """How a chunk's rows travel: one flat buffer per dtype (a few transfers, not ~20).
+  """How a chunk's rows travel: one flat ``int32`` buffer, one transfer (not ~20, nor one per
+  dtype: a transfer's fixed cost on the host, about 30 us, is most of a small one's).
 
   ``fields``: ``((part, name, dtype, shape, offset), ...)`` in packing order,
-  ``part`` being ``jobs``, ``rounds`` or ``routes``; ``sizes``: each dtype's
-  buffer length.
+  ``part`` being ``jobs``, ``rounds`` or ``routes``, ``offset`` within its dtype's
+  region; ``sizes``: ``((dtype, length), ...)``, the regions in the buffer's order.
+  ``float32`` values travel as their bits, ``bool`` ones as 0 or 1.
   """
   fields: tuple
   sizes: tuple
+
+
+# The dtypes a chunk's rows have, and how each travels in the int32 buffer (host, device).
+_AS_INT32 = {
+    np.dtype(np.int32).str: (lambda x: x, lambda x: x),
+    np.dtype(np.float32).str: (lambda x: x.view(np.int32),
+                               lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)),
+    np.dtype(bool).str: (lambda x: x.astype(np.int32), lambda x: x != 0),
+}
 
 
 def packing_of(tree: dict) -> Packing:
@@ -195,25 +206,46 @@ def packing_of(tree: dict) -> Packing:
            for name, value in sorted(tree[part].items())] + [("routes", None, tree["routes"])]
   for part, name, value in items:
     dtype = np.dtype(value.dtype).str
+    if dtype not in _AS_INT32:
+      raise ValueError(f"chunk row {part}.{name} has dtype {dtype}; allowed: "
+                       f"{sorted(_AS_INT32)}")
     fields.append((part, name, dtype, tuple(value.shape), sizes.get(dtype, 0)))
     sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(value.shape))
   return Packing(tuple(fields), tuple(sorted(sizes.items())))
 
 
-def pack(packing: Packing, tree: dict) -> dict:
-  """A chunk's device tree as ``{dtype: flat buffer}`` (host NumPy)."""
+def pack(packing: Packing, tree: dict) -> np.ndarray:
+  """A chunk's device tree as one flat ``int32`` buffer (host NumPy; see :class:`Packing`)."""
   parts = {dtype: [] for dtype, _ in packing.sizes}
   for part, name, dtype, _, _ in packing.fields:
     value = tree[part] if name is None else tree[part][name]
     parts[dtype].append(np.ravel(value))
-  return {dtype: np.concatenate(values) for dtype, values in parts.items()}
+  return np.concatenate([_AS_INT32[dtype][0](np.concatenate(values))
+                         for dtype, values in parts.items()])
 
 
-def unpack(packing: Packing, buffers: dict) -> dict:
-  """:func:`pack`'s inverse, traced: static slices of the buffers."""
+def host_regions(packing: Packing, buffer: np.ndarray) -> dict[str, np.ndarray]:
+  """``{dtype: flat values}`` of a :func:`pack`\ ed buffer, on the host (each field's values
+  at its offset, in packing order: what the fingerprints of ``benchmarks/sim_overhead.py``
+  hash)."""
+  out, start = {}, 0
+  for dtype, size in packing.sizes:
+    region = np.asarray(buffer[start:start + size], np.int32)
+    out[dtype] = region.view(np.float32) if dtype == np.dtype(np.float32).str else (
+        region != 0 if dtype == np.dtype(bool).str else region)
+    start += size
+  return out
+
+
+def unpack(packing: Packing, buffer) -> dict:
+  """:func:`pack`'s inverse, traced: static slices of the buffer."""
+  regions, start = {}, 0
+  for dtype, size in packing.sizes:
+    regions[dtype] = _AS_INT32[dtype][1](buffer[start:start + size])
+    start += size
   tree = {"jobs": {}, "rounds": {}}
   for part, name, dtype, shape, offset in packing.fields:
-    value = buffers[dtype][offset:offset + int(np.prod(shape))].reshape(shape)
+    value = regions[dtype][offset:offset + int(np.prod(shape))].reshape(shape)
     if name is None:
       tree[part] = value
     else:
@@ -230,7 +262,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
   ``rounds`` (each ``[L, Rr, ...]``) and ``routes [Q, W]``; with ``packing``,
-  those packed into one buffer per dtype (:func:`pack`). ``done`` is a copy
+  those packed into one int32 buffer (:func:`pack`). ``done`` is a copy
   of the loss count, an output the host can wait on (the state is donated to
   the next call). ``on_trace`` is called each time it is traced.
   """

@@ -76,7 +76,7 @@ class LevelRunner:
 
     def count():
       self.traces += 1
-    # One buffer per dtype crosses to the device per chunk (its layout from an empty chunk).
+    # One int32 buffer crosses to the device per chunk (its layout from an empty chunk).
     self.packing = chunk_lib.packing_of(self.planner.empty_chunk().device_tree())
     self.chunk_fn = chunk_lib.make_chunk_fn(layout, loss_fn, compressor, tx, dense_bytes,
                                             stats_bytes, num_workers, num_replicas, shape,

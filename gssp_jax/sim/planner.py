@@ -30,6 +30,7 @@ the float sums of every ``vmap``, are the same on every run and after a resume
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -170,7 +171,8 @@ class Planner:
     self.routes = [np.asarray(route, np.int32).copy()]
     self._route_key = self.routes[-1].tobytes()
     self._route_seen = None          # the read-only route array last seen to equal _route_key
-    self.rounds: list = []           # (piece, slot, slots, round, learning rate, route) noted
+    self.rounds: list = []           # (piece, slot, slots, round, learning rate, route,
+                                     #  arrived ids, pulled ids) noted
     self.jobs: list = []             # (piece, first slot, workers, job numbers, fields) noted
     self.ready: list[Chunk] = []     # complete chunks, oldest first
     self.totals = {"pieces": 0, "jobs": 0, "rounds": 0, "round_slots": 0}
@@ -205,7 +207,7 @@ class Planner:
     if groups is not self._route_seen:
       self._route_seen = None if groups.flags.writeable else groups
     self.rounds.append((self.piece, self.cutter.used, slots, rnd, learning_rate,
-                        len(self.routes) - 1))
+                        len(self.routes) - 1, arrived, pulls))
     self.cutter.take_round(slots)
     self.totals["rounds"] += 1
     self.totals["round_slots"] += slots
@@ -345,15 +347,14 @@ class Planner:
     out["learning_rate"][every_piece, every_slot] = np.repeat([r[4] for r in rounds], slots)
     out["route"][every_piece, every_slot] = np.repeat([r[5] for r in rounds], slots)
     optional = [n for n in rounds_lib.OPTIONAL_FIELDS if n in self.round_fields]
-    fields = rounds_lib.stack_fields(objs, ["arrived", "pulls", "applies", *optional],
-                                     self.round_fields)
+    fields = rounds_lib.stack_fields(objs, ["applies", *optional], self.round_fields)
     if self.one_exchange:
       self._check_one_exchange(objs, fields)
     for name in ("applies", *optional):   # the others keep their empty value
       out[name][piece, slot] = fields[name]
-    k, w, rank = _ranks(fields["arrived"])
+    k, w, rank = _listed_ranks([r[6] for r in rounds])
     out["arrive_ids"][piece[k], slot[k], rank] = w
-    k, w, rank = _ranks(fields["pulls"])
+    k, w, rank = _listed_ranks([r[7] for r in rounds])
     out["pull_ids"][piece[k], slot[k] + rank // s.pulls, rank % s.pulls] = w
     touched = fields["applies"].copy()
     for name in ("average", "adopt"):
@@ -404,7 +405,7 @@ class Planner:
     self.piece, self.routes = state["piece"], [np.asarray(r) for r in state["routes"]]
     self._route_key = self.routes[-1].tobytes()
     self._route_seen = None
-    self.rounds = [tuple(r) for r in state["rounds"]]
+    self.rounds = [_with_ids(tuple(r)) for r in state["rounds"]]
     self.jobs = [tuple(j) for j in state["jobs"]]
     while self.piece >= self.shape.pieces:   # fewer pieces per chunk than when saved
       self._emit(self.shape.pieces)
@@ -419,6 +420,23 @@ def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """``[starts[0], .., starts[0] + lengths[0] - 1, starts[1], ...]``."""
   offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
   return np.repeat(starts, lengths) + offsets
+
+
+def _listed_ranks(ids: list[list[int]]):
+  """:func:`_ranks` of the masks whose True columns are ``ids`` (one ascending list per row)."""
+  counts = np.fromiter(map(len, ids), np.int64, len(ids))
+  k = np.repeat(np.arange(len(ids)), counts)
+  w = np.fromiter(itertools.chain.from_iterable(ids), np.int64, k.size)
+  return k, w, np.arange(k.size) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _with_ids(noted: tuple) -> tuple:
+  """A noted round with its arrived and pulled ids (a checkpoint from before they were noted
+  holds the round alone)."""
+  if len(noted) == 6:
+    rnd = noted[3]
+    noted += (rnd.arrived.nonzero()[0].tolist(), rnd.pulls.nonzero()[0].tolist())
+  return noted
 
 
 def _ranks(masks: np.ndarray):

@@ -145,9 +145,9 @@ class Traffic:
 
   def count_round(self, protocol, rnd, iteration: np.ndarray, host: dict) -> None:
     """Adds ``rnd``'s bytes to ``host``'s counters (see the module docstring)."""
-    pulled = np.flatnonzero(rnd.pulls)
+    pulled = rnd.pulls.nonzero()[0]
     if self.scheme == "inhad":
-      for w in np.flatnonzero(rnd.arrived):
+      for w in rnd.arrived.nonzero()[0]:
         host["pushed_per_worker"][w] += IN_BYTES
         host["local_bytes"] += self.push_payload(int(w), int(iteration[w]) - 1)
       if rnd.aggregate:
@@ -155,7 +155,7 @@ class Traffic:
     if self.scheme != "casp":
       host["pulls_per_worker"][pulled] += 1
       return
-    arrived = np.flatnonzero(rnd.arrived)
+    arrived = rnd.arrived.nonzero()[0]
     if arrived.size == 1:
       w = int(arrived[0])
       host["pushed_per_worker"][w] += self.push_payload(w, int(iteration[w]) - 1)

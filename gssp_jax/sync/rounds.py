@@ -105,6 +105,12 @@ def round_maker(num_workers: int, num_replicas: int, num_groups: int, writable: 
   copied = tuple(own for _, own in optional)
   templates = tuple(x for x, _ in optional)
   new = tuple.__new__
+  if not any(copied):   # every optional field the shared empty value (GSSP's plain pushes)
+
+    def make_plain(time: float, groups: np.ndarray) -> Round:
+      return new(Round, (float(time), arrived.copy(), pulls.copy(), groups, applies.copy(),
+                         *templates))
+    return make_plain
 
   def make(time: float, groups: np.ndarray) -> Round:
     return new(Round, (float(time), arrived.copy(), pulls.copy(), groups, applies.copy(),

@@ -268,15 +268,39 @@ class Protocol:
 
 def alive_min(clock: np.ndarray, members: np.ndarray) -> int:
   """The smallest clock of ``members`` (``[W]`` bool); 0 when there is none."""
-  if members.all():   # nobody dropped: no gather (called at every push)
-    return int(clock.min())
-  return int(clock[members].min()) if members.any() else 0
+  if all_of(members):   # nobody dropped: no gather (called at every push)
+    return int(least(clock))
+  return int(least(clock[members])) if any_of(members) else 0
+
+
+# The hot path's reductions of a few hundred values at most (the protocols' masks and clocks, at
+# every push): the same results as ``.all()``, ``.any()``, ``.min()`` and ``.max()``, without
+# NumPy's reduction machinery, which costs about 1.3 us a call there against 0.2-0.3 us.
+
+def all_of(mask: np.ndarray) -> bool:
+  """``mask.all()`` of a bool array."""
+  return np.count_nonzero(mask) == mask.size
+
+
+def any_of(mask: np.ndarray) -> bool:
+  """``mask.any()`` of a bool array."""
+  return np.count_nonzero(mask) > 0
+
+
+def least(values: np.ndarray):
+  """``values.min()`` (the first NaN where there is one, as ``min``; empty: ValueError)."""
+  return values[values.argmin()]
+
+
+def greatest(values: np.ndarray):
+  """``values.max()`` (the first NaN where there is one, as ``max``; empty: ValueError)."""
+  return values[values.argmax()]
 
 
 def release_where(protocol: Protocol, rnd: rounds_lib.Round, ok: np.ndarray,
                   reaction: Reaction) -> None:
   """Releases every blocked worker with ``ok[w]``: it pulls in ``rnd``."""
-  release_ids(protocol, rnd, np.flatnonzero(protocol.blocked & ok), reaction)
+  release_ids(protocol, rnd, (protocol.blocked & ok).nonzero()[0], reaction)
 
 
 def release_ids(protocol: Protocol, rnd: rounds_lib.Round, free, reaction: Reaction) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import all_of
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
 
@@ -73,9 +74,9 @@ class DSSyncProtocol(Protocol):
     self.clock[worker] += 1
     self.blocked[worker] = True
     ids = self.partition(iteration)
-    members = np.flatnonzero(ids == ids[worker])
+    members = (ids == ids[worker]).nonzero()[0]
     # Members finished iteration ``iteration`` iff they pushed it and still wait.
-    if not np.all(self.blocked[members] & (self.clock[members] == iteration + 1)):
+    if not all_of(self.blocked[members] & (self.clock[members] == iteration + 1)):
       return Reaction()
     rnd = self.new_round(time)
     rnd.arrived[members] = True

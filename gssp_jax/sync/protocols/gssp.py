@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import all_of
+from gssp_jax.sync.protocols.base import any_of
+from gssp_jax.sync.protocols.base import least
 from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
@@ -185,14 +188,14 @@ class GSSPProtocol(Protocol):
   def _free_of_many(self, members: np.ndarray) -> np.ndarray:
     """The blocked ``members`` within ``s`` clocks of their slowest alive one (vectorised)."""
     waiting = self.blocked[members]
-    if not waiting.any():
+    if not any_of(waiting):
       return members[:0]
     clock = self.clock[members] - self.baseline[members]   # since the last regrouping
     alive = self.alive[members]
-    if alive.all():
-      slowest = clock.min()
+    if all_of(alive):
+      slowest = least(clock)
     else:
-      slowest = clock[alive].min() if alive.any() else 0
+      slowest = least(clock[alive]) if any_of(alive) else 0
     return members[waiting & (clock - slowest <= self.staleness)]
 
   def _free_of_few(self, members: list) -> np.ndarray:
@@ -209,7 +212,7 @@ class GSSPProtocol(Protocol):
 
   def _maybe_regroup(self, time, reaction) -> None:
     """The regrouping barrier: every alive worker blocked, nothing held."""
-    if self.next_route is None or not self.blocked[self.alive].all() or any(self.held):
+    if self.next_route is None or not all_of(self.blocked[self.alive]) or any(self.held):
       return
     self.route = self.next_route
     self.next_route = None
@@ -300,7 +303,7 @@ class GSSPProtocol(Protocol):
       self._maybe_regroup(time, reaction)
     elif not self._busy(g):             # a busy group server releases at the adopt
       self._release_group(g, rnd, reaction)
-    if rnd.pulls.any():
+    if any_of(rnd.pulls):
       reaction.rounds.insert(0, rnd)
     return reaction
 

@@ -8,7 +8,10 @@ import math
 import numpy as np
 
 from gssp_jax.sync import transforms
+from gssp_jax.sync.protocols.base import all_of
 from gssp_jax.sync.protocols.base import alive_min
+from gssp_jax.sync.protocols.base import any_of
+from gssp_jax.sync.protocols.base import greatest
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.base import Reaction
 from gssp_jax.sync.protocols.base import release_ids
@@ -53,7 +56,7 @@ class BSPProtocol(Protocol):
 
   def _maybe_barrier(self, time, reaction) -> None:
     """Applies the round once every alive worker has pushed; everyone alive pulls."""
-    if not (self.alive.any() and self.blocked[self.alive].all()):
+    if not (any_of(self.alive) and all_of(self.blocked[self.alive])):
       return
     rnd = self.new_round(time)
     rnd.arrived[:] = self.alive | self.orphans
@@ -232,11 +235,11 @@ class DSSPProtocol(SSPProtocol):
     comparing with every ``k``, in plain Python: this runs at many pushes of the fastest worker).
     """
     clock = self.clock
-    if self.alive.all():   # nobody dropped: no gather (the first slowest alive worker)
+    if all_of(self.alive):   # nobody dropped: no gather (the first slowest alive worker)
       slow = int(clock.argmin())
     else:
-      alive = np.flatnonzero(self.alive)
-      slow = int(alive[np.argmin(clock[alive])])
+      alive = self.alive.nonzero()[0]
+      slow = int(alive[clock[alive].argmin()])
     last, prev = self.last, self.prev
     last_s = float(last[slow])
     i_fast = float(last[worker] - prev[worker])
@@ -298,7 +301,8 @@ class DSSPProtocol(SSPProtocol):
 
   def _alive_max(self) -> int:
     """The largest clock of the alive workers (some are: the pusher is)."""
-    return int(self.clock.max() if self.alive.all() else self.clock[self.alive].max())
+    alive = self.alive
+    return int(greatest(self.clock) if all_of(alive) else greatest(self.clock[alive]))
 
   def _after_drop(self, worker, time, was_blocked):
     self._pusher = -1   # nobody pushed: every waiting worker waits for s_L
