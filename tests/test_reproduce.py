@@ -164,6 +164,11 @@ def test_verdicts_follow_the_figures():
       "holds here"
   assert "more than the 0.131" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": 0.5})
   assert reproduce.verdict(claim, None) == "not run in this study"
+  # Without a final accuracy (or bytes) to set against BSP's, a claim that bounds them does not
+  # hold: no evidence is not a pass.
+  assert "no final accuracy of it and BSP's to compare" in reproduce.verdict(
+      diloco, {**fig, "speedup_median": None, "bytes_vs_bsp": 0.12, "delta_pp": None})
+  assert "no bytes of it and BSP's" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": None})
   # Against the claim's other baselines too: each at its own best rate, per seed.
   over = reproduce.speedup_over({"times": {0: 10.0, 1: 20.0, 2: None}},
                                 {"times": {0: 12.0, 1: 40.0, 2: 30.0}})
@@ -181,3 +186,44 @@ def test_unknown_studies_are_refused_naming_the_allowed_ones():
   assert [s.name for s in reproduce.select(None)] == list(reproduce.DEFAULT_STUDIES)
   for study in reproduce.STUDIES.values():   # every declared study's sweep builds
     assert sweep.expand(os.path.join(REPO, study.sweep))
+
+
+def _local_trial(root, seed, accs, times=(10.0, 20.0, 30.0, 40.0)):
+  """A DiLoCo trial as the runner leaves it: its outer and inner optimizer settings swept, so
+  no BSP trial shares its other keys (the report's per-trial match finds none)."""
+  overrides = {"sync.scheme": "diloco", "optimizer.learning_rate": 0.7,
+               "local.optimizer.learning_rate": 0.003, "seed": seed, "local.steps": 8}
+  name = sweep.trial_name(overrides)
+  d = root / name
+  d.mkdir(parents=True)
+  metrics = [{"epoch": i + 1.0, "virtual_time": t, "test_accuracy": a, "train_loss": 1.0}
+             for i, (t, a) in enumerate(zip(times, accs))]
+  (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+  (d / "summary.json").write_text(json.dumps({
+      "config": {"sync": {"scheme": "diloco"}, "seed": seed}, "status": "done",
+      "final": metrics[-1], "metric": "test_accuracy", "target": 0.98,
+      "totals": {"virtual_time": times[-1], "bytes_pushed": 1}}))
+  (d / "trial.json").write_text(json.dumps({
+      "name": name, "overrides": overrides, "status": "done",
+      "tuned": ["local.optimizer.learning_rate"]}))
+
+
+def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_at_its_best(tmp_path):
+  """A local-update scheme's figures against BSP's: its mean final accuracy and its per-seed
+  speedup, each at its best, where the report's per-trial match finds no BSP trial; the cell
+  names both rates in full (their last parts clash) and leaves out the ones a scheme lacks."""
+  from tests.test_fair import _trial  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "sweep"
+  for seed in (0, 1):
+    _trial(root, "bsp", seed, 0.05, [0.9, 0.97, 0.99, 0.99])      # at 25.0, final 0.99
+    _local_trial(root, seed, [0.9, 0.99, 0.985, 0.985])            # at 10 + 10 * (8/9)
+  figs = reproduce.figures(str(root))
+  diloco, bsp = figs[("diloco", "none")], figs[("bsp", "none")]
+  assert diloco["delta_pp"] == pytest.approx(-0.5)
+  assert diloco["speedup_median"] == pytest.approx(25.0 / (10.0 + 10.0 * 8 / 9))
+  assert diloco["speedup_n"] == 2
+  cell = reproduce._cell(diloco)   # pylint: disable=protected-access
+  assert "at optimizer.learning_rate=0.7, local.optimizer.learning_rate=0.003" in cell
+  assert reproduce._cell(bsp).endswith("at learning_rate=0.05")   # pylint: disable=protected-access
+  claim = next(c for c in reproduce.CLAIMS if c.name == "DiLoCo")
+  assert "0.50 points" not in reproduce.verdict(claim, diloco)
