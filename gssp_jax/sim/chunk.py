@@ -225,7 +225,7 @@ def pack(packing: Packing, tree: dict) -> np.ndarray:
 
 
 def host_regions(packing: Packing, buffer: np.ndarray) -> dict[str, np.ndarray]:
-  """``{dtype: flat values}`` of a :func:`pack`\ ed buffer, on the host (each field's values
+  """``{dtype: flat values}`` of a buffer from :func:`pack`, on the host (each field's values
   at its offset, in packing order: what the fingerprints of ``benchmarks/sim_overhead.py``
   hash)."""
   out, start = {}, 0
