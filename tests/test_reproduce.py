@@ -227,3 +227,18 @@ def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_at_its_best(tmp_path):
   assert reproduce._cell(bsp).endswith("at learning_rate=0.05")   # pylint: disable=protected-access
   claim = next(c for c in reproduce.CLAIMS if c.name == "DiLoCo")
   assert "0.50 points" not in reproduce.verdict(claim, diloco)
+
+
+def test_a_study_asked_for_that_has_not_run_keeps_the_table_not_final(tmp_path):
+  """Every study asked for counts: one with no finished trial has no column, and the table says
+  it is not final because of it (it read as final while CIFAR-10 had not started)."""
+  from tests.test_fair import _tuned_sweep  # pylint: disable=g-import-not-at-top
+  _tuned_sweep(tmp_path / "runs" / "done")
+  done = reproduce.Study("done", "none.py", "a finished study", 0.1, "tuned")
+  later = reproduce.Study("later", "none.py", "a study still to run", 0.1, "tuned")
+  text = open(reproduce.write_claims(str(tmp_path), [done])["md"]).read()
+  assert "Not final" not in text
+  text = open(reproduce.write_claims(str(tmp_path), [done, later])["md"]).read()
+  assert ("**Not final**: `later` has no finished trial yet, so it has no column (a study still "
+          "to run). A rerun of the command goes on.") in text
+  assert "| claim | paper says | `done` |" in text
