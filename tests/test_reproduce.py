@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from gssp_jax import report
 from gssp_jax import reproduce
 from gssp_jax import sweep
 from tests.conftest import REPO
@@ -242,3 +243,12 @@ def test_a_study_asked_for_that_has_not_run_keeps_the_table_not_final(tmp_path):
   assert ("**Not final**: `later` has no finished trial yet, so it has no column (a study still "
           "to run). A rerun of the command goes on.") in text
   assert "| claim | paper says | `done` |" in text
+  # Trials of BSP alone (no claim's scheme yet): counted, still no column.
+  from tests.test_fair import _trial  # pylint: disable=g-import-not-at-top
+  names = [_trial(tmp_path / "runs" / "later", "bsp", 0, 0.05, [0.9, 0.97, 0.99, 0.99]),
+           "sync.scheme=gssp,optimizer.learning_rate=0.05,seed=0"]   # the second not run yet
+  (tmp_path / "runs" / "later" / report.GRID_FILE).write_text(
+      json.dumps({"trials": [{"name": n} for n in names]}))
+  text = open(reproduce.write_claims(str(tmp_path), [done, later])["md"]).read()
+  assert ("`later` has 1 of 2 trials finished, none yet of a scheme with a claim, so it has no "
+          "column (a study still to run)") in text

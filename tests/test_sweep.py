@@ -238,6 +238,26 @@ def test_the_local_update_sweep_builds_both_clusters_with_each_familys_rate_grid
       local_update_mnist.get_sweep("tiers")
 
 
+def test_the_long_local_update_sweep_runs_every_rate_on_every_seed_with_ladders():
+  spec = str(REPO / "configs" / "sweeps" / "local_update_mnist.py")
+  from configs.sweeps import local_update_mnist  # pylint: disable=g-import-not-at-top
+  trials = sweep.expand(f"{spec}:tiers,long")
+  assert len(trials) == 7 * 2 * 3 and trials.tune_seeds is None   # every rate, every seed
+  assert [t.config.seed for t in trials] == [0] * 14 + [1] * 14 + [2] * 14
+  assert trials.ladders == {"optimizer.learning_rate": local_update_mnist.SGD_LADDER,
+                            "local.optimizer.learning_rate": local_update_mnist.INNER_LADDER}
+  assert len({t.name for t in trials}) == len(trials)
+  for t in trials:
+    c = t.config
+    assert c.train.num_epochs == 8.0 and c.num_workers == 16
+    if c.sync.scheme in local_update_mnist.LOCAL:
+      assert c.local.optimizer.learning_rate in (1e-3, 3e-3)
+    else:
+      assert c.optimizer.learning_rate in (0.02, 0.05)
+  with pytest.raises(ValueError, match="is invalid"):
+    sweep.expand(f"{spec}:long")
+
+
 def test_long_trial_names_keep_their_head_and_stay_apart():
   short = {"sync.scheme": "gssp", "seed": 1}
   assert sweep.trial_name(short) == "sync.scheme=gssp,seed=1"
