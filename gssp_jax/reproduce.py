@@ -496,7 +496,8 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   paths["png"] = _plot(rows, ran, os.path.join(root, "claims.png"))
   pending = [s for s in studies if s not in ran]
   waiting = list(zip(pending, costs(root, pending)))
-  lines = (_head_lines(ran, cost, waiting) + _table_lines(rows, ran)
+  partial = {c["study"] for c in cost if c["finished"] < c["trials"]}
+  lines = (_head_lines(ran, cost, waiting) + _table_lines(rows, ran, partial)
            + ["", "![speedups](claims.png)", "", "Each study's report (the tuning disclosed, "
               "every trial, the figures): "
               + ", ".join(f"[`{s.name}`]({s.name}/report.md)" for s in ran) + "."]
@@ -531,8 +532,10 @@ def _head_lines(ran: Sequence[Study], cost: list[dict],
   return lines
 
 
-def _table_lines(rows: list[dict], ran: Sequence[Study]) -> list[str]:
-  """The claims table (a row per claim, a column per study) and the rule behind its verdicts."""
+def _table_lines(rows: list[dict], ran: Sequence[Study], partial: set = frozenset()
+                 ) -> list[str]:
+  """The claims table (a row per claim, a column per study) and the rule behind its verdicts
+  (``partial``: the names of the studies with trials still to run)."""
   lines = ["", "| claim | paper says | " + " | ".join(f"`{s.name}`" for s in ran) + " |",
            "|---|---|" + "---|" * len(ran)]
   for claim in CLAIMS:
@@ -540,7 +543,9 @@ def _table_lines(rows: list[dict], ran: Sequence[Study]) -> list[str]:
              for r in rows if r["claim"] == claim.name}
     if cells:
       lines.append(f"| {claim.name} | {claim.statement} ({claim.paper}) | "
-                   + " | ".join(cells.get(s.name, "not in this study") for s in ran) + " |")
+                   + " | ".join(cells.get(s.name, "no finished trial yet, or not in this study"
+                                          if s.name in partial else "not in this study")
+                                for s in ran) + " |")
   return lines + [
       "", "A claim holds here when its median speedup over BSP reaches what it needs (GSSP's "
       "lower end, 1.46x; otherwise faster than BSP), and so does its median speedup over each "
