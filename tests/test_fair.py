@@ -191,9 +191,12 @@ def test_a_collapsed_trial_is_finished_and_not_rerun(tmp_path):
 
 
 def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
-           times=(10.0, 20.0, 30.0, 40.0)):
-  """A trial directory as the runner leaves it (summary.json, metrics.jsonl, trial.json)."""
-  overrides = {"sync.scheme": scheme, "optimizer.learning_rate": lr, "seed": seed}
+           times=(10.0, 20.0, 30.0, 40.0), extra=None, tuned_keys=("optimizer.learning_rate",)):
+  """A trial directory as the runner leaves it (summary.json, metrics.jsonl, trial.json).
+
+  ``extra``: more swept keys after the seed; ``tuned_keys``: its tuned keys (if ``tuned``)."""
+  overrides = {"sync.scheme": scheme, "optimizer.learning_rate": lr, "seed": seed,
+               **(extra or {})}
   name = sweep.trial_name(overrides)
   d = root / name
   d.mkdir(parents=True)
@@ -206,7 +209,7 @@ def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
       "totals": {"virtual_time": times[-1], "bytes_pushed": 1}}))
   (d / "trial.json").write_text(json.dumps({
       "name": name, "overrides": overrides, "status": status,
-      "tuned": ["optimizer.learning_rate"] if tuned else []}))
+      "tuned": list(tuned_keys) if tuned else []}))
   return name
 
 

@@ -189,26 +189,6 @@ def test_unknown_studies_are_refused_naming_the_allowed_ones():
     assert sweep.expand(os.path.join(REPO, study.sweep))
 
 
-def _local_trial(root, seed, accs, times=(10.0, 20.0, 30.0, 40.0)):
-  """A DiLoCo trial as the runner leaves it: its outer and inner optimizer settings swept, so
-  no BSP trial shares its other keys (the report's per-trial match finds none)."""
-  overrides = {"sync.scheme": "diloco", "optimizer.learning_rate": 0.7,
-               "local.optimizer.learning_rate": 0.003, "seed": seed, "local.steps": 8}
-  name = sweep.trial_name(overrides)
-  d = root / name
-  d.mkdir(parents=True)
-  metrics = [{"epoch": i + 1.0, "virtual_time": t, "test_accuracy": a, "train_loss": 1.0}
-             for i, (t, a) in enumerate(zip(times, accs))]
-  (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-  (d / "summary.json").write_text(json.dumps({
-      "config": {"sync": {"scheme": "diloco"}, "seed": seed}, "status": "done",
-      "final": metrics[-1], "metric": "test_accuracy", "target": 0.98,
-      "totals": {"virtual_time": times[-1], "bytes_pushed": 1}}))
-  (d / "trial.json").write_text(json.dumps({
-      "name": name, "overrides": overrides, "status": "done",
-      "tuned": ["local.optimizer.learning_rate"]}))
-
-
 def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_at_its_best(tmp_path):
   """A local-update scheme's figures against BSP's: its mean final accuracy and its per-seed
   speedup, each at its best, where the report's per-trial match finds no BSP trial; the cell
@@ -217,7 +197,11 @@ def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_at_its_best(tmp_path):
   root = tmp_path / "sweep"
   for seed in (0, 1):
     _trial(root, "bsp", seed, 0.05, [0.9, 0.97, 0.99, 0.99])      # at 25.0, final 0.99
-    _local_trial(root, seed, [0.9, 0.99, 0.985, 0.985])            # at 10 + 10 * (8/9)
+    # DiLoCo: its outer and inner optimizer settings swept, so no BSP trial shares its other
+    # keys (the report's per-trial match finds none); at 10 + 10 * (8/9), final 0.985.
+    _trial(root, "diloco", seed, 0.7, [0.9, 0.99, 0.985, 0.985],
+           extra={"local.optimizer.learning_rate": 0.003, "local.steps": 8},
+           tuned_keys=("local.optimizer.learning_rate",))
   figs = reproduce.figures(str(root))
   diloco, bsp = figs[("diloco", "none")], figs[("bsp", "none")]
   assert diloco["delta_pp"] == pytest.approx(-0.5)

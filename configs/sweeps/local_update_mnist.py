@@ -161,9 +161,8 @@ def _check_chosen() -> None:
 
 def get_sweep(arg=None):
   cluster, _, long = _args(arg)
-  if long:
-    return _long_sweep()
-  _check_chosen()
+  if not long:
+    _check_chosen()
   grid = []
   for seed in SEEDS:   # seed by seed: a sweep cut short holds whole seeds of every scheme
     for scheme in SCHEMES:
@@ -173,27 +172,14 @@ def get_sweep(arg=None):
       key = ("local.optimizer.learning_rate" if scheme["sync.scheme"] in LOCAL
              else "optimizer.learning_rate")
       rates = INNER_RATES if key.startswith("local.") else SGD_RATES
-      if seed != SEEDS[0]:   # tuned on the first seed; the others at its choice
+      if seed != SEEDS[0] and not long:   # tuned on the first seed; the others at its choice
         chosen = CHOSEN[cluster].get(_label(scheme))
         if chosen is None:
           continue
         rates = (chosen,)
       grid += product([head], tune(key, rates), sweep("seed", [seed]), [settings])
-  return Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"),
-              tune_seeds=SEEDS[:1])
-
-
-def _long_sweep() -> Grid:
-  """``long``: every rate of each family's grid on every seed, seed by seed, with ladders."""
-  grid = Grid(tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"),
-              ladders={"optimizer.learning_rate": SGD_LADDER,
-                       "local.optimizer.learning_rate": INNER_LADDER})
-  for seed in SEEDS:
-    for scheme in SCHEMES:
-      head = {k: scheme[k] for k in ("sync.scheme", "compress.name")}
-      settings = {k: v for k, v in scheme.items() if k not in head}
-      local = scheme["sync.scheme"] in LOCAL
-      key = "local.optimizer.learning_rate" if local else "optimizer.learning_rate"
-      grid += product([head], tune(key, INNER_RATES if local else SGD_RATES),
-                      sweep("seed", [seed]), [settings])
-  return grid
+  tuned = ("optimizer.learning_rate", "local.optimizer.learning_rate")
+  if long:   # every rate on every seed, extended past a best at an edge
+    return Grid(grid, tuned=tuned, ladders={"optimizer.learning_rate": SGD_LADDER,
+                                            "local.optimizer.learning_rate": INNER_LADDER})
+  return Grid(grid, tuned=tuned, tune_seeds=SEEDS[:1])

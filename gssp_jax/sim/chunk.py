@@ -190,12 +190,14 @@ class Packing(NamedTuple):
   sizes: tuple
 
 
-# The dtypes a chunk's rows have, and how each travels in the int32 buffer (host, device).
+# The dtypes a chunk's rows have, and how each travels in the int32 buffer: to it (host), back
+# from it on the device (traced) and back from it on the host.
 _AS_INT32 = {
-    np.dtype(np.int32).str: (lambda x: x, lambda x: x),
+    np.dtype(np.int32).str: (lambda x: x, lambda x: x, lambda x: x),
     np.dtype(np.float32).str: (lambda x: x.view(np.int32),
-                               lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)),
-    np.dtype(bool).str: (lambda x: x.astype(np.int32), lambda x: x != 0),
+                               lambda x: jax.lax.bitcast_convert_type(x, jnp.float32),
+                               lambda x: x.view(np.float32)),
+    np.dtype(bool).str: (lambda x: x.astype(np.int32), lambda x: x != 0, lambda x: x != 0),
 }
 
 
@@ -224,25 +226,26 @@ def pack(packing: Packing, tree: dict) -> np.ndarray:
                          for dtype, values in parts.items()])
 
 
+def _regions(packing: Packing, buffer, back: int) -> dict:
+  """``{dtype: flat values}`` of a :func:`pack` buffer, each region converted back by
+  ``_AS_INT32[dtype][back]`` (1: traced, on the device; 2: NumPy, on the host)."""
+  regions, start = {}, 0
+  for dtype, size in packing.sizes:
+    regions[dtype] = _AS_INT32[dtype][back](buffer[start:start + size])
+    start += size
+  return regions
+
+
 def host_regions(packing: Packing, buffer: np.ndarray) -> dict[str, np.ndarray]:
   """``{dtype: flat values}`` of a buffer from :func:`pack`, on the host (each field's values
   at its offset, in packing order: what the fingerprints of ``benchmarks/sim_overhead.py``
   hash)."""
-  out, start = {}, 0
-  for dtype, size in packing.sizes:
-    region = np.asarray(buffer[start:start + size], np.int32)
-    out[dtype] = region.view(np.float32) if dtype == np.dtype(np.float32).str else (
-        region != 0 if dtype == np.dtype(bool).str else region)
-    start += size
-  return out
+  return _regions(packing, np.asarray(buffer, np.int32), 2)
 
 
 def unpack(packing: Packing, buffer) -> dict:
   """:func:`pack`'s inverse, traced: static slices of the buffer."""
-  regions, start = {}, 0
-  for dtype, size in packing.sizes:
-    regions[dtype] = _AS_INT32[dtype][1](buffer[start:start + size])
-    start += size
+  regions = _regions(packing, buffer, 1)
   tree = {"jobs": {}, "rounds": {}}
   for part, name, dtype, shape, offset in packing.fields:
     value = regions[dtype][offset:offset + int(np.prod(shape))].reshape(shape)
