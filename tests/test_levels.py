@@ -413,6 +413,28 @@ def test_planner_state_resumes_the_same_chunks():
           np.testing.assert_array_equal(a[part][k], b[part][k], err_msg=f"{pieces} {k}")
 
 
+def test_planner_notes_rounds_and_jobs_in_piece_order():
+  """``Planner._emit`` takes a chunk's rounds and jobs as a prefix of what is noted: random
+  rounds and job lists (several jobs per step, splits over pieces, jobs of workers that are
+  still fresh) keep both lists in piece order, and every chunk written holds them all."""
+  rng = np.random.default_rng(0)
+  shape = chunk.Shape(pieces=3, jobs=2, rounds=2, arrivals=3, pulls=2, replicas=1)
+  p, written = _planner(shape), 0
+  for _ in range(400):
+    if rng.random() < 0.5:
+      p.add_round(_round(np.flatnonzero(rng.random(3) < 0.4), np.flatnonzero(
+          rng.random(3) < 0.4)), 0.1)
+    else:
+      _add_jobs(p, rng.permutation(3)[:rng.integers(1, 4)])
+    for noted in (p.rounds, p.jobs):
+      pieces = [x[0] for x in noted]
+      assert pieces == sorted(pieces) and all(0 <= q <= p.piece + 1 for q in pieces)
+    written += sum(int((c.rounds["learning_rate"] > 0).sum()) for c in p.take())
+  p.flush(jobs=True)
+  written += sum(int((c.rounds["learning_rate"] > 0).sum()) for c in p.take())
+  assert written == p.totals["round_slots"]
+
+
 def test_choose_shape_sizes_the_pieces_from_the_opening():
   scheme = sync.build_scheme("ssp", 16, worker_times=np.repeat([1.0, 1.5, 2.0, 3.0], 4))
   engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: [1.0, 1.5, 2.0, 3.0][w // 4],

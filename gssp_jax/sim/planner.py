@@ -30,7 +30,9 @@ the float sums of every ``vmap``, are the same on every run and after a resume
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -45,6 +47,7 @@ _GROUP_FIELDS = {"forward": False, "deliver": False}
 _DTYPES = {"applies": bool, "adopt": np.int32, "average": np.int32, "stats_mean": np.int32,
            "adopt_weight": np.float32, "forward": bool, "deliver": bool}
 _JOB_FIELDS = ("workers", "idx", "iters", "ratios", "flushes", "steps")
+_PIECE = operator.itemgetter(0)   # a noted round's or job's piece
 
 
 class Chunk(NamedTuple):
@@ -171,9 +174,11 @@ class Planner:
     self.routes = [np.asarray(route, np.int32).copy()]
     self._route_key = self.routes[-1].tobytes()
     self._route_seen = None          # the read-only route array last seen to equal _route_key
+    # What is noted, in piece order (pieces only grow: a job goes to the open piece or the
+    # next, and the open piece takes no job of its own once it has a fresh one).
     self.rounds: list = []           # (piece, slot, slots, round, learning rate, route,
-                                     #  arrived ids, pulled ids) noted
-    self.jobs: list = []             # (piece, first slot, workers, job numbers, fields) noted
+                                     #  arrived ids, pulled ids)
+    self.jobs: list = []             # (piece, first slot, workers, job numbers, fields)
     self.ready: list[Chunk] = []     # complete chunks, oldest first
     self.totals = {"pieces": 0, "jobs": 0, "rounds": 0, "round_slots": 0}
 
@@ -286,10 +291,11 @@ class Planner:
 
   def _emit(self, count: int) -> None:
     """Queues the first ``count`` pieces as a chunk; what is noted after them moves up."""
-    rounds = [r for r in self.rounds if r[0] < count]
-    jobs = [j for j in self.jobs if j[0] < count]
-    self.rounds = [(p - count, *rest) for p, *rest in self.rounds if p >= count]
-    self.jobs = [(p - count, *rest) for p, *rest in self.jobs if p >= count]
+    # Both lists are noted in piece order, so the first ``count`` pieces' are a prefix.
+    k = bisect.bisect_left(self.rounds, count, key=_PIECE)
+    rounds, self.rounds = self.rounds[:k], [(p - count, *rest) for p, *rest in self.rounds[k:]]
+    k = bisect.bisect_left(self.jobs, count, key=_PIECE)
+    jobs, self.jobs = self.jobs[:k], [(p - count, *rest) for p, *rest in self.jobs[k:]]
     self.ready.append(self._rows(rounds, jobs, count))
     self.piece -= count
     if not self.rounds:   # else (a resume into smaller chunks) they index the same table
