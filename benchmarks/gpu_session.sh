@@ -15,7 +15,7 @@
 # steady >= 0.2 of the batched step) and at 256 (GSSP); "resnet33": ResNet-18 at 16 workers, GSSP
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
-# tests/test_sim.py on the GPU. "chunks33" (about 3.5 minutes): benchmarks.chunk_profile's
+# tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice. "chunks33" (about 3.5 minutes): benchmarks.chunk_profile's
 # device time per piece and top kernels, ResNet-18 and LeNet-5 at 16 workers, LeNet-5 at 256.
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
@@ -76,6 +76,12 @@ want levels33 && stage levels33 80 $P benchmarks.sim_efficiency --executor=level
     --schemes=gssp --epochs=0.25
 want resnet33 && stage resnet33 130 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
     --workers=16 --schemes=gssp --epochs=0.2
+# The job batch on the GPU (config.level_job_batch; "jobs33", about 3.5 minutes): ResNet-18's
+# 16 job slots in one vmap (0 there), one at a time and 4 at a time; LeNet-5's, all or one.
+want jobs33 && stage jobs33 150 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
+    --workers=16 --schemes=gssp --epochs=0.1 --level_job_batch=0,1,4
+want jobs33 && stage jobs33 75 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
+    --schemes=ssp,gssp --epochs=0.5 --level_job_batch=0,1
 want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then

@@ -60,6 +60,11 @@ def default_config() -> ml_collections.ConfigDict:
   # levels executor: job slots per piece (the gradients of one vmap), 1..num_workers, or 0 =
   # min(num_workers, 64). Bounds the activations in memory (ResNet-18 at 256 workers).
   c.level_job_slots = 0
+  # levels executor: job slots computed together in one vmap; a piece's slots run as a
+  # sequential lax.map of such batches. 1..num_workers, or 0 = chosen by the run: 1 on a CPU
+  # (a vmap over weight copies makes convolutions grouped ones, XLA:CPU's slow path), every
+  # slot at once on an accelerator.
+  c.level_job_batch = 0
   c.num_workers = 4
   c.batch_size = 32      # per worker
 

@@ -139,8 +139,9 @@ def _assert_same_state(got, want):
 
 
 def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
-             shapes=(None,)):
-  """The level runner (one per shape) against one run of the round runner."""
+             shapes=(None,), job_batches=(0,)):
+  """The level runner (one per shape, and per job batch on the first shape) against one run of
+  the round runner."""
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats, params, ms = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
@@ -149,10 +150,11 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
   with jax.default_matmul_precision("highest"):
     want = reference(jax.tree.map(jnp.copy, state), arrays, steps)
   runs = []
-  for shape in shapes:
+  for shape, job_batch in [(shapes[0], b) for b in job_batches] + [(s, 0) for s in shapes[1:]]:
     flat_state, run, layout = helpers.level_runner(loss_fn, compressor, tx, dense, stats,
                                                    scheme, params, ms, jax.random.key(3),
-                                                   shape=shape, job_shape=(B,))
+                                                   shape=shape, job_shape=(B,),
+                                                   job_batch=job_batch)
     with jax.default_matmul_precision("highest"):
       # Two calls, split mid-run: pending jobs are computed at the end of each.
       half = len(steps) // 2
@@ -194,6 +196,13 @@ def test_level_runner_equals_round_runner_compressed(name, comp_name):
   _compare(name, comp_name)
 
 
+# A piece's 4 job slots one at a time (lax.map) and 3 at a time (a vmap of 3, then the one
+# left), with BatchNorm statistics and GDTopK's error feedback carried through the map.
+@pytest.mark.parametrize("name,comp_name", [("gssp", "gdtopk"), ("ssp", "none")])
+def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name):
+  _compare(name, comp_name, batch_norm=True, job_batches=(1, 3))
+
+
 def test_level_runner_runs_local_update_jobs_as_the_round_runner():
   """Local-update jobs of 1 to 3 inner steps (DyLU-like), each worker keeping its own momentum."""
   scheme = sync.build_scheme("asp", W, worker_times=SPEEDS)
@@ -217,15 +226,17 @@ def test_level_runner_runs_local_update_jobs_as_the_round_runner():
                               inner=local.inner)
   reference = executor.make_round_runner(
       executor.make_job_fn(loss_fn, None, dense, stats, local=local), executor.make_round_fn(tx))
-  flat_state, run, layout = helpers.level_runner(loss_fn, None, tx, dense, stats, scheme, params,
-                                                 model_state, jax.random.key(3), local=local,
-                                                 job_shape=(3, B))
   with jax.default_matmul_precision("highest"):
     want = reference(state, arrays, steps)
-    got = run(flat_state, arrays, steps)
-  _assert_same_state(helpers.as_trees(layout, got), want)
-  for g, w in zip(jax.tree.leaves(got.inner_state), jax.tree.leaves(want.inner_state)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+  for job_batch in (0, 1):   # one vmap of the piece's jobs; one job at a time
+    flat_state, run, layout = helpers.level_runner(
+        loss_fn, None, tx, dense, stats, scheme, params, model_state, jax.random.key(3),
+        local=local, job_shape=(3, B), job_batch=job_batch)
+    with jax.default_matmul_precision("highest"):
+      got = run(flat_state, arrays, steps)
+    _assert_same_state(helpers.as_trees(layout, got), want)
+    for g, w in zip(jax.tree.leaves(got.inner_state), jax.tree.leaves(want.inner_state)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 def test_level_runner_equals_round_runner_through_drops_and_rejoins():
@@ -471,10 +482,12 @@ def _copies_at_least(text: str, elements: int) -> list[str]:
   return big
 
 
-@pytest.mark.parametrize("name,inter_group", [("ssp", "peer"), ("gssp", "global"),
-                                              ("bsp", "peer")])
-def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inter_group):
-  """Compiled HLO of a 16-worker chunk: static-trip loops only, and no ``[W, P]``-sized copy.
+@pytest.mark.parametrize("name,inter_group,job_batch", [
+    ("ssp", "peer", 0), ("gssp", "global", 0), ("bsp", "peer", 0), ("ssp", "peer", 1)])
+def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inter_group,
+                                                                      job_batch):
+  """Compiled HLO of a 16-worker chunk: static-trip loops only, and no ``[W, P]``-sized copy;
+  also with its jobs one at a time (``job_batch=1``: a ``lax.map``, a loop of 16 steps).
 
   A conditional (or a loop whose trip count is data) is a round trip to the
   host on a GPU; a copy of a ``[W, P]`` buffer per round would cost what
@@ -505,7 +518,8 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
                       pulls=min(2, num_workers) if arrivals < num_workers else num_workers,
                       replicas=min(replicas, scheme.num_replicas))
   state, run, layout = helpers.level_runner(loss_fn, None, tx, 4, 4, scheme, params, ms,
-                                            jax.random.key(1), shape=shape, job_shape=(8,))
+                                            jax.random.key(1), shape=shape, job_shape=(8,),
+                                            job_batch=job_batch)
   planner = run.runner.planner
   _add_jobs_for(planner, num_workers)
   planner.flush(jobs=True)
@@ -578,7 +592,7 @@ def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
 
 @pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 @pytest.mark.parametrize("scheme,compressor,workers,extra", [
-    ("gssp", "gdtopk", 4, {}), ("ssp", "dgc", 2, {}),
+    ("gssp", "gdtopk", 4, {"level_job_batch": 4}), ("ssp", "dgc", 2, {}),
     ("diloco", "none", 4, {"local.steps": 2, "local.optimizer.name": "adamw",
                            "local.optimizer.learning_rate": 1e-3}),
     ("gssp", "none", 4, {"sync.inter_group": "global", "optimizer.name": "lion",
@@ -594,11 +608,14 @@ def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, 
   # local-update jobs; Lion is a per-tensor-agnostic optax optimizer named by the config (the
   # replicas step it through the model's pytree, flat.on_tree, since it is not a built-in);
   # the last regroups GSSP at its first epoch's end (a new route: the planner cuts there).
+  # The levels runs compute their jobs one at a time (a CPU's level_job_batch), but GDTopK's,
+  # whose 4 job slots are one vmap (a grouped convolution).
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   runs = {}
   for name in ("rounds", "levels"):
     config = _run_config(scheme, compressor, executor=name, data_dir=data_dir,
-                         num_workers=workers, **extra)
+                         num_workers=workers, **{k: v for k, v in extra.items()
+                                                 if name == "levels" or not k.startswith("level")})
     runs[name] = loop.train_and_evaluate(config, str(tmp_path / name))
   want, got = _metric_lines(tmp_path / "rounds"), _metric_lines(tmp_path / "levels")
   assert len(got) == len(want) == 2
@@ -714,6 +731,9 @@ def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
     ("level_job_slots", 5, "levels", "gpu", r"1..num_workers \(4\)"),
     ("level_job_slots", -1, "levels", "gpu", r"1..num_workers \(4\)"),
     ("level_job_slots", 2, "rounds", "gpu", "this run uses 'rounds'"),
+    ("level_job_batch", 5, "levels", "gpu", r"0 .chosen by the run. or 1..num_workers \(4\)"),
+    ("level_job_batch", -1, "levels", "gpu", r"1..num_workers \(4\)"),
+    ("level_job_batch", 1, "auto", "cpu", "this run uses 'rounds'"),
 ])
 def test_level_keys_are_validated_and_never_ignored(key, value, executor, backend, error):
   config = config_lib.override(config_lib.default_config(),

@@ -97,8 +97,8 @@ def ravel_stats(layout: flat_lib.Layout, tree):
 
 def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_bytes: int,
               stats_bytes: int, num_workers: int, *, grad_clip: float = 0.0,
-              local: executor.LocalJob | None = None):
-  """``(state, arrays, jobs) -> state``: one piece's jobs as one ``vmap`` (pure).
+              local: executor.LocalJob | None = None, job_batch: int = 0):
+  """``(state, arrays, jobs) -> state``: one piece's jobs (pure).
 
   ``jobs`` holds ``workers [J]`` (padding: ids >= W), ``idx [J, B]`` (a
   local-update job's ``[J, H_max, B]``), ``iters``, ``ratios``, ``flushes``
@@ -106,6 +106,14 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
   ``executor.make_worker_gradient`` (or ``make_local_update``) on its worker's
   unravelled weights, with the per-round executor's dropout keys, so both
   executors compute the same function of the same inputs.
+
+  ``job_batch``: how many of the ``J`` slots one ``vmap`` computes together;
+  the piece runs them as a sequential ``lax.map`` of such batches (1: one job
+  at a time, no ``vmap``). 0, or ``J`` and more: every slot in one ``vmap``.
+  A ``vmap`` over per-worker weights turns a convolution into a grouped one,
+  a slow path on XLA:CPU (``map_jobs``). The jobs are independent, so the
+  value is the same function either way; its float rounding may differ
+  (a grouped convolution sums in another order).
   """
   executor.check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
@@ -139,11 +147,9 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
     keys = jax.vmap(lambda w: jax.random.fold_in(state.rng, w))(safe)
     comp = take(state.comp_state) if compressor is not None else None
     inner = take(state.inner_state) if local is not None else None
-    grad, new_ms, inner, comp, loss, nbytes = jax.vmap(
-        one_job, in_axes=(0, 0, 0 if local is not None else None,
-                          0 if compressor is not None else None, 0, 0, 0, 0, 0, 0))(
-            state.worker_params[safe], take(state.worker_model_state), inner, comp, batch,
-            keys, job["iters"], steps, job["ratios"], job["flushes"])
+    grad, new_ms, inner, comp, loss, nbytes = map_jobs(
+        one_job, (state.worker_params[safe], take(state.worker_model_state), inner, comp,
+                  batch, keys, job["iters"], steps, job["ratios"], job["flushes"]), job_batch)
     return state.replace(
         grad_buf=put(state.grad_buf, grad),
         worker_model_state=put(state.worker_model_state, new_ms),
@@ -152,6 +158,17 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
         job_loss=put(state.job_loss, loss),
         job_bytes=put(state.job_bytes, nbytes))
   return jobs
+
+
+def map_jobs(one_job: Callable, xs: tuple, job_batch: int):
+  """``one_job`` over the leading axis of every leaf of ``xs`` (its arguments; None: an absent
+  state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`)."""
+  slots = jax.tree.leaves(xs)[0].shape[0]
+  if not job_batch or job_batch >= slots:
+    return jax.vmap(one_job)(*xs)
+  if job_batch == 1:
+    return jax.lax.map(lambda x: one_job(*x), xs)
+  return jax.lax.map(lambda x: one_job(*x), xs, batch_size=job_batch)
 
 
 def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,
@@ -260,17 +277,19 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   tx: optax.GradientTransformationExtraArgs, dense_bytes: int, stats_bytes: int,
                   num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
                   local: executor.LocalJob | None = None,
-                  on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None):
+                  on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
+                  job_batch: int = 0):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
   ``rounds`` (each ``[L, Rr, ...]``) and ``routes [Q, W]``; with ``packing``,
   those packed into one int32 buffer (:func:`pack`). ``done`` is a copy
   of the loss count, an output the host can wait on (the state is donated to
-  the next call). ``on_trace`` is called each time it is traced.
+  the next call). ``on_trace`` is called each time it is traced. ``job_batch``:
+  :func:`jobs_body`'s.
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                   grad_clip=grad_clip, local=local)
+                   grad_clip=grad_clip, local=local, job_batch=job_batch)
   one_round = executor.round_body(tx)
 
   def chunk(state: executor.SimState, arrays, plan):

@@ -58,6 +58,7 @@ class LevelRunner:
     make_jobs: ``(workers, job numbers) -> executor.Jobs`` (``Planner``'s).
     round_fields: the protocol's ``Protocol.round_fields`` (``Planner``'s).
     one_exchange: the protocol's ``Protocol.one_exchange_per_round`` (``Planner``'s).
+    job_batch: job slots one ``vmap`` computes together (``chunk.jobs_body``; 0: all).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
@@ -65,7 +66,8 @@ class LevelRunner:
                num_workers: int, num_replicas: int, num_groups: int, shape: chunk_lib.Shape,
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
                local: executor.LocalJob | None = None, make_jobs=None,
-               round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False):
+               round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
+               job_batch: int = 0):
     self.shape = shape
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
@@ -81,7 +83,7 @@ class LevelRunner:
     self.chunk_fn = chunk_lib.make_chunk_fn(layout, loss_fn, compressor, tx, dense_bytes,
                                             stats_bytes, num_workers, num_replicas, shape,
                                             grad_clip=grad_clip, local=local, on_trace=count,
-                                            packing=self.packing)
+                                            packing=self.packing, job_batch=job_batch)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
@@ -145,7 +147,8 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                      tx: optax.GradientTransformationExtraArgs, dense_bytes: int,
                      stats_bytes: int, num_workers: int, num_replicas: int, num_groups: int,
                      shape: chunk_lib.Shape, job_shape: tuple, route: np.ndarray, *,
-                     grad_clip: float = 0.0, local: executor.LocalJob | None = None):
+                     grad_clip: float = 0.0, local: executor.LocalJob | None = None,
+                     job_batch: int = 0):
   """``(state, arrays, steps) -> state`` over a flat state: ``executor.make_round_runner``'s contract.
 
   The jobs still pending after the last step run before it returns, so its
@@ -156,7 +159,7 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                        dense_bytes=dense_bytes, stats_bytes=stats_bytes,
                        num_workers=num_workers, num_replicas=num_replicas,
                        num_groups=num_groups, shape=shape, job_shape=job_shape, route=route,
-                       grad_clip=grad_clip, local=local)
+                       grad_clip=grad_clip, local=local, job_batch=job_batch)
 
   def run(state: executor.SimState, arrays, steps: Sequence[executor.Step]):
     for step in steps:
@@ -246,8 +249,25 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
                          pulls=int(Kp), replicas=int(min(Kr, num_replicas)))
 
 
-def describe(shape: chunk_lib.Shape) -> str:
-  """One line of a chunk shape, for the run's log."""
-  return (f"{shape.pieces} pieces per call, each {shape.jobs} job slots and {shape.rounds} "
-          f"round slots; per round {shape.arrivals} arrival, {shape.pulls} pull and "
-          f"{shape.replicas} replica slots")
+def job_batch_for(job_batch: int, backend: str) -> int:
+  """``config.level_job_batch`` as run: 0 (chosen by the run) is 1 on a CPU and every slot at
+  once (0) on an accelerator.
+
+  On this project's 2-core CPU one job at a time ran LeNet-5's level executor at 16 workers
+  2.4x as fast as one ``vmap`` of the piece's 16 slots (``docs/PERFORMANCE.md``, "Jobs one at
+  a time"): the ``vmap`` over per-worker weights makes every convolution a grouped one, a slow
+  path of XLA:CPU. On a GPU the choice is measured by ``benchmarks/sim_efficiency.py
+  --level_job_batch``; until it is, an accelerator keeps the one ``vmap``.
+  """
+  if job_batch:
+    return int(job_batch)
+  return 1 if backend == "cpu" else 0
+
+
+def describe(shape: chunk_lib.Shape, job_batch: int = 0) -> str:
+  """One line of a chunk shape and its job batch (:func:`job_batch_for`), for the run's log."""
+  batch = (f"{job_batch} at a time" if 0 < job_batch < shape.jobs
+           else "all in one vmap")
+  return (f"{shape.pieces} pieces per call, each {shape.jobs} job slots ({batch}) and "
+          f"{shape.rounds} round slots; per round {shape.arrivals} arrival, {shape.pulls} pull "
+          f"and {shape.replicas} replica slots")

@@ -388,15 +388,16 @@ class Simulation:
     job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
+    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), jax.default_backend())
     self.feed = levels.LevelRunner(
         layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
         dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
         num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
-        one_exchange=protocol.one_exchange_per_round)
+        one_exchange=protocol.one_exchange_per_round, job_batch=job_batch)
     self.host["layout"] = "flat"
-    logging.info("levels executor: %s", levels.describe(shape))
+    logging.info("levels executor: %s", levels.describe(shape, job_batch))
 
   def _opening(self) -> tuple[list, float]:
     """The rounds of the run's first pushes from a fresh timeline (dense pushes), and rounds

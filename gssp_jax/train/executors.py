@@ -115,7 +115,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
-  """``levels_per_call`` (0 or a power of two up to 64) and ``level_job_slots`` (0..W).
+  """``levels_per_call`` (0 or a power of two up to 64), ``level_job_slots`` and
+  ``level_job_batch`` (each 0..W).
 
   Either set (not 0) is an error unless the run uses the ``levels`` executor.
 
@@ -128,12 +129,14 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
   if (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64
       or value & (value - 1)):
     checks.fail("levels_per_call", value, "0 (chosen by the run) or a power of two from 1 to 64")
-  slots = config.get("level_job_slots", 0)
-  if (isinstance(slots, bool) or not isinstance(slots, int)
-      or not 0 <= slots <= config.num_workers):
-    checks.fail("level_job_slots", slots, f"0 (min(num_workers, 64)) or 1..num_workers "
-                f"({config.num_workers})")
-  for key, set_value in (("levels_per_call", value), ("level_job_slots", slots)):
+  counts = {}
+  for key, default in (("level_job_slots", "min(num_workers, 64)"),
+                       ("level_job_batch", "chosen by the run")):
+    counts[key] = count = config.get(key, 0)
+    if (isinstance(count, bool) or not isinstance(count, int)
+        or not 0 <= count <= config.num_workers):
+      checks.fail(key, count, f"0 ({default}) or 1..num_workers ({config.num_workers})")
+  for key, set_value in (("levels_per_call", value), *counts.items()):
     if not set_value:
       continue
     name = executor_name(config, backend)
