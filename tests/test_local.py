@@ -82,6 +82,12 @@ def test_a_local_job_takes_its_steps_and_pushes_pulled_minus_local():
     np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-6)
     np.testing.assert_allclose(opt[0].trace["w"], state[0].trace["w"], rtol=1e-6, atol=1e-7)
     assert int(nbytes) == 12
+  # Its 4 steps unrolled, a skipped one a select: no loop and no conditional (on a GPU, a round
+  # trip to the host; on a CPU, the slow path of a convolution, executor.MAX_UNROLLED_STEPS).
+  args = (params, {}, inner.init(params), (), batches, key, jnp.int32(8), jnp.int32(2),
+          jnp.float32(1.0), jnp.bool_(False))
+  text = jax.jit(update).lower(*args).compile().as_text()
+  assert " conditional(" not in text and " while(" not in text
 
 
 def test_dylu_gives_the_fastest_worker_h_and_the_others_in_proportion():
