@@ -39,6 +39,11 @@ from gssp_jax.sync import transforms
 from gssp_jax.train import optim
 
 MAX_JOBS = 8   # gradients per job call; larger sets are split in powers of two
+# Local-update jobs per call: one. A job is already its H inner steps unrolled
+# (MAX_UNROLLED_STEPS); k of them in one program compiled k times as long (XLA:CPU
+# warned "very slow compile" at 8 DiLoCo jobs of 8 ResNet-18 steps) for a dispatch that
+# costs about 0.1 ms against a job's tens of milliseconds or more.
+MAX_LOCAL_JOBS = 1
 
 
 # A byte counter on the device is two int32 words, (MiB, bytes below one MiB): exact up to
@@ -389,11 +394,12 @@ class Step(NamedTuple):
   jobs: Jobs | None
 
 
-def make_round_runner(job_fn, round_fn):
+def make_round_runner(job_fn, round_fn, max_jobs: int = MAX_JOBS):
   """``(state, arrays, steps) -> state``: applies steps one device call per round and job set.
 
   The reference executor: every other executor must give the same state (to
-  float tolerance) for the same steps.
+  float tolerance) for the same steps. ``max_jobs``: jobs per call at most
+  (``split_jobs``; ``MAX_LOCAL_JOBS`` for local-update jobs).
   """
 
   def run(state: SimState, arrays, steps: Sequence[Step]) -> SimState:
@@ -402,7 +408,7 @@ def make_round_runner(job_fn, round_fn):
         state = round_fn(state, step.args)
       if step.jobs is not None and step.jobs.workers.size:
         start = 0
-        for part in split_jobs(step.jobs.workers):
+        for part in split_jobs(step.jobs.workers, max_jobs):
           jobs = step.jobs.part(slice(start, start + part.size))
           start += part.size
           state = job_fn(state, arrays, *jobs)
@@ -410,11 +416,12 @@ def make_round_runner(job_fn, round_fn):
   return run
 
 
-def split_jobs(workers: np.ndarray) -> list[np.ndarray]:
-  """Splits a set of workers into calls of power-of-two sizes <= MAX_JOBS (few compilations)."""
+def split_jobs(workers: np.ndarray, max_jobs: int = MAX_JOBS) -> list[np.ndarray]:
+  """Splits a set of workers into calls of power-of-two sizes <= ``max_jobs`` (few
+  compilations)."""
   out, start = [], 0
   while start < workers.size:
-    size = min(MAX_JOBS, 1 << int(np.log2(workers.size - start)))
+    size = min(max_jobs, 1 << int(np.log2(workers.size - start)))
     out.append(workers[start:start + size])
     start += size
   return out

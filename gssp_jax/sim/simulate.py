@@ -373,9 +373,9 @@ class Simulation:
   def _build_runner(self, runner: str) -> None:
     """The device runner: the per-round one, or the level runner sized by a dry run."""
     if runner == "rounds":
-      self.feed = _StepFeed(executor.make_round_runner(self.job_fn,
-                                                       executor.make_round_fn(self.tx)),
-                            self._make_jobs)
+      self.feed = _StepFeed(executor.make_round_runner(
+          self.job_fn, executor.make_round_fn(self.tx),
+          executor.MAX_JOBS if self.local is None else executor.MAX_LOCAL_JOBS), self._make_jobs)
       return
     config, W, scheme = self.config, self.W, self.scheme
     protocol = scheme.make_protocol()
