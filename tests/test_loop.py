@@ -173,8 +173,8 @@ def test_buffered_device_steps_equal_one_call_per_round(tmp_path, data_dir, monk
   checkpoints, and at MAX_BUFFERED_ROUNDS); the result is bit-identical to one call per round."""
   calls, make_round_runner = [], sim_executor.make_round_runner
 
-  def recording_runner(job_fn, round_fn):
-    run = make_round_runner(job_fn, round_fn)
+  def recording_runner(job_fn, round_fn, *args):
+    run = make_round_runner(job_fn, round_fn, *args)
     def recorded(state, arrays, steps):
       calls.append(len(steps))
       return run(state, arrays, steps)
