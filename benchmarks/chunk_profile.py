@@ -3,8 +3,9 @@ r"""Where the level executor's device time goes: per-chunk time, slot fill and t
     python -m benchmarks.chunk_profile [--model=lenet5|resnet18|vgg19] [--schemes=gssp] \
         [--workers=16] [--epochs=0.5] [--skip=3] [--trace=2] [--top=20]
 
-``--model``, ``--width``, ``--schemes``, ``--workers`` and ``--epochs`` are
-``benchmarks.sim_efficiency``'s flags (the first scheme and worker count are used).
+``--model``, ``--width``, ``--schemes``, ``--workers``, ``--epochs`` and
+``--level_job_batch`` are ``benchmarks.sim_efficiency``'s flags (the first scheme,
+worker count and job batch are used).
 
 Runs one simulated training run (``benchmarks.sim_efficiency``'s config:
 ``tiers`` cluster, 4 groups, ``executor='levels'``) and times each chunk call
@@ -138,13 +139,14 @@ def main(argv):
   f = flags.FLAGS
   print(common.describe_backend())
   scheme, workers = f.schemes[0], int(f.workers[0])
-  config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, workers, f.epochs)
+  config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, workers, f.epochs,
+                                     job_batch=int(f.level_job_batch[0]))
   with tempfile.TemporaryDirectory() as workdir:
     clock = ChunkClock(f.skip, f.trace, f"{workdir}/trace")
     runner = profile_run(config, clock, f"{workdir}/run")
     stats = fill(runner)
     times = np.asarray(clock.times[min(f.skip, len(clock.times) - 1):])
-    print(f"model {f.model}, scheme {scheme}, {workers} workers: {levels.describe(runner.shape)}")
+    print(f"model {f.model}, scheme {scheme}, {workers} workers: {levels.describe(runner.shape, runner.job_batch)}")
     print(f"{stats['pieces']} pieces in {stats['chunks']} chunks; jobs per piece "
           f"{stats['jobs_per_piece']:.2f} ({stats['job_fill']:.0%} of the slots), rounds per "
           f"piece {stats['rounds_per_piece']:.2f} ({stats['round_fill']:.0%})")

@@ -68,7 +68,7 @@ class LevelRunner:
                local: executor.LocalJob | None = None, make_jobs=None,
                round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
                job_batch: int = 0):
-    self.shape = shape
+    self.shape, self.job_batch = shape, int(job_batch)
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
                                        num_replicas=num_replicas, num_groups=num_groups,
