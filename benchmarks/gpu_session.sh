@@ -15,8 +15,9 @@
 # steady >= 0.2 of the batched step) and at 256 (GSSP); "resnet33": ResNet-18 at 16 workers, GSSP
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
-# tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice. "chunks33" (about 3.5 minutes): benchmarks.chunk_profile's
-# device time per piece and top kernels, ResNet-18 and LeNet-5 at 16 workers, LeNet-5 at 256.
+# tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice. "chunks33" (about
+# 3.5 minutes): benchmarks.chunk_profile's device time per piece and top kernels, ResNet-18
+# and LeNet-5 at 16 workers, LeNet-5 at 256.
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),

@@ -11,7 +11,8 @@ W x 32 random inputs of its dataset's shape (MNIST 32x32x1 for LeNet-5, CIFAR-10
 with the model's config (``configs/mnist_lenet5.py``, ``configs/cifar10_resnet18.py``,
 ``configs/cifar10_vgg19.py``; ``--width`` sets ``model_args.width``, ``--executor``
 the ``executor`` key, ``--levels_per_call`` the ``levels_per_call`` key and
-``--level_job_batch`` the ``level_job_batch`` key, one run per value), on a simulated ``tiers`` cluster (1, 1.5, 2, 3); its rate
+``--level_job_batch`` the ``level_job_batch`` key, one run per value), on a simulated
+``tiers`` cluster (1, 1.5, 2, 3); its rate
 is taken between its first and last evaluation, so compilation is excluded; the
 test split is cut to 500 examples so evaluation is a small part of that span.
 
@@ -276,8 +277,8 @@ def main(argv):
         + f", executor {_EXECUTOR.value or 'the config default'}, {_EPOCHS.value} epochs per run")
   clock = CompileClock()
   jax.monitoring.register_event_duration_secs_listener(clock)
-  print("| workers | levels per call, job batch | scheme | simulated samples/s | batched step samples/s |"
-        " efficiency | µs per simulated sample | compilations in the span (s) |"
+  print("| workers | levels per call, job batch | scheme | simulated samples/s |"
+        " batched step samples/s | efficiency | µs per simulated sample | compilations in the span (s) |"
         " checkpoint saves, evaluations in the span (s) |"
         " steady samples/s | steady efficiency | to first evaluation (s) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -286,7 +287,8 @@ def main(argv):
     for k in per_call:
       for scheme in _SCHEMES.value:
         r = simulated(configs[(w, k, scheme)], clock)
-        print(f"| {w} | {k[0]}, {k[1]} | {scheme} | {r['rate']:,.0f} | {base:,.0f} | {r['rate'] / base:.2f} |"
+        print(f"| {w} | {k[0]}, {k[1]} | {scheme} | {r['rate']:,.0f} | {base:,.0f} |"
+              f" {r['rate'] / base:.2f} |"
               f" {1e6 / r['rate']:,.1f} | {r['compiles']} ({r['compile_s']:.1f}) |"
               f" {r['save_s']:.1f}, {r['eval_s']:.1f} |"
               f" {r['steady']:,.0f} | {r['steady'] / base:.2f} | {r['first']:.1f} |", flush=True)

@@ -160,15 +160,22 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
   return jobs
 
 
+def jobs_per_vmap(job_batch: int, slots: int) -> int:
+  """How many of a piece's ``slots`` job slots one ``vmap`` computes (:func:`jobs_body`'s
+  ``job_batch``: 0, or ``slots`` and more, is all of them)."""
+  return slots if not job_batch or job_batch >= slots else int(job_batch)
+
+
 def map_jobs(one_job: Callable, xs: tuple, job_batch: int):
   """``one_job`` over the leading axis of every leaf of ``xs`` (its arguments; None: an absent
   state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`)."""
   slots = jax.tree.leaves(xs)[0].shape[0]
-  if not job_batch or job_batch >= slots:
+  batch = jobs_per_vmap(job_batch, slots)
+  if batch == slots:
     return jax.vmap(one_job)(*xs)
-  if job_batch == 1:
+  if batch == 1:   # no vmap at all (lax.map's batch_size=1 would still vmap each job)
     return jax.lax.map(lambda x: one_job(*x), xs)
-  return jax.lax.map(lambda x: one_job(*x), xs, batch_size=job_batch)
+  return jax.lax.map(lambda x: one_job(*x), xs, batch_size=batch)
 
 
 def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,

@@ -202,10 +202,10 @@ class LocalJob(NamedTuple):
 
 
 # Inner steps of a local-update job unrolled up to this many (a loop beyond): XLA:CPU runs a
-# convolution inside a loop body or a conditional on a slow path (jax#12868). A DiLoCo job of 8
-# AdamW steps of the x1/4 ResNet-18 on 32 CIFAR-10 images took 20.7 s in a loop with a
-# lax.cond per step and 0.63 s unrolled with a select (2-core CPU, 2026-11-27), and compiled in
-# 12.6 s instead of 24.
+# convolution inside a loop body or a conditional on a slow path (jax#12868). A job of 8 AdamW
+# steps of the x1/4 ResNet-18 on 32 images took 20.9-21.8 s in a loop with a lax.cond per step
+# and 0.63-0.65 s unrolled with a select, its first call 28.0 s and 17.4 s
+# (benchmarks/local_job.py, 2-core CPU, 2026-11-27).
 MAX_UNROLLED_STEPS = 16
 
 

@@ -254,7 +254,7 @@ def job_batch_for(job_batch: int, backend: str) -> int:
   once (0) on an accelerator.
 
   On this project's 2-core CPU one job at a time ran LeNet-5's level executor at 16 workers
-  2.4x as fast as one ``vmap`` of the piece's 16 slots (``docs/PERFORMANCE.md``, "Jobs one at
+  2.2x as fast as one ``vmap`` of the piece's 16 slots (``docs/PERFORMANCE.md``, "Jobs one at
   a time"): the ``vmap`` over per-worker weights makes every convolution a grouped one, a slow
   path of XLA:CPU. On a GPU the choice is measured by ``benchmarks/sim_efficiency.py
   --level_job_batch``; until it is, an accelerator keeps the one ``vmap``.
@@ -266,8 +266,8 @@ def job_batch_for(job_batch: int, backend: str) -> int:
 
 def describe(shape: chunk_lib.Shape, job_batch: int = 0) -> str:
   """One line of a chunk shape and its job batch (:func:`job_batch_for`), for the run's log."""
-  batch = (f"{job_batch} at a time" if 0 < job_batch < shape.jobs
-           else "all in one vmap")
+  per_vmap = chunk_lib.jobs_per_vmap(job_batch, shape.jobs)
+  batch = "all in one vmap" if per_vmap == shape.jobs else f"{per_vmap} at a time"
   return (f"{shape.pieces} pieces per call, each {shape.jobs} job slots ({batch}) and "
           f"{shape.rounds} round slots; per round {shape.arrivals} arrival, {shape.pulls} pull "
           f"and {shape.replicas} replica slots")
