@@ -1,7 +1,7 @@
 """Runs the studies behind the papers' claims, resumably, then writes their reports and the table.
 
   python -m experiments.reproduce --out=DIR [--only=mnist_tuned,mnist_authors,local_update] \
-      [--parallel=N] [--plan] [--merge_from=DIR2] \
+      [--parallel=N] [--plan] [--merge_from=DIR2] [--save_runs=DIR3] \
       [--publish=docs/results/claims --doc=docs/REPRODUCTION.md]
 
 It first prints what it will run (each study's trials, how many are finished, the estimated
@@ -14,9 +14,12 @@ trials' ``executor='auto'`` picks the GPU executor. Studies, claims and the rule
 claim: ``gssp_jax/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
 --merge_from=DIR2 first adds the finished trials of another --out (run elsewhere, e.g. on a GPU:
 virtual time does not depend on the machine) that this one lacks (``reproduce.merge``).
---publish copies the table and the studies' reports into the repository, and --doc puts the
-table into a document between its markers (``reproduce.BEGIN``/``END``): the committed table is
-the command's, not typed by hand.
+--publish copies the table and the studies' reports into the repository, with the finished
+trials' records behind them (under DIR/runs/, without checkpoints), and --doc puts the table into
+a document between its markers (``reproduce.BEGIN``/``END``): the committed table is the
+command's, not typed by hand, and ``--merge_from=DIR --plan`` rebuilds it from the records.
+--save_runs=DIR copies only the records: an --out outside the repository does not outlive its
+machine, so save (and commit) them before the machine goes, and go on with --merge_from=DIR.
 """
 
 import os
@@ -39,6 +42,10 @@ _MERGE_FROM = flags.DEFINE_string("merge_from", None, "first add the finished tr
                                   "--out (e.g. run on a GPU) that this one lacks")
 _PUBLISH = flags.DEFINE_string("publish", None, "then copy the table and the studies' reports "
                                "here (e.g. docs/results/claims)")
+_SAVE_RUNS = flags.DEFINE_string(
+    "save_runs", None, "then copy the finished trials' records (no checkpoints) to DIR/runs/, "
+    "so that a later session or another machine goes on with --merge_from=DIR (--publish "
+    "does this into its own DIR)")
 _DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
                            "between its claims-table markers (e.g. docs/REPRODUCTION.md)")
 
@@ -77,6 +84,11 @@ def main(argv):
   paths = reproduce.write_claims(root, studies)
   for kind, path in paths.items():
     print(f"claims {kind}: {path}")
+  if _SAVE_RUNS.value:
+    saved = reproduce.save_runs(root, studies, _SAVE_RUNS.value)
+    print(f"saved: {sum(map(len, saved.values()))} finished trial(s) under "
+          f"{os.path.join(_SAVE_RUNS.value, 'runs')} (go on from them with "
+          f"--merge_from={_SAVE_RUNS.value})")
   if _PUBLISH.value:
     written = reproduce.publish(root, studies, _PUBLISH.value, _DOC.value)
     print(f"published: {len(written)} files under {_PUBLISH.value}"

@@ -252,7 +252,9 @@ def merge(source: str, root: str, studies: Sequence[Study], repo: str) -> dict[s
   there come with their ``extended.json`` entries. Its directory is copied without its
   checkpoints; an unfinished run of it here is moved to ``runs/<study>/_stale/<time>/`` first
   (nothing is deleted), unless its ``trial.json`` says it is running (left, and counted: merge
-  while the study does not run here, or its running trials stay).
+  while the study does not run here, or its running trials stay). Where it took any, the
+  study's grid here (``sweep.json``: its trials, tuned seeds and ladders, which the reports
+  read) is written as the sweep file now expands.
 
   Returns:
     per study: ``{"taken": [...], "changed": [...], "busy": [...]}`` (trial names).
@@ -284,6 +286,8 @@ def merge(source: str, root: str, studies: Sequence[Study], repo: str) -> dict[s
       shutil.copytree(os.path.join(src, t.name), os.path.join(dst, t.name),
                       ignore=shutil.ignore_patterns("checkpoints"))
       taken.append(t.name)
+    if taken:   # the grid as it stands here now (tuned seeds, ladders): what the reports read
+      sweep_lib.write_grid(dst, path, trials)
   return out
 
 
@@ -629,10 +633,49 @@ def check_doc(doc: str) -> str:
   return text
 
 
+# What a trial's saved record leaves out: its checkpoints (a finished trial never resumes) and
+# its TensorBoard events (the same evaluations as ``metrics.jsonl``).
+_NOT_SAVED = ("checkpoints", "tensorboard")
+
+
+def save_runs(root: str, studies: Sequence[Study], dest: str) -> dict[str, list[str]]:
+  """Copies each study's finished trials from ``root/runs/<study>/`` into ``dest/runs/<study>/``
+  (their records: config, summary, evaluations, log; not :data:`_NOT_SAVED`), with the trials
+  the grid-edge rule added (``extended.json``), so that the table can be rebuilt, and the studies
+  go on, from ``dest`` on another machine or in a later session:
+  ``--merge_from=dest`` takes them into a fresh ``--out``.
+
+  A finished trial's record does not change, so one already in ``dest`` is replaced by the same
+  files; unfinished trials are not copied; nothing in ``dest`` is deleted.
+
+  Returns:
+    per study, the trials saved.
+  """
+  saved = {}
+  for study in studies:
+    src, dst = (os.path.join(d, "runs", study.name) for d in (root, dest))
+    names = [] if not os.path.isdir(src) else sorted(
+        n for n in os.listdir(src)
+        if sweep_lib.trial_status(os.path.join(src, n)) in sweep_lib.FINISHED)
+    saved[study.name] = names
+    if not names:
+      continue
+    os.makedirs(dst, exist_ok=True)
+    extended = os.path.join(src, sweep_lib.EXTENDED_FILE)
+    if os.path.exists(extended):
+      shutil.copyfile(extended, os.path.join(dst, sweep_lib.EXTENDED_FILE))
+    for name in names:
+      shutil.copytree(os.path.join(src, name), os.path.join(dst, name), dirs_exist_ok=True,
+                      ignore=shutil.ignore_patterns(*_NOT_SAVED))
+  return saved
+
+
 def publish(root: str, studies: Sequence[Study], dest: str, doc: str | None = None) -> list[str]:
   """Copies the claims table and each study's report from ``root`` into ``dest`` (e.g.
-  ``docs/results/claims``) and, with ``doc``, puts the table between :data:`BEGIN` and
-  :data:`END` in it (its links made relative to ``doc``). Returns the files written.
+  ``docs/results/claims``), with the finished trials' records behind them (:func:`save_runs`:
+  ``--merge_from=dest`` rebuilds the table from them), and, with ``doc``, puts the table between
+  :data:`BEGIN` and :data:`END` in it (its links made relative to ``doc``). Returns the files
+  written (the table's, the reports', the doc; not the records).
 
   Raises:
     ValueError: nothing to publish (no claims table under ``root``), or ``doc`` lacks the
@@ -658,6 +701,7 @@ def publish(root: str, studies: Sequence[Study], dest: str, doc: str | None = No
       if name.endswith(_PUBLISHED):
         shutil.copyfile(os.path.join(source, name), os.path.join(dest, study.name, name))
         written.append(os.path.join(dest, study.name, name))
+  save_runs(root, studies, dest)
   if doc is not None:
     prefix = os.path.relpath(dest, os.path.dirname(os.path.abspath(doc)))
     with open(claims) as f:

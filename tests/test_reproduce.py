@@ -111,6 +111,23 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
   assert (tmp_path / "docs" / "results" / "claims" / "tiny" / "summary.csv").read_text() == (
       out / "tiny" / "summary.csv").read_text()
 
+  # The records behind the published table come with it (no checkpoints, no TensorBoard), and
+  # a fresh --out (a later session, another machine) rebuilds the same table from them alone.
+  saved = tmp_path / "docs" / "results" / "claims" / "runs" / "tiny"
+  assert sorted(_finished(str(saved))) == sorted(_finished(runs))
+  for name in _finished(str(saved)):
+    assert sorted(os.listdir(saved / name)) == sorted(
+        set(os.listdir(os.path.join(runs, name))) - {"checkpoints", "tensorboard"})
+  fresh = tmp_path / "fresh"
+  rebuilt = subprocess.run(
+      _command(fresh) + ["--plan", f"--merge_from={tmp_path / 'docs' / 'results' / 'claims'}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+  assert "tiny: 8 finished trial(s) taken" in rebuilt.stdout
+  assert "tiny                8     8" in rebuilt.stdout
+  assert (fresh / "claims.csv").read_text() == (out / "claims.csv").read_text()
+  assert (fresh / "claims.md").read_text() == (out / "claims.md").read_text()
+
   # Merged into another --out (as from a GPU's run): finished trials taken without their
   # checkpoints, a partial run there moved aside, a trial run with another config left.
   other = tmp_path / "other"
