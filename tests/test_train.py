@@ -3,6 +3,8 @@
 import importlib
 import json
 import os
+import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
 from gssp_jax import models as models_lib
+from gssp_jax.train import environment
 from gssp_jax.train import loop
 from gssp_jax.train import optim
 from gssp_jax.train import step as step_lib
@@ -113,6 +116,9 @@ def test_smoke_configs_train_end_to_end(name, data_dir, tmp_path):
   env = summary["environment"]
   assert env["packages"]["jax"] == jax.__version__ and env["backend"] == jax.default_backend()
   assert env["cpu"] and env["devices"] and env["python"].count(".") == 2
+  if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":
+    assert "sse4_2" in env["cpu_features"] and " ".join(env["cpu_features"]) in (
+        tmp_path / "log.txt").read_text()
   assert f"jax {jax.__version__}" in (tmp_path / "log.txt").read_text()
   if name == "mnist_lenet5":
     assert lines[-1]["test_accuracy"] > 0.5  # chance is 0.1
@@ -322,3 +328,23 @@ def test_an_optax_optimizer_by_name_trains_in_the_simulator_and_the_bsp_loop(dat
     assert summary["status"] == "done", name
     assert summary["config"]["optimizer"]["name"] == "nadam"
     assert summary["final"]["test_accuracy"] > 0.2, (name, summary["final"]["test_accuracy"])
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_commit_is_recorded_from_a_checkout_and_from_a_worktree_of_it(tmp_path):
+  def git(*args, cwd=tmp_path / "repo"):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout.strip()
+  (tmp_path / "repo").mkdir()
+  git("init", "-q")
+  (tmp_path / "repo" / "a.py").write_text("x = 1\n")
+  git("add", "a.py")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+  head = git("rev-parse", "--short=12", "HEAD")
+  git("worktree", "add", "-q", "--detach", str(tmp_path / "tree"))
+  assert (tmp_path / "tree" / ".git").is_file()
+  assert environment._commit(str(tmp_path / "repo")) == head
+  assert environment._commit(str(tmp_path / "tree")) == head   # was None: .git is a file there
+  (tmp_path / "tree" / "a.py").write_text("x = 2\n")
+  assert environment._commit(str(tmp_path / "tree")) == head + "+dirty"
+  assert environment._commit(str(tmp_path)) is None   # no checkout

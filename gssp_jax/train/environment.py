@@ -3,8 +3,10 @@
 Logged when a run starts and kept in ``summary.json`` (``environment``), so two
 results can be told apart by machine and versions. A run is bit-identical on the
 same machine type with the same versions (``requirements-lock.txt``); XLA's CPU
-code generation depends on the CPU model, so another CPU type may differ in
-the last digits (docs/RESULTS.md, "Reproducible to the digit").
+code generation depends on the CPU's instruction-set extensions (``cpu_features``;
+a VM may report only "AMD EPYC" as its model), so another CPU type may differ in
+the last digits, and a long training run's accuracy then by as much as another seed
+(docs/RESULTS.md, "Reproducible to the digit").
 """
 
 from __future__ import annotations
@@ -39,10 +41,32 @@ def cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
-def _commit() -> str | None:
-  """The git commit of the code (with ``+dirty`` for uncommitted changes), if it is a checkout."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  if not os.path.isdir(os.path.join(root, ".git")):
+# The instruction-set extensions XLA's CPU code generation targets when the host has them: two
+# CPUs that report the same model name (a VM's "AMD EPYC") but differ here compile different
+# vector code, which rounds differently.
+_ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+        "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile",
+        "asimd", "sve", "sve2")
+
+
+def cpu_features() -> list[str]:
+  """Which of :data:`_ISA` the CPU reports (``/proc/cpuinfo``'s flags; empty where unknown)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          have = set(line.split(":", 1)[1].split())
+          return [name for name in _ISA if name in have]
+  except OSError:
+    pass
+  return []
+
+
+def _commit(root: str | None = None) -> str | None:
+  """The git commit of the code (with ``+dirty`` for uncommitted changes), if it is a checkout
+  or a worktree of one (``root``: the checkout; default, the one this package is in)."""
+  root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if not os.path.exists(os.path.join(root, ".git")):   # a directory, or a worktree's file
     return None
   try:
     head = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"],
@@ -59,7 +83,7 @@ def _static() -> dict[str, Any]:
   import gssp_jax  # pylint: disable=g-import-not-at-top
   return {"gssp_jax": gssp_jax.__version__, "commit": _commit(),
           "python": platform.python_version(), "os": platform.platform(),
-          "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+          "cpu": cpu_model(), "cpu_features": cpu_features(), "cpu_count": os.cpu_count(),
           "packages": {p: _version(p) for p in PACKAGES}}
 
 
@@ -77,4 +101,5 @@ def one_line(env: dict[str, Any]) -> str:
   return (f"environment: gssp_jax {env['gssp_jax']} ({env['commit'] or 'no git checkout'}), "
           f"python {env['python']}, jax {pkgs['jax']}, jaxlib {pkgs['jaxlib']}, flax "
           f"{pkgs['flax']}, optax {pkgs['optax']}; {env['backend']}: {env['num_devices']} x "
-          f"{', '.join(env['devices'])}; CPU {env['cpu']} ({env['cpu_count']} cores)")
+          f"{', '.join(env['devices'])}; CPU {env['cpu']} ({env['cpu_count']} cores; "
+          f"{' '.join(env.get('cpu_features') or ['features unknown'])})")
