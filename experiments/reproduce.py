@@ -18,10 +18,12 @@ virtual time does not depend on the machine) that this one lacks (``reproduce.me
 trials' records behind them (under DIR/runs/, without checkpoints), and --doc puts the table into
 a document between its markers (``reproduce.BEGIN``/``END``): the committed table is the
 command's, not typed by hand, and ``--merge_from=DIR --plan`` rebuilds it from the records.
---save_runs=DIR copies only the records: an --out outside the repository does not outlive its
-machine, so save (and commit) them before the machine goes, and go on with --merge_from=DIR.
+--save_runs=DIR copies only the records, every minute while the studies run and once more at
+the end: an --out outside the repository does not outlive its machine, so point DIR into the
+repository (e.g. docs/results/claims), commit what it holds, and go on with --merge_from=DIR.
 """
 
+import contextlib
 import os
 
 from absl import app
@@ -43,9 +45,9 @@ _MERGE_FROM = flags.DEFINE_string("merge_from", None, "first add the finished tr
 _PUBLISH = flags.DEFINE_string("publish", None, "then copy the table and the studies' reports "
                                "here (e.g. docs/results/claims)")
 _SAVE_RUNS = flags.DEFINE_string(
-    "save_runs", None, "then copy the finished trials' records (no checkpoints) to DIR/runs/, "
-    "so that a later session or another machine goes on with --merge_from=DIR (--publish "
-    "does this into its own DIR)")
+    "save_runs", None, "copy the finished trials' records (no checkpoints) to DIR/runs/, every "
+    "minute while the studies run and at the end (interrupted too), so that a later session or "
+    "another machine goes on with --merge_from=DIR (--publish does this into its own DIR)")
 _DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
                            "between its claims-table markers (e.g. docs/REPRODUCTION.md)")
 
@@ -76,7 +78,9 @@ def main(argv):
   cli.setup_logging()
   if not _PLAN.value:
     xla_env.use_compilation_cache()
-    with cli.sigterm_as_interrupt():
+    saver = (reproduce.Saver(root, studies, _SAVE_RUNS.value) if _SAVE_RUNS.value
+             else contextlib.nullcontext())
+    with cli.sigterm_as_interrupt(), saver:   # saves every minute, and on the way out
       reproduce.run(studies, root, REPO, _PARALLEL.value)
   os.makedirs(root, exist_ok=True)
   if _PLAN.value:   # the reports of what has finished so far, beside the table

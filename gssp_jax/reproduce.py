@@ -26,7 +26,10 @@ import os
 import re
 import shutil
 import statistics
+import threading
 from typing import Any, Sequence
+
+from absl import logging
 
 from gssp_jax import grid_edge
 from gssp_jax import report
@@ -633,9 +636,38 @@ def check_doc(doc: str) -> str:
   return text
 
 
-# What a trial's saved record leaves out: its checkpoints (a finished trial never resumes) and
-# its TensorBoard events (the same evaluations as ``metrics.jsonl``).
-_NOT_SAVED = ("checkpoints", "tensorboard")
+# What a trial's saved record leaves out: its checkpoints (a finished trial never resumes), its
+# TensorBoard events (the same evaluations as ``metrics.jsonl``) and any half-written file.
+_NOT_SAVED = ("checkpoints", "tensorboard", "*.tmp")
+_RECORD_FILES = ("summary.json", "trial.json")   # a saved trial whose two are the same is kept
+
+
+def _ended(trial_dir: str) -> bool:
+  """Whether a trial has finished and its process has recorded so: ``summary.json`` says
+  finished and ``trial.json`` (where the sweep keeps one) no longer says ``running``. Neither
+  changes after that: a rerun never retries a finished trial."""
+  if sweep_lib.trial_status(trial_dir) not in sweep_lib.FINISHED:
+    return False
+  path = os.path.join(trial_dir, "trial.json")
+  if not os.path.exists(path):
+    return True
+  try:
+    with open(path) as f:
+      return json.load(f).get("status") != "running"
+  except ValueError:   # being written by hand or by another tool: not yet
+    return False
+
+
+def _same_files(a: str, b: str, names: Sequence[str]) -> bool:
+  for name in names:
+    try:
+      with open(os.path.join(a, name), "rb") as f, open(os.path.join(b, name), "rb") as g:
+        if f.read() != g.read():
+          return False
+    except FileNotFoundError:
+      if os.path.exists(os.path.join(a, name)) or os.path.exists(os.path.join(b, name)):
+        return False
+  return True
 
 
 def save_runs(root: str, studies: Sequence[Study], dest: str) -> dict[str, list[str]]:
@@ -645,18 +677,19 @@ def save_runs(root: str, studies: Sequence[Study], dest: str) -> dict[str, list[
   go on, from ``dest`` on another machine or in a later session:
   ``--merge_from=dest`` takes them into a fresh ``--out``.
 
-  A finished trial's record does not change, so one already in ``dest`` is replaced by the same
-  files; unfinished trials are not copied; nothing in ``dest`` is deleted.
+  Only trials that have ended are copied (:func:`_ended`: a trial still being recorded is
+  left for the next save); a finished trial's record does not change, so one already in
+  ``dest`` with the same summary and ``trial.json`` is not copied again; nothing in ``dest`` is
+  deleted.
 
   Returns:
-    per study, the trials saved.
+    per study, the trials in ``dest`` that ended here (copied now or before).
   """
   saved = {}
   for study in studies:
     src, dst = (os.path.join(d, "runs", study.name) for d in (root, dest))
     names = [] if not os.path.isdir(src) else sorted(
-        n for n in os.listdir(src)
-        if sweep_lib.trial_status(os.path.join(src, n)) in sweep_lib.FINISHED)
+        n for n in os.listdir(src) if _ended(os.path.join(src, n)))
     saved[study.name] = names
     if not names:
       continue
@@ -665,9 +698,56 @@ def save_runs(root: str, studies: Sequence[Study], dest: str) -> dict[str, list[
     if os.path.exists(extended):
       shutil.copyfile(extended, os.path.join(dst, sweep_lib.EXTENDED_FILE))
     for name in names:
-      shutil.copytree(os.path.join(src, name), os.path.join(dst, name), dirs_exist_ok=True,
-                      ignore=shutil.ignore_patterns(*_NOT_SAVED))
+      if not _same_files(os.path.join(src, name), os.path.join(dst, name), _RECORD_FILES):
+        shutil.copytree(os.path.join(src, name), os.path.join(dst, name), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*_NOT_SAVED))
   return saved
+
+
+class Saver:
+  """Saves the finished trials' records (:func:`save_runs`) every ``every`` seconds while the
+  studies run, so that a machine that goes away mid-study loses at most that much of what has
+  finished (the records land in ``dest``, inside the repository: a checkout's uncommitted files
+  can be recovered, a scratch directory's cannot).
+
+  Concurrency: one daemon thread, started and stopped by the thread that runs the studies. It
+  only reads ``root/runs/`` (written by the trials' processes and the sweep) and only writes
+  under ``dest``, copying a trial once it has ended (:func:`_ended`), after which nothing
+  writes to it. :meth:`stop` joins the thread, then saves once more, so at most one save runs at
+  a time and the last one sees every trial that ended. A save that fails is logged and tried
+  again at the next tick; it never stops the studies.
+  """
+
+  def __init__(self, root: str, studies: Sequence[Study], dest: str, every: float = 60.0):
+    self._args = (root, list(studies), dest)
+    self._every = every
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, name="reproduce-saver", daemon=True)
+
+  def _save(self) -> dict[str, list[str]] | None:
+    try:
+      return save_runs(*self._args)
+    except (OSError, ValueError) as e:   # a full disk, a file gone or half-written under it
+      logging.warning("saving the finished trials to %s failed (%s); trying again later",
+                      self._args[2], e)
+      return None
+
+  def _loop(self) -> None:
+    while not self._stop.wait(self._every):
+      self._save()
+
+  def __enter__(self) -> "Saver":
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+  def stop(self) -> dict[str, list[str]] | None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
+    return self._save()
 
 
 def publish(root: str, studies: Sequence[Study], dest: str, doc: str | None = None) -> list[str]:

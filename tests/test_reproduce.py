@@ -45,9 +45,11 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
   assert "tiny                8     0" in plan.stdout and "estimated" in plan.stdout
   assert _finished(runs) == []
 
-  # Interrupted (SIGTERM, as Ctrl-C) once two trials have finished.
-  proc = subprocess.Popen(_command(out), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  # Interrupted (SIGTERM, as Ctrl-C) once two trials have finished, saving the records as it
+  # goes (--save_runs): what had finished is saved on the way out.
+  kept = tmp_path / "kept"
+  proc = subprocess.Popen(_command(out) + [f"--save_runs={kept}"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     deadline = time.monotonic() + 240
     while len(_finished(runs)) < 2:
@@ -62,6 +64,7 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
       proc.wait()
   before = {n: os.path.getmtime(os.path.join(runs, n, "summary.json")) for n in _finished(runs)}
   assert 2 <= len(before) < 8
+  assert sorted(_finished(str(kept / "runs" / "tiny"))) == sorted(before)
 
   # The rerun resumes: the finished trials are not run again, the rest are.
   again = subprocess.run(_command(out), cwd=REPO, env=env, capture_output=True, text=True,
@@ -253,3 +256,41 @@ def test_a_study_asked_for_that_has_not_run_keeps_the_table_not_final(tmp_path):
   text = open(reproduce.write_claims(str(tmp_path), [done, later])["md"]).read()
   assert ("`later` has 1 of 2 trials finished, none yet of a scheme with a claim, so it has no "
           "column (a study still to run)") in text
+
+
+def _trial(runs, name, summary_status, trial_status):
+  path = runs / name
+  (path / "checkpoints").mkdir(parents=True)
+  (path / "checkpoints" / "1").write_text("weights")
+  (path / "metrics.jsonl").write_text('{"epoch": 1.0}\n')
+  if summary_status:
+    (path / "summary.json").write_text(json.dumps({"status": summary_status}))
+  (path / "trial.json").write_text(json.dumps({"name": name, "status": trial_status}))
+  return path
+
+
+def test_only_trials_that_have_ended_are_saved_and_the_saver_keeps_up(tmp_path):
+  runs = tmp_path / "out" / "runs" / "tiny"
+  dest = tmp_path / "kept"
+  studies = [reproduce.STUDIES["tiny"]]
+  _trial(runs, "a", "done", "done")
+  ending = _trial(runs, "b", "done", "running")   # its process has not recorded its end yet
+  _trial(runs, "c", None, "running")               # still training
+  _trial(runs, "d", "interrupted", "interrupted")
+  got = reproduce.save_runs(str(tmp_path / "out"), studies, str(dest))
+  assert got == {"tiny": ["a"]}
+  assert sorted(os.listdir(dest / "runs" / "tiny")) == ["a"]
+  assert sorted(os.listdir(dest / "runs" / "tiny" / "a")) == [
+      "metrics.jsonl", "summary.json", "trial.json"]   # no checkpoints
+
+  # While the studies run: a trial that ends is saved within a tick, and once more on stop.
+  with reproduce.Saver(str(tmp_path / "out"), studies, str(dest), every=0.05) as saver:
+    (ending / "trial.json").write_text(json.dumps({"name": "b", "status": "done"}))
+    deadline = time.monotonic() + 30
+    while not (dest / "runs" / "tiny" / "b" / "trial.json").exists():
+      assert time.monotonic() < deadline, "the saver did not save a trial that ended"
+      time.sleep(0.02)
+    _trial(runs, "e", "collapsed", "collapsed")
+  assert not saver._thread.is_alive()
+  assert sorted(os.listdir(dest / "runs" / "tiny")) == ["a", "b", "e"]
+  assert json.loads((dest / "runs" / "tiny" / "b" / "trial.json").read_text())["status"] == "done"
