@@ -58,6 +58,34 @@ def _use_a_session_compilation_cache() -> None:
 
 
 _use_a_session_compilation_cache()
+
+_FAST_COMPILE_FLAG = "xla_llvm_disable_expensive_passes"
+
+
+def _compile_without_llvms_expensive_passes() -> None:
+  """Skips LLVM's expensive optimization passes in XLA:CPU, in every process of the session.
+
+  Compilation is most of the suite's time, and most of a CPU compile is LLVM's optimizer.
+  Without fast-math (XLA:CPU's default) LLVM may not reorder floating-point operations at any
+  optimization level, so the programs compute the same bits, only less quickly: the simulated
+  smoke runs of configs/mnist_lenet5_hetero.py and configs/cifar10_resnet18.py (BatchNorm,
+  convolutions) gave identical metrics with and without it (2026-11-28, this 2-core VM). It
+  cut a compile-bound pair of files 88 -> 67 s and the tour's BSP and HALoS commands (which run
+  an epoch each) 80 -> 72 s (docs/PERFORMANCE.md#the-test-suite). Set here, before any backend
+  starts (XLA parses XLA_FLAGS once per process), and in the environment the suite's
+  subprocesses inherit. The user's own setting of the flag is kept;
+  GSSP_TEST_FAST_COMPILE=0 turns it off.
+  """
+  if os.environ.get("GSSP_TEST_FAST_COMPILE", "1").lower() in ("0", "false", "off", "no"):
+    return
+  current = os.environ.get("XLA_FLAGS", "")
+  if _FAST_COMPILE_FLAG not in current:
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [current.strip(),
+                                                     f"--{_FAST_COMPILE_FLAG}=true"]))
+
+
+_compile_without_llvms_expensive_passes()
+
 # The entry points' own persistent cache (xla_env.use_compilation_cache, size-capped, so
 # file-locked) stays off in the suite's subprocesses: the session's cache above serves them
 # (sharing the locked one measured slower: 29 min 13 s against 27 min 06 s,

@@ -43,6 +43,7 @@ def _checkpoint_steps(workdir):
 
 
 @pytest.mark.parametrize("kind", ["simulator", "fused"])
+@pytest.mark.slow
 def test_an_interrupt_checkpoints_where_it_stopped_and_the_resume_redoes_nothing(
     tmp_path, data_dir, monkeypatch, kind):
   if kind == "simulator":   # 16 pushes, evaluations every 8: stop at push 5

@@ -178,6 +178,7 @@ _SMALL = chunk.Shape(pieces=1, jobs=1, rounds=4, arrivals=4, pulls=1, replicas=3
     ("bsp", "peer", False), ("asp", "peer", False), ("ssp", "peer", False),
     ("dssp", "peer", False), ("gssp", "peer", False), ("gssp", "global", True),
     ("inhad", "peer", True), ("dssync", "peer", True), ("casp", "peer", False)])
+@pytest.mark.slow
 def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_group, more):
   shapes = [None]
   if more:
@@ -192,6 +193,7 @@ def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_gro
 # Top-k (on ASP), GDTopK (on GSSP and ASP) and DGC (on SSP): the compressor runs in the job.
 @pytest.mark.parametrize("name,comp_name", [("gssp", "gdtopk"), ("asp", "topk"),
                                             ("asp", "gdtopk"), ("ssp", "dgc")])
+@pytest.mark.slow
 def test_level_runner_equals_round_runner_compressed(name, comp_name):
   _compare(name, comp_name)
 
@@ -199,10 +201,12 @@ def test_level_runner_equals_round_runner_compressed(name, comp_name):
 # A piece's 4 job slots one at a time (lax.map) and 3 at a time (a vmap of 3, then the one
 # left), with BatchNorm statistics and GDTopK's error feedback carried through the map.
 @pytest.mark.parametrize("name,comp_name", [("gssp", "gdtopk"), ("ssp", "none")])
+@pytest.mark.slow
 def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name):
   _compare(name, comp_name, batch_norm=True, job_batches=(1, 3))
 
 
+@pytest.mark.slow
 def test_level_runner_runs_local_update_jobs_as_the_round_runner():
   """Local-update jobs of 1 to 3 inner steps (DyLU-like), each worker keeping its own momentum."""
   scheme = sync.build_scheme("asp", W, worker_times=SPEEDS)
@@ -601,6 +605,7 @@ def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
                          "train.eval_every": 1.0, "cluster.jitter": 0.5,
                          "cluster.profile": "lognormal", "cluster.sigma": 0.3,
                          "cluster.tiers": (1.0, 1.5, 2.0, 3.0)})])
+@pytest.mark.slow
 def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, scheme,
                                                             compressor, workers, extra):
   # DGC's push times read its sent bytes from the device, which flushes the planned pieces at

@@ -172,6 +172,7 @@ _ASYNC = {"local.steps": 4, "local.dylu": True, "local.delayed_nesterov": 4,
 _ASYNC2 = {"num_workers": 2, "model": "lenet5", **_ASYNC}
 
 
+@pytest.mark.slow
 def test_async_local_sgd_levels_equal_rounds_and_a_resume_is_exact(tmp_path, data_dir):
   """DyLU, Delayed Nesterov, AdamW inside: the inner state survives a kill exactly."""
   whole, rounds = _run(_config("async_local_sgd", data_dir, **_ASYNC2), tmp_path / "whole")

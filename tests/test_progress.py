@@ -77,6 +77,7 @@ def test_a_script_run_shows_progress_logs_and_resumes_tensorboard_without_repeat
   assert results["test_accuracy"] == summary["final"]["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_a_simulated_gssp_run_logs_its_cluster_once_and_serves_the_global_model(
     tmp_path, data_dir):
   config = _small(data_dir, **{

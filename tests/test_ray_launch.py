@@ -46,6 +46,7 @@ def _alive(pids):
   return [pid for pid in pids if netns.alive(pid)]
 
 
+@pytest.mark.slow
 def test_a_gssp_run_on_ray_finishes_without_a_killed_mesh_actor_and_leaves_nothing(
     tmp_path, data_dir):
   if reason := netns.skip_reason():
@@ -115,6 +116,7 @@ def _finished(workdir):
                 if sweep.trial_status(str(workdir / n)) in sweep.FINISHED)
 
 
+@pytest.mark.slow
 def test_a_sweep_on_ray_resumes_after_an_interrupt_and_leaves_nothing(tmp_path, data_dir):
   """``configs/sweeps/tiny.py`` (4 trials) as Ray tasks: SIGTERM once a trial has finished, then
   the same command again: the finished trials are kept, the others run, nothing is left."""

@@ -33,6 +33,7 @@ def _finished(runs):
           if sweep.trial_status(os.path.join(runs, n)) in sweep.FINISHED]
 
 
+@pytest.mark.slow
 def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_table(
     tmp_path, data_dir):
   out = tmp_path / "repro"

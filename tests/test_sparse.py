@@ -230,6 +230,7 @@ def _id_sizes(args):
 
 
 @pytest.mark.parametrize("inter_group", ["peer", "global"])
+@pytest.mark.slow
 def test_a_gssp_run_compiles_once_per_id_bucket(inter_group):
   """The id buckets bound the rounds runner's compilations; the levels runner compiles once.
 

@@ -94,6 +94,7 @@ def test_bsp_with_one_worker_is_plain_sgd():
 
 @pytest.mark.parametrize("name", ["mnist_lenet5", "cifar10_resnet18", "cifar10_vgg19",
                                   "multi30k_seq2seq"])
+@pytest.mark.slow
 def test_smoke_configs_train_end_to_end(name, data_dir, tmp_path):
   config = _config(name, data_dir)
   if name.startswith("cifar10"):

@@ -90,6 +90,7 @@ def test_registered_model_and_arrays_in_one_process(tmp_path):
   assert summary["final"]["test_accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_a_sweep_of_two_processes_runs_the_user_code(tmp_path):
   sweep_file = tmp_path / "user_sweep.py"
   sweep_file.write_text(f'''
@@ -119,6 +120,7 @@ def get_sweep(arg=None):
     assert summary["status"] == "done" and summary["final"]["test_accuracy"] > 0.5, summary
 
 
+@pytest.mark.slow
 def test_two_meshes_of_the_real_runtime_train_the_user_code(tmp_path):
   workdir = tmp_path / "real"
   _python(["-m", "experiments.launch", "--config=configs/mnist_lenet5_hetero.py:smoke",

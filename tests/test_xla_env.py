@@ -1,5 +1,6 @@
 """The process environment for XLA: deterministic GPU runs, per-process GPU memory shares."""
 
+import json
 import logging
 import os
 import subprocess
@@ -228,6 +229,7 @@ def test_compilation_cache_rejects_a_bad_opt_out_value():
     xla_env.compilation_cache_env({"GSSP_COMPILATION_CACHE": "maybe"}, "/c")
 
 
+@pytest.mark.slow
 def test_a_rerun_of_the_main_job_compiles_nothing_new(tmp_path):
   """experiments.main's second run of the same config reads its programs from the cache."""
   env = _clean_env(GSSP_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1",
@@ -250,3 +252,33 @@ def test_a_rerun_of_the_main_job_compiles_nothing_new(tmp_path):
   assert hits[0] == 0 and programs[0] > 10, (hits, programs)
   # The rerun needs the same programs and reads (nearly) all of them from the cache.
   assert programs[1] == programs[0] and hits[1] >= 0.9 * programs[1], (hits, programs)
+
+
+def _metrics_but_wall_time(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k != "wall_time"} for line in f]
+
+
+@pytest.mark.slow
+def test_the_suites_faster_compilation_computes_the_same_bits(tmp_path, data_dir):
+  """tests/conftest.py compiles every test process's programs without LLVM's expensive passes
+  (``--xla_llvm_disable_expensive_passes``): that changes how fast XLA:CPU compiles, not what
+  the programs compute. The main job's smoke run (LeNet-5, half an epoch) records the same
+  evaluations, every loss to the bit, with the flag and with XLA's default codegen (the codegen
+  users run; each compiled afresh, no cache). Checked once by hand on the hetero GSSP and the
+  ResNet-18 smoke configs too (2026-11-28: identical metrics, docs/PERFORMANCE.md)."""
+  runs = []
+  for flags in ("", "--xla_llvm_disable_expensive_passes=true"):
+    env = _clean_env(XLA_FLAGS=flags, GSSP_DATA_DIR=data_dir, GSSP_CACHE_DIR=str(tmp_path / "c"))
+    for name in _CACHE_VARS:
+      env.pop(name, None)
+    workdir = str(tmp_path / f"run{len(runs)}")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.main", "--config=configs/mnist_lenet5.py:smoke",
+         "--config.train.num_epochs=0.5", "--config.train.eval_every=0.25",
+         f"--workdir={workdir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs.append(_metrics_but_wall_time(workdir))
+  assert len(runs[0]) == 2 and runs[0][-1]["epoch"] == 0.5 and "test_loss" in runs[0][-1]
+  assert runs[0] == runs[1]
