@@ -64,10 +64,10 @@ def deterministic_enabled(environ: Mapping[str, str]) -> bool:
   Raises:
     ValueError: ``GSSP_DETERMINISTIC`` is not one of the allowed spellings.
   """
-  return _switch(environ, OPT_OUT_VAR)
+  return switch(environ, OPT_OUT_VAR)
 
 
-def _switch(environ: Mapping[str, str], name: str) -> bool:
+def switch(environ: Mapping[str, str], name: str) -> bool:
   """An on/off variable of the project, on when unset.
 
   Raises:
@@ -99,10 +99,17 @@ def deterministic_env(environ: Mapping[str, str]) -> dict[str, str]:
   """
   if not deterministic_enabled(environ):
     return {}
+  return with_flag(environ, DETERMINISTIC_FLAG)
+
+
+def with_flag(environ: Mapping[str, str], name: str, value: str = "true") -> dict[str, str]:
+  """``{"XLA_FLAGS": ...}`` with ``--name=value`` appended to ``environ``'s (the user's flags
+  kept, in order), or ``{}`` when they already name the flag with any value (the user decided,
+  or it was applied before: idempotent). Pure."""
   current = environ.get("XLA_FLAGS", "")
-  if DETERMINISTIC_FLAG in _flag_names(current):
+  if name in _flag_names(current):
     return {}
-  return {"XLA_FLAGS": " ".join(filter(None, [current.strip(), f"--{DETERMINISTIC_FLAG}=true"]))}
+  return {"XLA_FLAGS": " ".join(filter(None, [current.strip(), f"--{name}={value}"]))}
 
 
 def _initialized_platforms() -> list[str] | None:
@@ -165,7 +172,7 @@ def compilation_cache_env(environ: Mapping[str, str], cache_dir: str) -> dict[st
   Raises:
     ValueError: ``GSSP_COMPILATION_CACHE`` is not one of the allowed spellings.
   """
-  if not _switch(environ, CACHE_OPT_OUT_VAR):
+  if not switch(environ, CACHE_OPT_OUT_VAR):
     return {}
   wanted = {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -12,6 +12,8 @@ import gssp_jax  # pylint: disable=unused-import
 import jax
 import pytest
 
+from gssp_jax import xla_env
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -39,7 +41,7 @@ def _use_a_session_compilation_cache() -> None:
   off. It must be set before the first compilation: jax decides once per process
   whether to use it.
   """
-  if os.environ.get("GSSP_TEST_COMPILATION_CACHE", "1").lower() in ("0", "false", "off", "no"):
+  if not xla_env.switch(os.environ, "GSSP_TEST_COMPILATION_CACHE"):
     return
   path = os.environ.get(_SHARED_CACHE_ENV)
   if not path:   # the first process of the session (pytest-xdist's controller) makes it
@@ -76,12 +78,8 @@ def _compile_without_llvms_expensive_passes() -> None:
   subprocesses inherit. The user's own setting of the flag is kept;
   GSSP_TEST_FAST_COMPILE=0 turns it off.
   """
-  if os.environ.get("GSSP_TEST_FAST_COMPILE", "1").lower() in ("0", "false", "off", "no"):
-    return
-  current = os.environ.get("XLA_FLAGS", "")
-  if _FAST_COMPILE_FLAG not in current:
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [current.strip(),
-                                                     f"--{_FAST_COMPILE_FLAG}=true"]))
+  if xla_env.switch(os.environ, "GSSP_TEST_FAST_COMPILE"):
+    os.environ.update(xla_env.with_flag(os.environ, _FAST_COMPILE_FLAG))
 
 
 _compile_without_llvms_expensive_passes()

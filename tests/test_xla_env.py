@@ -98,6 +98,17 @@ def test_this_test_process_has_the_flag():
   assert xla_env.DETERMINISTIC_FLAG in xla_env._flag_names(os.environ["XLA_FLAGS"])
 
 
+
+def test_with_flag_appends_a_flag_once_by_its_exact_name():
+  name = "xla_llvm_disable_expensive_passes"
+  assert xla_env.with_flag({}, name) == {"XLA_FLAGS": f"--{name}=true"}
+  assert xla_env.with_flag({"XLA_FLAGS": FLAG}, name, "false") == {
+      "XLA_FLAGS": f"{FLAG} --{name}=false"}
+  assert xla_env.with_flag({"XLA_FLAGS": f"--{name}=false"}, name) == {}   # the user decided
+  # A flag whose name merely contains it (or a value that does) is another flag.
+  other = f"--{name}_x=1 --xla_dump_to=/tmp/{name}"
+  assert xla_env.with_flag({"XLA_FLAGS": other}, name) == {"XLA_FLAGS": f"{other} --{name}=true"}
+
 def _python(code: str, env: dict) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
