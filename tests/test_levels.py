@@ -190,20 +190,24 @@ def test_level_runner_equals_round_runner_every_scheme_batchnorm(name, inter_gro
     assert runner.planner.totals["jobs"] > runner.planner.totals["pieces"]
 
 
-# Top-k (on ASP), GDTopK (on GSSP and ASP) and DGC (on SSP): the compressor runs in the job.
-@pytest.mark.parametrize("name,comp_name", [("gssp", "gdtopk"), ("asp", "topk"),
-                                            ("asp", "gdtopk"), ("ssp", "dgc")])
+# Top-k and GDTopK (on ASP) and DGC (on SSP): the compressor runs in the job. GDTopK on GSSP
+# runs in the test below, with BatchNorm, all of a piece's jobs at once among its job batches.
+@pytest.mark.parametrize("name,comp_name", [("asp", "topk"), ("asp", "gdtopk"), ("ssp", "dgc")])
 @pytest.mark.slow
 def test_level_runner_equals_round_runner_compressed(name, comp_name):
   _compare(name, comp_name)
 
 
 # A piece's 4 job slots one at a time (lax.map) and 3 at a time (a vmap of 3, then the one
-# left), with BatchNorm statistics and GDTopK's error feedback carried through the map.
-@pytest.mark.parametrize("name,comp_name", [("gssp", "gdtopk"), ("ssp", "none")])
+# left), with BatchNorm statistics and GDTopK's error feedback carried through the map; GSSP
+# with GDTopK also all 4 at once (one vmap), against the same reference run.
+@pytest.mark.parametrize("name,comp_name,job_batches", [("gssp", "gdtopk", (0, 1, 3)),
+                                                        ("ssp", "none", (1, 3))],
+                         ids=["gssp-gdtopk", "ssp-none"])
 @pytest.mark.slow
-def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name):
-  _compare(name, comp_name, batch_norm=True, job_batches=(1, 3))
+def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name,
+                                                                          job_batches):
+  _compare(name, comp_name, batch_norm=True, job_batches=job_batches)
 
 
 @pytest.mark.slow

@@ -109,8 +109,10 @@ def test_round_indices_pad_to_buckets_and_validate():
   np.testing.assert_array_equal(ids["replica_ids"], [0, 2])
   empty = rounds_lib.round_indices(rounds_lib.round_args(
       rounds_lib.empty_round(0.0, 8, 3, 1, np.zeros([8], np.int32))))
-  np.testing.assert_array_equal(empty["worker_ids"], [8])
+  np.testing.assert_array_equal(empty["worker_ids"], [8, 9, 10, 11])  # MIN_WORKER_BUCKET wide
   np.testing.assert_array_equal(empty["replica_ids"], [3])
+  assert [rounds_lib.bucket(n, 64, 4) for n in (0, 1, 4, 5, 9, 64)] == [4, 4, 4, 8, 16, 64]
+  assert rounds_lib.bucket(1, 2, 4) == 2 and rounds_lib.bucket(3, 8) == 4
   wide = rounds_lib.round_indices(rounds_lib.round_args(rnd), num_worker_ids=8)
   np.testing.assert_array_equal(wide["worker_ids"], [1, 5, 6, 11, 12, 13, 14, 15])   # distinct
   with pytest.raises(ValueError, match="num_worker_ids=2"):
@@ -157,7 +159,7 @@ def test_a_one_push_round_makes_no_worker_sized_array(name, inter_group):
   num_workers = 12   # no model dimension is 12
   scheme, tx, state, _, _, _ = _setup(name, num_workers, inter_group)
   args = _one_push_round(scheme, 5)
-  assert args["worker_ids"].size == 1
+  assert args["worker_ids"].size == rounds_lib.MIN_WORKER_BUCKET < num_workers
   jaxpr = jax.make_jaxpr(executor.round_body(tx))(state, args)
   big = [(eqn.primitive.name, v.aval.shape) for eqn in _eqns(jaxpr.jaxpr)
          for v in eqn.outvars
@@ -235,14 +237,15 @@ def test_a_gssp_run_compiles_once_per_id_bucket(inter_group):
   """The id buckets bound the rounds runner's compilations; the levels runner compiles once.
 
   Rounds runner: one trace per (worker ids, replica ids) bucket pair met, at
-  most ``(log2 W + 1) x (log2 R + 1)``; a second, longer run traces only for
+  most (worker sizes x replica sizes, ``rounds.bucket``); a second, longer run traces only for
   pairs it had not met. Levels runner: every round slot has the same ids'
   sizes (the protocol's bounds), so one program serves both runs.
   """
   num_workers = 8
   scheme, tx, state, arrays, job_fn, speeds = _setup("gssp", num_workers, inter_group)
   num_replicas = scheme.num_replicas
-  bound = (len({rounds_lib.bucket(n, num_workers) for n in range(1, num_workers + 1)})
+  bound = (len({rounds_lib.bucket(n, num_workers, rounds_lib.MIN_WORKER_BUCKET)
+                for n in range(1, num_workers + 1)})
            * len({rounds_lib.bucket(n, num_replicas) for n in range(1, num_replicas + 1)}))
   traces = []
   run = executor.make_round_runner(job_fn, executor.make_round_fn(

@@ -346,7 +346,7 @@ def make_round_fn(tx: optax.GradientTransformationExtraArgs,
 
   The host adds the round's ids (``rounds.with_indices``), so the round
   touches only the workers and replicas it involves; it compiles once per pair
-  of id buckets (powers of two up to ``W`` and ``R``), not per round.
+  of id buckets (``rounds.bucket``: powers of two up to ``W`` and ``R``), not per round.
   ``on_trace`` is called each time it is traced (tests count compilations).
   """
   body = round_body(tx)

@@ -163,9 +163,17 @@ def _stack_optional(values: list, empty: np.ndarray) -> np.ndarray:
 INDEX_ARGS = ("worker_ids", "replica_ids")
 
 
-def bucket(n: int, cap: int) -> int:
-  """The padded size of ``n`` ids: the next power of two (at least 1), at most ``cap``."""
-  return min(1 << max(0, int(n) - 1).bit_length(), max(int(cap), 1))
+# The smallest bucket of worker ids. A worker row costs a round a copy of its weights or
+# gradient, the same for a few rows as for one, while each bucket size met is one more
+# compilation of the round: with no floor a 16-worker run compiled up to 5 worker sizes, a
+# 4-worker one 3 (about a second each for LeNet-5 on a 2-core CPU). Replica ids keep no floor:
+# each replica row is an optimizer step (Adam on one group server, not on four).
+MIN_WORKER_BUCKET = 4
+
+
+def bucket(n: int, cap: int, floor: int = 1) -> int:
+  """The padded size of ``n`` ids: the next power of two, at least ``floor``, at most ``cap``."""
+  return min(max(1 << max(0, int(n) - 1).bit_length(), floor), max(int(cap), 1))
 
 
 def _padded_ids(ids: np.ndarray, size: int, num: int) -> np.ndarray:
@@ -184,8 +192,8 @@ def round_indices(args: dict, *, num_worker_ids: int | None = None,
   ``R, R + 1, ...`` (distinct, so every scatter by them has unique ids).
   With them :func:`apply_round` reads and writes only those rows, so a round's
   cost follows the workers and replicas it involves, not ``W x params``.
-  Sizes are powers of two (``bucket``), so a jitted round compiles once per
-  pair of sizes; ``num_worker_ids``/``num_replica_ids`` force larger sizes
+  Sizes are powers of two (``bucket``; worker ids at least
+  ``MIN_WORKER_BUCKET``), so a jitted round compiles once per pair of sizes; ``num_worker_ids``/``num_replica_ids`` force larger sizes
   (rounds stacked for a ``lax.scan`` must share them).
 
   Args:
@@ -203,9 +211,10 @@ def round_indices(args: dict, *, num_worker_ids: int | None = None,
   replicas = np.flatnonzero(applies | (np.asarray(args.get("average", -1)) >= 0)
                             | (np.asarray(args.get("adopt", -1)) >= 0))
   sizes = []
-  for name, ids, size, cap in (("num_worker_ids", workers, num_worker_ids, num_workers),
-                               ("num_replica_ids", replicas, num_replica_ids, num_replicas)):
-    size = bucket(ids.size, cap) if size is None else size
+  for name, ids, size, cap, floor in (
+      ("num_worker_ids", workers, num_worker_ids, num_workers, MIN_WORKER_BUCKET),
+      ("num_replica_ids", replicas, num_replica_ids, num_replicas, 1)):
+    size = bucket(ids.size, cap, floor) if size is None else size
     if not ids.size <= size <= max(cap, 1):
       raise ValueError(f"{name}={size} is invalid for a round with {ids.size} such ids; "
                        f"allowed: {ids.size} to {cap}")
