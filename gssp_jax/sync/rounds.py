@@ -193,8 +193,9 @@ def round_indices(args: dict, *, num_worker_ids: int | None = None,
   With them :func:`apply_round` reads and writes only those rows, so a round's
   cost follows the workers and replicas it involves, not ``W x params``.
   Sizes are powers of two (``bucket``; worker ids at least
-  ``MIN_WORKER_BUCKET``), so a jitted round compiles once per pair of sizes; ``num_worker_ids``/``num_replica_ids`` force larger sizes
-  (rounds stacked for a ``lax.scan`` must share them).
+  ``MIN_WORKER_BUCKET``), so a jitted round compiles once per pair of sizes;
+  ``num_worker_ids``/``num_replica_ids`` force larger sizes (rounds stacked
+  for a ``lax.scan`` must share them).
 
   Args:
     args: the round's fields (``round_args``), host arrays.
