@@ -28,8 +28,10 @@ def test_sleeps_and_compiles_nothing():
 def test_the_profile_times_each_test_and_its_compilations(tmp_path):
   (tmp_path / "test_tiny.py").write_text(_TESTS)
   path = tmp_path / "profile.csv"
-  env = {**os.environ, suite_profile.ENV: str(path), "PYTHONPATH": str(REPO),
-         "GSSP_TEST_COMPILATION_CACHE": "0"}
+  # No persistent cache (the session's is in the environment): a program read from it is not
+  # compiled, and the test's program must be.
+  env = {**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+         suite_profile.ENV: str(path), "PYTHONPATH": str(REPO)}
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.suite_profile",
        "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path / "test_tiny.py")],
