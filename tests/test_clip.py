@@ -175,7 +175,7 @@ def test_the_server_optimizer_does_not_clip():
 @pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
 @pytest.mark.slow
 def test_fused_bsp_and_simulated_bsp_clip_alike():
-  """Three BSP rounds of 4 LeNet-5 workers, clip 0.05 (every gradient is clipped)."""
+  """Three BSP rounds of 4 workers (``helpers.TinyCNN``), clip 0.05: every gradient clipped."""
   from test_train import _synthetic_task
   task = _synthetic_task()
   W, B, rounds = 4, 8, 3
