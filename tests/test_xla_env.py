@@ -1,6 +1,5 @@
 """The process environment for XLA: deterministic GPU runs, per-process GPU memory shares."""
 
-import json
 import logging
 import os
 import subprocess
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import helpers
 from gssp_jax import xla_env
 
 FLAG = "--xla_gpu_deterministic_ops=true"
@@ -98,7 +98,6 @@ def test_this_test_process_has_the_flag():
   assert xla_env.DETERMINISTIC_FLAG in xla_env._flag_names(os.environ["XLA_FLAGS"])
 
 
-
 def test_with_flag_appends_a_flag_once_by_its_exact_name():
   name = "xla_llvm_disable_expensive_passes"
   assert xla_env.with_flag({}, name) == {"XLA_FLAGS": f"--{name}=true"}
@@ -108,6 +107,7 @@ def test_with_flag_appends_a_flag_once_by_its_exact_name():
   # A flag whose name merely contains it (or a value that does) is another flag.
   other = f"--{name}_x=1 --xla_dump_to=/tmp/{name}"
   assert xla_env.with_flag({"XLA_FLAGS": other}, name) == {"XLA_FLAGS": f"{other} --{name}=true"}
+
 
 def _python(code: str, env: dict) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env,
@@ -265,11 +265,6 @@ def test_a_rerun_of_the_main_job_compiles_nothing_new(tmp_path):
   assert programs[1] == programs[0] and hits[1] >= 0.9 * programs[1], (hits, programs)
 
 
-def _metrics_but_wall_time(workdir) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items() if k != "wall_time"} for line in f]
-
-
 @pytest.mark.slow
 def test_the_suites_faster_compilation_computes_the_same_bits(tmp_path, data_dir):
   """tests/conftest.py compiles every test process's programs without LLVM's expensive passes
@@ -290,6 +285,6 @@ def test_the_suites_faster_compilation_computes_the_same_bits(tmp_path, data_dir
          f"--workdir={workdir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs.append(_metrics_but_wall_time(workdir))
+    runs.append(helpers.metric_lines(workdir))
   assert len(runs[0]) == 2 and runs[0][-1]["epoch"] == 0.5 and "test_loss" in runs[0][-1]
   assert runs[0] == runs[1]
