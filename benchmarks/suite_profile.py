@@ -104,19 +104,20 @@ def merge(path: str, out: str) -> None:
 def summarize(path: str, top: int = 25) -> str:
   """The totals, each worker's span, and the slowest files and tests of :func:`read`'s rows."""
   rows = read(path)
-  spans = collections.defaultdict(list)
+  ends = collections.defaultdict(float)   # each worker's last test's end
   for r in rows:
-    spans[r["worker"]].append((r["start"], r["start"] + r["seconds"]))
+    ends[r["worker"]] = max(ends[r["worker"]], r["start"] + r["seconds"])
   total = sum(r["seconds"] for r in rows)
   compiled = sum(r["compile_seconds"] for r in rows)
   first = min(r["start"] for r in rows)
   out = [f"{len(rows)} tests, {total:.0f} s of test time, {compiled:.0f} s of it compiling "
          f"in the test processes ({100 * compiled / total:.0f} %)"]
-  out += [f"  {w}: busy until {max(e for _, e in spans[w]) - first:.0f} s" for w in sorted(spans)]
+  out += [f"  {w}: busy until {ends[w] - first:.0f} s" for w in sorted(ends)]
   files = collections.defaultdict(lambda: [0.0, 0.0])
   for r in rows:
-    files[r["test"].split("::")[0]][0] += r["seconds"]
-    files[r["test"].split("::")[0]][1] += r["compile_seconds"]
+    file = files[r["test"].split("::")[0]]
+    file[0] += r["seconds"]
+    file[1] += r["compile_seconds"]
   out.append("files (seconds, compiling):")
   out += [f"  {s:7.1f} {c:7.1f}  {f}" for f, (s, c) in
           sorted(files.items(), key=lambda kv: -kv[1][0])[:top]]
