@@ -44,8 +44,11 @@ class Study:
     name: its directory under ``DIR/runs`` and ``DIR``.
     sweep: the sweep file, relative to the repository root (``path[:arg]``).
     title: what it is, in a line of the claims table.
-    minutes_per_trial: the declared cost of a trial on a 2-core CPU (the plan's estimate until
-      trials of this study have finished; then their measured wall time).
+    minutes_per_trial: the declared wall minutes of a trial on a 2-core CPU at
+      ``--parallel=2`` (the plan's estimate until trials of this study have finished; then
+      their measured median). The MNIST studies' figures are the medians of their first
+      complete run (2026-11-27); ``local_update_long``'s is ``local_update``'s scaled by its
+      8 epochs against 3.
     protocol: ``"authors"`` (the papers' own settings) or ``"tuned"`` (each scheme at its best
       rate of a declared grid); the claims table has one column of each.
   """
@@ -60,10 +63,10 @@ STUDIES = {s.name: s for s in (
     Study("mnist_tuned", "configs/sweeps/paper_mnist.py:tune",
           "LeNet-5/MNIST, 16 workers in 4 speed tiers, each scheme at its best rate of "
           "{0.02, 0.05, 0.1}, extended along 0.005-0.5 past a best at an edge, 3 seeds, "
-          "8 epochs, target 98 %", 1.5, "tuned"),
+          "8 epochs, target 98 %", 3.0, "tuned"),
     Study("mnist_authors", "configs/sweeps/paper_mnist_authors.py",
           "LeNet-5/MNIST, the GSSP authors' settings (batch 64, SGD 0.001, constant), 3 seeds, "
-          "25 epochs, target 95 %", 4.0, "authors"),
+          "25 epochs, target 95 %", 9.1, "authors"),
     Study("cifar10_tuned", "configs/sweeps/paper_cifar10_tuned.py",
           "ResNet-18 x1/4 on 8,192 CIFAR-10 images, 8 workers in 4 speed tiers, BSP, SSP, GSSP, "
           "GSSP + GDTopK and DiLoCo each at its best of a declared grid of 3 (extended "
@@ -71,11 +74,11 @@ STUDIES = {s.name: s for s in (
           "tuned"),
     Study("local_update", "configs/sweeps/local_update_mnist.py:tiers",
           "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, rates tuned on "
-          "seed 0, 3 seeds, 3 epochs, target 98 %", 3.0, "tuned"),
+          "seed 0, 3 seeds, 3 epochs, target 98 %", 2.3, "tuned"),
     Study("local_update_long", "configs/sweeps/local_update_mnist.py:tiers,long",
           "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, every rate on "
           "every seed (extended along a ladder past a best at an edge), 3 seeds, 8 epochs, "
-          "target 98 %", 6.5, "tuned"),
+          "target 98 %", 6.1, "tuned"),
     Study("tiny", "configs/sweeps/tiny_tune.py",
           "a pipeline check: 2 schemes x 2 rates x 2 seeds on 512 examples (not a result)",
           0.2, "tuned"),
