@@ -295,3 +295,41 @@ def test_only_trials_that_have_ended_are_saved_and_the_saver_keeps_up(tmp_path):
   assert not saver._thread.is_alive()
   assert sorted(os.listdir(dest / "runs" / "tiny")) == ["a", "b", "e"]
   assert json.loads((dest / "runs" / "tiny" / "b" / "trial.json").read_text())["status"] == "done"
+
+
+def test_accuracy_at_equal_virtual_time_is_read_at_the_earlier_end_and_decides_nothing(tmp_path):
+  """A scheme that runs its epochs in half BSP's virtual time ends below BSP's final accuracy
+  but above BSP at its own end: the cell shows both, per seed at the earlier of the two ends,
+  and the verdict still follows the final accuracy (declared before the runs)."""
+  from tests.test_fair import _trial  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "sweep"
+  for seed in (0, 1, 2):
+    _trial(root, "bsp", seed, 0.05, [0.5, 0.7, 0.9, 0.99])                 # ends at 40
+    # GSSP ends at 20, where BSP stood at 0.7; seed 2 ends at 15 (BSP: 0.6 by interpolation).
+    _trial(root, "gssp", seed, 0.05, [0.6, 0.8, 0.85, 0.9 - 0.01 * seed],
+           times=(5.0, 10.0, 15.0, 20.0) if seed < 2 else (3.75, 7.5, 11.25, 15.0))
+  figs = reproduce.figures(str(root))
+  gssp = figs[("gssp", "none")]
+  # Per seed: 0.90 - 0.70, 0.89 - 0.70 and 0.88 - 0.60 (15 lies halfway between 10 and 20).
+  assert gssp["at_equal_time"]["n"] == 3
+  assert gssp["at_equal_time"]["median"] == pytest.approx(20.0)
+  assert gssp["at_equal_time"]["min"] == pytest.approx(19.0)
+  assert gssp["at_equal_time"]["max"] == pytest.approx(28.0)
+  assert gssp["delta_pp"] == pytest.approx(100 * ((0.9 + 0.89 + 0.88) / 3 - 0.99))
+  assert figs[("bsp", "none")]["at_equal_time"] is None
+  cell = reproduce._cell(gssp)   # pylint: disable=protected-access
+  assert "-10.00 pp; +20.00 pp at equal virtual time (+19.00 to +28.00)" in cell
+  claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
+  assert "10.00 points below BSP" in reproduce.verdict(claim, gssp)
+
+  # An unhealthy seed, or one whose evaluations do not reach the other's end, has no figure.
+  metrics = [{"virtual_time": 10.0, "test_accuracy": 0.5}, {"virtual_time": 20.0,
+                                                             "test_accuracy": 0.7}]
+  assert reproduce.metric_at(metrics, "test_accuracy", 15.0) == pytest.approx(0.6)
+  assert reproduce.metric_at(metrics, "test_accuracy", 25.0) is None
+  assert reproduce.metric_at(metrics, "test_accuracy", 5.0) is None
+  row = {"seed": 0, "status": "done", "metric": "test_accuracy", "_metrics": metrics}
+  assert reproduce.delta_at_equal_time([{**row, "status": "collapsed"}], [row]) is None
+  assert reproduce.delta_at_equal_time([row], [{**row, "seed": 1}]) is None
+  assert reproduce.delta_at_equal_time([row], [row]) == {"median": 0.0, "min": 0.0, "max": 0.0,
+                                                          "n": 1}
