@@ -45,6 +45,14 @@ def _finite(x) -> bool:
   return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def timed_series(metrics: list[dict], metric: str) -> np.ndarray:
+  """A trial's ``[N, 2]`` (virtual time, ``metric``) evaluations in time order, those with both
+  finite; ``[0, 2]`` if none."""
+  pts = sorted((m["virtual_time"], m[metric]) for m in metrics
+               if _finite(m.get("virtual_time")) and _finite(m.get(metric)))
+  return np.asarray(pts, np.float64).reshape(-1, 2)
+
+
 def metric_curves(rows: list[dict], metric: str) -> list[dict]:
   """Per configuration: ``metric`` against virtual time, mean and min–max over seeds.
 
@@ -58,12 +66,7 @@ def metric_curves(rows: list[dict], metric: str) -> list[dict]:
   """
   out = []
   for lab, members in _configs(rows).items():
-    series = []
-    for r in members:
-      pts = sorted((m["virtual_time"], m[metric]) for m in r["_metrics"]
-                   if _finite(m.get("virtual_time")) and _finite(m.get(metric)))
-      if pts:
-        series.append(np.asarray(pts, np.float64))
+    series = [s for s in (timed_series(r["_metrics"], metric) for r in members) if len(s)]
     if not series:
       continue
     start, end = max(s[0, 0] for s in series), min(s[-1, 0] for s in series)

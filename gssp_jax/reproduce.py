@@ -34,6 +34,7 @@ import numpy as np
 
 from gssp_jax import grid_edge
 from gssp_jax import report
+from gssp_jax import report_figures
 from gssp_jax import sweep as sweep_lib
 
 
@@ -324,6 +325,9 @@ def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
   out = {}
   aggs = report.aggregate(selected)
   bsp = next((a for a in aggs if _scheme(a) == ("bsp", "none")), None)
+  trials = collections.defaultdict(list)
+  for r in selected:
+    trials[_scheme(r)].append(r)
   for agg in aggs:
     key = _scheme(agg)
     delta = agg["delta_vs_bsp"]
@@ -341,13 +345,9 @@ def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
                          if bsp and agg["bytes_pushed"] and bsp["bytes_pushed"] else None),
         "unhealthy": agg["collapsed"] + agg["diverged"], "chosen": chosen.get(key),
         "bsp_reached": bsp["time_to_target_n"] if bsp else 0,
-        "times": {r["seed"]: r["time_to_target"] for r in selected if _scheme(r) == key},
-        "at_equal_time": None}
-  for key, fig in out.items():
-    if key != ("bsp", "none"):
-      fig["at_equal_time"] = delta_at_equal_time(
-          [r for r in selected if _scheme(r) == key],
-          [r for r in selected if _scheme(r) == ("bsp", "none")])
+        "times": {r["seed"]: r["time_to_target"] for r in trials[key]},
+        "at_equal_time": (None if key == ("bsp", "none")
+                          else delta_at_equal_time(trials[key], trials[("bsp", "none")]))}
   base = out.get(("bsp", "none"))
   for key, fig in out.items():   # the same for the speedup, per seed, where no BSP trial matched
     if fig["speedup_median"] is None and fig["reached"] and base is not None and key != (
@@ -373,12 +373,14 @@ def speedup_over(fig: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | 
 def metric_at(metrics: list[dict], metric: str, t: float) -> float | None:
   """``metric`` at virtual time ``t``, interpolated linearly between the evaluations around it;
   None outside the evaluated span or where no evaluation has both."""
-  points = sorted((m["virtual_time"], m[metric]) for m in metrics
-                  if m.get("virtual_time") is not None and m.get(metric) is not None)
-  if not points or not points[0][0] <= t <= points[-1][0]:
+  return _value_at(report_figures.timed_series(metrics, metric), t)
+
+
+def _value_at(series: np.ndarray, t: float) -> float | None:
+  """:func:`metric_at` on a :func:`report_figures.timed_series`."""
+  if not len(series) or not series[0, 0] <= t <= series[-1, 0]:
     return None
-  times, values = zip(*points)
-  return float(np.interp(t, times, values))
+  return float(np.interp(t, series[:, 0], series[:, 1]))
 
 
 def delta_at_equal_time(rows: Sequence[dict], base_rows: Sequence[dict]
@@ -398,12 +400,11 @@ def delta_at_equal_time(rows: Sequence[dict], base_rows: Sequence[dict]
     other = base.get(row["seed"])
     if other is None or row["status"] in report.UNHEALTHY:
       continue
-    ends = [max((m["virtual_time"] for m in r["_metrics"] if m.get("virtual_time") is not None
-                 and m.get(r["metric"]) is not None), default=None) for r in (row, other)]
-    if None in ends:
+    mine, theirs = (report_figures.timed_series(r["_metrics"], r["metric"]) for r in (row, other))
+    if not len(mine) or not len(theirs):
       continue
-    t = min(ends)
-    mine, theirs = (metric_at(r["_metrics"], r["metric"], t) for r in (row, other))
+    t = min(mine[-1, 0], theirs[-1, 0])   # the earlier of the two runs' last evaluations
+    mine, theirs = _value_at(mine, t), _value_at(theirs, t)
     if mine is not None and theirs is not None:
       deltas.append(100.0 * (mine - theirs))
   if not deltas:
