@@ -194,12 +194,64 @@ def test_verdicts_follow_the_figures():
   # Against the claim's other baselines too: each at its own best rate, per seed.
   over = reproduce.speedup_over({"times": {0: 10.0, 1: 20.0, 2: None}},
                                 {"times": {0: 12.0, 1: 40.0, 2: 30.0}})
-  assert over == {"median": 1.6, "min": 1.2, "max": 2.0, "n": 2}
+  assert over == {"median": 1.6, "min": 1.2, "max": 2.0, "n": 2, "ahead": 0}
   assert reproduce.verdict(claim, {**fig, "vs": {"SSP": over}}) == "holds here"
   assert "its median speedup over ASP, 1.20x, is below the 1.46x" in reproduce.verdict(
       claim, {**fig, "vs": {"ASP": {**over, "median": 1.2}, "SSP": over}})
   assert "no speedup over SSP" in reproduce.verdict(claim, {**fig, "vs": {"SSP": None}})
   assert reproduce.speedup_over({"times": {0: None}}, {"times": {0: 1.0}}) is None
+
+
+def test_a_baseline_that_ran_past_the_schemes_time_without_reaching_the_target_is_behind():
+  """Per seed against another baseline: where it never reached the target but ran past the
+  scheme's time to it, the scheme is ahead (an infinite speedup); where it ended sooner, the
+  seed says nothing; the median of two middle values with one of them infinite is the lower."""
+  fig = {"times": {0: 10.0, 1: 20.0, 2: 15.0, 3: None}}
+  base = {"times": {0: 12.0, 1: None, 2: None, 3: 9.0}, "ends": {0: 50.0, 1: 30.0, 2: 14.0,
+                                                                 3: 50.0}}
+  over = reproduce.speedup_over(fig, base)
+  inf = float("inf")
+  assert over == {"median": 1.2, "min": 1.2, "max": inf, "n": 2, "ahead": 1}
+  # Without the ends (or with ahead=False, the speedup over BSP's rule), seed 1 is left out.
+  assert reproduce.speedup_over(fig, {"times": base["times"]})["n"] == 1
+  assert reproduce.speedup_over(fig, base, ahead=False) == {
+      "median": 1.2, "min": 1.2, "max": 1.2, "n": 1, "ahead": 0}
+  # Ahead on every seed it reached: the claim holds against that baseline.
+  only_ahead = reproduce.speedup_over({"times": {0: 5.0, 1: 6.0}},
+                                      {"times": {0: None, 1: None}, "ends": {0: 9.0, 1: 9.0}})
+  assert only_ahead == {"median": inf, "min": inf, "max": inf, "n": 2, "ahead": 2}
+  halos = next(c for c in reproduce.CLAIMS if c.name == "HALoS")
+  fig = {"seeds": 2, "reached": 2, "speedup_median": 1.3, "speedup_min": 1.2,
+         "speedup_max": 1.4, "speedup_n": 2, "delta_pp": -0.5, "bytes_vs_bsp": 0.2,
+         "unhealthy": 0, "bsp_reached": 2}
+  assert reproduce.verdict(halos, {**fig, "vs": {"DiLoCo": only_ahead}}) == "holds here"
+  assert "no speedup over DiLoCo" in reproduce.verdict(halos, {**fig, "vs": {"DiLoCo": None}})
+  cell = reproduce._cell(  # pylint: disable=protected-access
+      {**fig, "chosen": None, "vs": {"DiLoCo": over}})
+  assert ("over DiLoCo 1.20x (1.20-inf), ahead on 1 of 2 seeds where DiLoCo ran past its time "
+          "without reaching the target") in cell
+  written = reproduce._json({"DiLoCo": over, "SSP": None})  # pylint: disable=protected-access
+  assert json.loads(written) == {"DiLoCo": {**over, "max": "inf"}, "SSP": None}
+
+
+def test_each_claim_is_judged_against_the_baselines_it_names():
+  """DSSP's claim names SSP, asynchronous Local-SGD's and HALoS's DiLoCo (synchronous local
+  updates): a speedup over BSP alone does not make them hold; the table's rule says so."""
+  named = {c.name: [reproduce.NAMES[b] for b in c.baselines] for c in reproduce.CLAIMS}
+  assert named["DSSP"] == ["SSP"]
+  assert named["Asynchronous Local-SGD"] == named["HALoS"] == ["DiLoCo"]
+  assert named["GSSP"] == named["GSSP + GDTopK"] == ["ASP", "SSP"]
+  fig = {"seeds": 3, "reached": 3, "speedup_median": 1.2, "speedup_min": 1.1,
+         "speedup_max": 1.3, "speedup_n": 3, "delta_pp": -0.2, "bytes_vs_bsp": 1.0,
+         "unhealthy": 0, "bsp_reached": 3}
+  dssp = next(c for c in reproduce.CLAIMS if c.name == "DSSP")
+  slower = {"median": 0.9, "min": 0.8, "max": 1.0, "n": 3, "ahead": 0}
+  assert "its median speedup over SSP, 0.90x, is below the 1.00x" in reproduce.verdict(
+      dssp, {**fig, "vs": {"SSP": slower}})
+  assert reproduce.verdict(dssp, {**fig, "vs": {"SSP": {**slower, "median": 1.05}}}) == \
+      "holds here"
+  lines = reproduce._table_lines([], [])   # pylint: disable=protected-access
+  assert ("DSSP's: SSP; Asynchronous Local-SGD's and HALoS's: DiLoCo" in lines[-1])
 
 
 def test_unknown_studies_are_refused_naming_the_allowed_ones():
