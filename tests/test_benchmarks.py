@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -89,6 +90,23 @@ def test_sim_overhead_fingerprints_the_host_path_the_same_twice_and_tells_scheme
   assert first == sim_overhead.fingerprint("gssp", 8, 200, {})
   assert first != sim_overhead.fingerprint("gssp", 8, 200, {"sync.staleness": 0})
   assert len(first) == 16 and int(first, 16) >= 0
+
+
+def test_chunk_profile_fill_counts_only_the_pieces_that_ran():
+  """Jobs noted for a chunk still to come (the last pulls' at a run's end) are not counted
+  against the pieces that ran."""
+  from benchmarks import chunk_profile  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import chunk  # pylint: disable=g-import-not-at-top
+  from tests import test_levels  # pylint: disable=g-import-not-at-top
+  shape = chunk.Shape(pieces=4, jobs=3, rounds=3, arrivals=1, pulls=2, replicas=1)
+  planner = test_levels._planner(shape)  # pylint: disable=protected-access
+  test_levels._add_jobs(planner, [0, 1, 2])  # pylint: disable=protected-access
+  planner.add_round(test_levels._round([0], [0]), 0.1)  # pylint: disable=protected-access
+  test_levels._add_jobs(planner, [0])  # pylint: disable=protected-access
+  planner.flush()   # piece 0 runs: 3 jobs, 1 round; worker 0's new job waits
+  stats = chunk_profile.fill(types.SimpleNamespace(planner=planner, shape=shape, chunks=1))
+  assert (stats["pieces"], stats["jobs_per_piece"], stats["rounds_per_piece"]) == (1, 3, 1)
+  assert stats["job_fill"] == 1 and stats["round_fill"] == pytest.approx(1 / 3)
 
 
 def test_chunk_profile_times_chunks_and_tables_the_traced_kernels(tmp_path, data_dir):
