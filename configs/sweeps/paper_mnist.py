@@ -42,8 +42,10 @@ evaluations around the target; speedups are per seed against BSP, reported as
 median and min-max over the 3 seeds. A run that ends at chance accuracy or
 whose loss stopped falling after the warm-up is recorded as ``collapsed``.
 Cost, measured: 27 trials in 77 min with --parallel=2 on a 2-core CPU, partly
-sharing the cores (docs/REPRODUCTION.md). ``:tune``'s 81 trials were not run
-(an estimated 3.5-4 h here; on a GPU, a fraction of that).
+sharing the cores (docs/REPRODUCTION.md). ``:tune`` is the claims table's
+``mnist_tuned`` study (``python -m experiments.reproduce --only=mnist_tuned``):
+a median 2.6 minutes a trial at --parallel=2 on that CPU, 81 declared trials and
+those the grid's edges add.
 """
 
 from configs import mnist_lenet5_hetero
