@@ -373,11 +373,9 @@ def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def _end_time(row: dict) -> float | None:
-  """A healthy trial's last evaluation (virtual time); None for an unhealthy or unevaluated one."""
-  if row["status"] in report.UNHEALTHY:
-    return None
-  series = report_figures.timed_series(row["_metrics"], row["metric"])
-  return float(series[-1, 0]) if len(series) else None
+  """A healthy trial's virtual time at its end (its final evaluation's, ``report.collect``'s
+  ``virtual_time``); None for an unhealthy one."""
+  return None if row["status"] in report.UNHEALTHY else row["virtual_time"]
 
 
 def speedup_over(fig: dict[str, Any], base: dict[str, Any], *, ahead: bool = True
@@ -394,10 +392,10 @@ def speedup_over(fig: dict[str, Any], base: dict[str, Any], *, ahead: bool = Tru
   for seed, t in fig["times"].items():
     if not t:
       continue
-    theirs = base["times"].get(seed)
+    theirs, end = base["times"].get(seed), base.get("ends", {}).get(seed)
     if theirs:
       ratios.append(theirs / t)
-    elif ahead and (base.get("ends") or {}).get(seed) is not None and base["ends"][seed] >= t:
+    elif ahead and end is not None and end >= t:
       leads += 1
   if not ratios and not leads:
     return None
