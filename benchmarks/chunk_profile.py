@@ -102,10 +102,8 @@ def fill(runner: levels.LevelRunner) -> dict:
   pulls released wait for a next chunk (a short run at 256 workers read 114 % of the job slots
   when they were counted).
   """
-  planner, shape = runner.planner, runner.shape
-  ran = planner.totals["pieces"] - planner.piece   # pieces cut but not emitted have not run
-  jobs = planner.totals["jobs"] - sum(len(job[2]) for job in planner.jobs)
-  rounds = planner.totals["rounds"] - len(planner.rounds)
+  totals, unrun, shape = runner.planner.totals, runner.planner.unrun(), runner.shape
+  ran, jobs, rounds = (totals[k] - unrun[k] for k in ("pieces", "jobs", "rounds"))
   pieces = max(ran, 1)
   return {"pieces": ran, "chunks": runner.chunks,
           "jobs_per_piece": jobs / pieces, "job_fill": jobs / (pieces * shape.jobs),

@@ -385,6 +385,12 @@ class Planner:
     if self.piece:
       self._emit(self.piece)
 
+  def unrun(self) -> dict[str, int]:
+    """What is noted but not yet in a chunk (counted in ``totals``): ``pieces`` cut and not
+    emitted, and the ``jobs`` and ``rounds`` in those and the open piece."""
+    return {"pieces": self.piece, "jobs": sum(len(job[2]) for job in self.jobs),
+            "rounds": len(self.rounds)}
+
   def empty_chunk(self) -> Chunk:
     """A chunk of padding only (its shapes are every chunk's)."""
     return self._rows([], [], 0)
