@@ -15,7 +15,8 @@
 # steady >= 0.2 of the batched step) and at 256 (GSSP); "resnet33": ResNet-18 at 16 workers, GSSP
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
-# tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice. "chunks33" (about
+# tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice; "graphs33" (below):
+# XLA's CUDA graphs for the chunk's loops, without and with. "chunks33" (about
 # 3.5 minutes): benchmarks.chunk_profile's device time per piece and top kernels, ResNet-18
 # and LeNet-5 at 16 workers, LeNet-5 at 256.
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
@@ -73,8 +74,10 @@ if want suite; then
 fi
 want levels33 && stage levels33 120 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
     --schemes=ssp,gssp --epochs=1
+# 256 workers for 2 epochs: at 0.25 epoch (2026-11-27: 0.01) the span between the first and the
+# last evaluation held about one and a half chunks of 256 jobs (8,192 samples each).
 want levels33 && stage levels33 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 \
-    --schemes=gssp --epochs=0.25
+    --schemes=gssp --epochs=2
 want resnet33 && stage resnet33 130 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
     --workers=16 --schemes=gssp --epochs=0.2
 # The job batch on the GPU (config.level_job_batch; "jobs33", about 3.5 minutes): ResNet-18's
@@ -83,6 +86,14 @@ want jobs33 && stage jobs33 150 $P benchmarks.sim_efficiency --model=resnet18 --
     --workers=16 --schemes=gssp --epochs=0.1 --level_job_batch=0,1,4
 want jobs33 && stage jobs33 75 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
     --schemes=ssp,gssp --epochs=0.5 --level_job_batch=0,1
+# CUDA graphs for the chunk's loops ("graphs33", about 2.5 minutes): LeNet-5's rounds are
+# launch-bound (about 25 kernels each, 2026-11-27), and XLA:GPU's command buffers can record a
+# while loop's body (+WHILE) and a conditional (+CONDITIONAL) as CUDA graph nodes; the same runs
+# without and with them (the flags are XLA's; gssp_jax appends its deterministic flag to them).
+want graphs33 && stage graphs33 70 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
+    --schemes=ssp,gssp --epochs=0.5
+want graphs33 && stage graphs33 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    $P benchmarks.sim_efficiency --executor=levels --workers=16 --schemes=ssp,gssp --epochs=0.5
 want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then
