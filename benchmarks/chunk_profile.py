@@ -4,8 +4,8 @@ r"""Where the level executor's device time goes: per-chunk time, slot fill and t
         [--workers=16] [--epochs=0.5] [--skip=3] [--trace=2] [--top=20]
 
 ``--model``, ``--width``, ``--schemes``, ``--workers``, ``--epochs`` and
-``--level_job_batch`` are ``benchmarks.sim_efficiency``'s flags (the first scheme,
-worker count and job batch are used).
+``--level_job_batch``, ``--level_job_slots`` are ``benchmarks.sim_efficiency``'s flags (the
+first scheme, worker count, job batch and job slots are used).
 
 Runs one simulated training run (``benchmarks.sim_efficiency``'s config:
 ``tiers`` cluster, 4 groups, ``executor='levels'``) and times each chunk call
@@ -145,7 +145,8 @@ def main(argv):
   print(common.describe_backend())
   scheme, workers = f.schemes[0], int(f.workers[0])
   config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, workers, f.epochs,
-                                     job_batch=int(f.level_job_batch[0]))
+                                     job_batch=int(f.level_job_batch[0]),
+                                     job_slots=int(f.level_job_slots[0]))
   with tempfile.TemporaryDirectory() as workdir:
     clock = ChunkClock(f.skip, f.trace, f"{workdir}/trace")
     runner = profile_run(config, clock, f"{workdir}/run")

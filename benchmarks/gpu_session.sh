@@ -16,7 +16,7 @@
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
 # tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice; "graphs33" (below):
-# XLA's CUDA graphs for the chunk's loops, without and with. "chunks33" (about
+# XLA's CUDA graphs for the chunk's loops, without and with; "slots33" (below): a piece's job slots. "chunks33" (about
 # 3.5 minutes): benchmarks.chunk_profile's device time per piece and top kernels, ResNet-18
 # and LeNet-5 at 16 workers, LeNet-5 at 256.
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
@@ -94,6 +94,14 @@ want graphs33 && stage graphs33 70 $P benchmarks.sim_efficiency --executor=level
     --schemes=ssp,gssp --epochs=0.5
 want graphs33 && stage graphs33 80 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
     $P benchmarks.sim_efficiency --executor=levels --workers=16 --schemes=ssp,gssp --epochs=0.5
+# A piece's job slots on the GPU ("slots33", about 3.5 minutes; config.level_job_slots, J): GSSP's
+# pieces at 16 workers hold 10.4 jobs on average, so J = 16 leaves a third of the slots padded
+# (each padded slot computes a gradient); this CPU found J = 12 as many pieces with 87 % of the
+# job slots and 80 % of the round slots used, J = 8 a third more pieces at 99 % and 89 %.
+want slots33 && stage slots33 80 $P benchmarks.sim_efficiency --executor=levels --workers=16 \
+    --schemes=gssp --epochs=0.5 --level_job_slots=0,12,8
+want slots33 && stage slots33 130 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
+    --workers=16 --schemes=gssp --epochs=0.1 --level_job_slots=0,12,8
 want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then

@@ -2,7 +2,7 @@ r"""Simulation efficiency: simulated worker-samples/s over the model's plain bat
 
     python -m benchmarks.sim_efficiency [--model=lenet5|resnet18|vgg19] [--width=1.0] \
         [--workers=16,64,256] [--schemes=bsp,asp,ssp,gssp] [--epochs=1] [--executor=NAME] \
-        [--levels_per_call=0,8] [--level_job_batch=0,1]
+        [--levels_per_call=0,8] [--level_job_batch=0,1] [--level_job_slots=0,8]
 
 For each worker count W the baseline is one jitted training step of the model
 (``value_and_grad`` + SGD momentum, BatchNorm statistics updated) on a batch of
@@ -10,8 +10,9 @@ W x 32 random inputs of its dataset's shape (MNIST 32x32x1 for LeNet-5, CIFAR-10
 32x32x3 for the CNNs). Each scheme runs through ``experiments.main``'s code path
 with the model's config (``configs/mnist_lenet5.py``, ``configs/cifar10_resnet18.py``,
 ``configs/cifar10_vgg19.py``; ``--width`` sets ``model_args.width``, ``--executor``
-the ``executor`` key, ``--levels_per_call`` the ``levels_per_call`` key and
-``--level_job_batch`` the ``level_job_batch`` key, one run per value), on a simulated
+the ``executor`` key, ``--levels_per_call`` the ``levels_per_call`` key,
+``--level_job_batch`` the ``level_job_batch`` key and ``--level_job_slots`` the
+``level_job_slots`` key, one run per value), on a simulated
 ``tiers`` cluster (1, 1.5, 2, 3); its rate
 is taken between its first and last evaluation, so compilation is excluded; the
 test split is cut to 500 examples so evaluation is a small part of that span.
@@ -73,6 +74,9 @@ _JOB_BATCH = flags.DEFINE_list("level_job_batch", ["0"], "the config's `level_jo
                                "run per value (0: chosen by the run, 1 on a CPU and all of a "
                                "piece's job slots in one vmap on an accelerator; other values "
                                "need --executor=levels)")
+_JOB_SLOTS = flags.DEFINE_list("level_job_slots", ["0"], "the config's `level_job_slots` (J, a "
+                               "piece's job slots), one run per value (0: chosen by the run, "
+                               "min(W, 64); other values need --executor=levels)")
 
 
 def baseline(name: str, width: float, total_batch: int) -> float:
@@ -107,7 +111,8 @@ def baseline(name: str, width: float, total_batch: int) -> float:
 
 
 def run_config(name: str, width: float, executor: str | None, scheme: str, workers: int,
-               epochs: float, levels_per_call: int = 0, job_batch: int = 0):
+               epochs: float, levels_per_call: int = 0, job_batch: int = 0,
+               job_slots: int = 0):
   """The config a simulated run uses: the model's config file with the benchmark's changes.
 
   Raises:
@@ -136,7 +141,9 @@ def run_config(name: str, width: float, executor: str | None, scheme: str, worke
     config.levels_per_call = levels_per_call
   if job_batch:
     config.level_job_batch = job_batch
-  if levels_per_call or job_batch:
+  if job_slots:
+    config.level_job_slots = job_slots
+  if levels_per_call or job_batch or job_slots:
     executors.validate_levels_per_call(config)
   return config
 
@@ -267,7 +274,8 @@ def main(argv):
   del argv
   name, width = _MODEL.value, _WIDTH.value
   try:
-    per_call = [(int(k), int(b)) for k in _LEVELS_PER_CALL.value for b in _JOB_BATCH.value]
+    per_call = [(int(k), int(b), int(j)) for k in _LEVELS_PER_CALL.value
+                for b in _JOB_BATCH.value for j in _JOB_SLOTS.value]
     configs = {(w, k, s): run_config(name, width, _EXECUTOR.value, s, w, _EPOCHS.value, *k)
                for w in map(int, _WORKERS.value) for k in per_call for s in _SCHEMES.value}
   except ValueError as e:
@@ -277,7 +285,7 @@ def main(argv):
         + f", executor {_EXECUTOR.value or 'the config default'}, {_EPOCHS.value} epochs per run")
   clock = CompileClock()
   jax.monitoring.register_event_duration_secs_listener(clock)
-  print("| workers | levels per call, job batch | scheme | simulated samples/s |"
+  print("| workers | levels per call, job batch, job slots | scheme | simulated samples/s |"
         " batched step samples/s | efficiency | µs per simulated sample | compilations in the span (s) |"
         " checkpoint saves, evaluations in the span (s) |"
         " steady samples/s | steady efficiency | to first evaluation (s) |")
@@ -287,7 +295,7 @@ def main(argv):
     for k in per_call:
       for scheme in _SCHEMES.value:
         r = simulated(configs[(w, k, scheme)], clock)
-        print(f"| {w} | {k[0]}, {k[1]} | {scheme} | {r['rate']:,.0f} | {base:,.0f} |"
+        print(f"| {w} | {k[0]}, {k[1]}, {k[2]} | {scheme} | {r['rate']:,.0f} | {base:,.0f} |"
               f" {r['rate'] / base:.2f} |"
               f" {1e6 / r['rate']:,.1f} | {r['compiles']} ({r['compile_s']:.1f}) |"
               f" {r['save_s']:.1f}, {r['eval_s']:.1f} |"

@@ -125,3 +125,18 @@ def test_chunk_profile_times_chunks_and_tables_the_traced_kernels(tmp_path, data
   table = chunk_profile.kernel_table(str(tmp_path / "trace"), top=5)
   assert table and all(0 < len(rows) <= 5 for _, _, rows in table)
   assert all(ms >= 0 and n >= 1 for _, _, rows in table for ms, n, _ in rows)
+
+
+def test_sim_efficiency_run_config_sets_the_level_keys_it_is_given_and_checks_them():
+  """``--levels_per_call``, ``--level_job_batch`` and ``--level_job_slots`` reach the config;
+  a value the config rejects is an error before any run, as ``experiments.main`` gives it."""
+  config = sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5,
+                                     levels_per_call=8, job_batch=4, job_slots=12)
+  assert (config.levels_per_call, config.level_job_batch, config.level_job_slots) == (8, 4, 12)
+  assert config.num_workers == 16 and config.sync.scheme == "gssp"
+  default = sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5)
+  assert (default.levels_per_call, default.level_job_batch, default.level_job_slots) == (0, 0, 0)
+  with pytest.raises(ValueError, match="level_job_slots"):
+    sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5, job_slots=17)
+  with pytest.raises(ValueError, match="level_job_slots"):
+    sim_efficiency.run_config("lenet5", 1.0, "rounds", "gssp", 16, 0.5, job_slots=8)
