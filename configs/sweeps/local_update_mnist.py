@@ -75,7 +75,9 @@ SGD_RATES = (0.02, 0.05)
 INNER_RATES = (1e-3, 3e-3)
 CLUSTERS = ("tiers", "straggler")
 SGD_LADDER = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)       # ``long``: past a best at an edge
-INNER_LADDER = (3e-4, 1e-3, 3e-3, 1e-2)
+# 3e-5 and 1e-4 added on 2026-12-03, after the study had ended with asynchronous Local-SGD's
+# best at 3e-4, then the ladder's lowest rung: the grid-edge rule goes on from there.
+INNER_LADDER = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 LONG_EPOCHS = 8.0
 LOCAL = ("diloco", "async_local_sgd", "halos")
 
