@@ -16,7 +16,8 @@
 # (target >= 0.2, first evaluation within 60 s); "proxies33": eager ops, host reads (the transfer
 # guard works on a GPU) and compilations per run; "tests33": tests/test_levels.py and
 # tests/test_sim.py on the GPU; "jobs33" (below): the job batch's choice; "graphs33" (below):
-# XLA's CUDA graphs for the chunk's loops, without and with; "slots33" (below): a piece's job slots. "chunks33" (about
+# XLA's CUDA graphs for the chunk's loops, without and with; "slots33" (below): a piece's job
+# slots; "memory33" (below): the chunk program's device memory. "chunks33" (about
 # 3.5 minutes): benchmarks.chunk_profile's device time per piece and top kernels, ResNet-18
 # and LeNet-5 at 16 workers, LeNet-5 at 256.
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
@@ -102,6 +103,10 @@ want slots33 && stage slots33 80 $P benchmarks.sim_efficiency --executor=levels 
     --schemes=gssp --epochs=0.5 --level_job_slots=0,12,8
 want slots33 && stage slots33 130 $P benchmarks.sim_efficiency --model=resnet18 --executor=levels \
     --workers=16 --schemes=gssp --epochs=0.1 --level_job_slots=0,12,8
+# The chunk program's device memory on the GPU's own buffer assignment ("memory33", about a
+# minute: compiled, not run): ResNet-18 at 16 and 256 workers, every job slot in one vmap.
+want memory33 && stage memory33 90 $P benchmarks.level_memory --model=resnet18 --workers=16,256 \
+    --one_vmap
 want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then

@@ -140,3 +140,18 @@ def test_sim_efficiency_run_config_sets_the_level_keys_it_is_given_and_checks_th
     sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5, job_slots=17)
   with pytest.raises(ValueError, match="level_job_slots"):
     sim_efficiency.run_config("lenet5", 1.0, "rounds", "gssp", 16, 0.5, job_slots=8)
+
+
+def test_level_memory_measures_a_run_built_abstractly(data_dir, monkeypatch):
+  """``benchmarks.level_memory``: a LeNet-5 run of 4 workers compiled, not run; its arguments
+  hold the 4 workers' weights and gradients, and all slots in one vmap take more scratch."""
+  monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
+  from benchmarks import level_memory  # pylint: disable=g-import-not-at-top
+  one = level_memory.measure(sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 4, 0.5,
+                                                       job_batch=1))
+  every = level_memory.measure(sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 4,
+                                                         0.5, job_batch=4))
+  assert one["params"] == every["params"] == 61_706 and one["shape"].jobs == 4
+  assert (one["job_batch"], every["job_batch"]) == (1, 4)
+  assert one["arguments"] == every["arguments"] > 2 * 4 * 61_706 * 4
+  assert every["temporaries"] > one["temporaries"] > 0

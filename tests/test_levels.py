@@ -28,10 +28,12 @@ from gssp_jax.sim import chunk
 from gssp_jax.sim import executor
 from gssp_jax.sim import levels
 from gssp_jax.sim import planner as planner_lib
+from gssp_jax.sim import simulate
 from gssp_jax.sim import watch
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import optim
+from gssp_jax.train import tasks
 
 W, B, N = 4, 4, 64
 SPEEDS = [1.0, 1.37, 1.91, 2.53]   # a heterogeneous cluster: levels of 1 to 4 jobs
@@ -753,3 +755,40 @@ def test_level_keys_are_validated_and_never_ignored(key, value, executor, backen
   config[key] = 2
   config.executor = "auto"
   executors_lib.validate_levels_per_call(config, backend="gpu")   # auto -> levels on a GPU: fine
+
+
+def test_an_abstract_run_compiles_its_chunk_and_sizes_its_memory_without_allocating(data_dir,
+                                                                                   tmp_path):
+  """``Simulation(abstract=True)`` holds the state as shapes only, the same shapes a real run
+  allocates; ``chunk_memory`` compiles the chunk program for them and counts the ``[W, P]``
+  worker weights and gradients among its arguments, reused by its outputs (donated)."""
+  config = helpers.cluster_config("gssp", data_dir, executor="levels", model="helpers:TinyCNN")
+  task = tasks.make_task(config)
+  sim = simulate.Simulation(config, task, str(tmp_path / "abstract"), runner="levels",
+                            abstract=True)
+  try:
+    leaves = jax.tree.leaves(sim.state)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(sim.arrays))
+    memory = sim.chunk_memory()
+  finally:
+    sim.close()
+  real = simulate.Simulation(config, task, str(tmp_path / "real"), runner="levels")
+  try:
+    assert ([(x.shape, x.dtype) for x in jax.tree.leaves(real.state)]
+            == [(x.shape, x.dtype) for x in leaves])
+  finally:
+    real.close()
+  buffers = 2 * config.num_workers * sim.layout.num_params * 4   # worker weights, gradients
+  state = sum(x.size * x.dtype.itemsize for x in leaves)
+  assert memory["arguments"] >= state > buffers and memory["aliased"] >= buffers
+  assert memory["temporaries"] > 0
+  assert memory["peak"] == (memory["arguments"] + memory["outputs"] - memory["aliased"]
+                            + memory["temporaries"])
+  rounds = simulate.Simulation(config, task, str(tmp_path / "rounds"), runner="rounds",
+                               abstract=True)
+  try:
+    with pytest.raises(ValueError, match="needs the levels runner"):
+      rounds.chunk_memory()
+  finally:
+    rounds.close()

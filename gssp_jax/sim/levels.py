@@ -170,6 +170,29 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   return run
 
 
+def chunk_memory(runner: LevelRunner, state, arrays) -> dict[str, int]:
+  """What the compiled chunk program needs on its device, in bytes (XLA's buffer assignment).
+
+  Compiles ``runner``'s chunk program for ``state`` and ``arrays`` (arrays or
+  ``jax.ShapeDtypeStruct``\ s: nothing is allocated or run) and returns XLA's
+  ``memory_analysis``: ``arguments`` (the state, the training arrays, the chunk's rows),
+  ``outputs``, ``aliased`` (outputs that reuse a donated argument: the state),
+  ``temporaries`` (activations, the job slots' weights and gradients, the rounds' scratch) and
+  ``peak`` = arguments + outputs - aliased + temporaries, the program's footprint while it runs.
+  The backend's own reserve (a GPU client preallocates a share of the card) is not in it.
+  """
+  plan = jax.ShapeDtypeStruct((sum(size for _, size in runner.packing.sizes),), np.int32)
+  stats = runner.chunk_fn.lower(state, arrays, plan).compile().memory_analysis()
+  if stats is None:
+    raise ValueError(f"the {jax.default_backend()} backend reports no memory analysis")
+  out = {"arguments": int(stats.argument_size_in_bytes),
+         "outputs": int(stats.output_size_in_bytes),
+         "aliased": int(stats.alias_size_in_bytes),
+         "temporaries": int(stats.temp_size_in_bytes)}
+  out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+  return out
+
+
 # -- sizing the pieces ----------------------------------------------------------------------
 
 

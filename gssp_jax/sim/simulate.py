@@ -262,14 +262,16 @@ class Simulation:
   position_key = "pushes"
 
   def __init__(self, config: ml_collections.ConfigDict, task, workdir: str, *,
-               runner: str = "rounds"):
+               runner: str = "rounds", abstract: bool = False):
+    """``abstract``: the device state and the training arrays as shapes only (no device
+    buffers, no calibration): a run to compile, not to run (:meth:`chunk_memory`)."""
     if runner not in RUNNERS:
       raise ValueError(f"runner={runner!r} is invalid; allowed: {', '.join(RUNNERS)}")
     self.config, self.task, self.workdir = config, task, workdir
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
     self._build_model()
-    self._build_state(runner)
+    self._build_state(runner, abstract)
     self._build_host()
     self._build_runner(runner)
     logging.info(run_header(config, self.cluster, self.scheme, self.calibrated))
@@ -305,7 +307,7 @@ class Simulation:
     # The replica evaluation serves: GSSP global's (HALoS's) global server; None: their mean.
     self.eval_replica = getattr(self.scheme.make_protocol(), "global_replica", None)
 
-  def _build_state(self, runner: str) -> None:
+  def _build_state(self, runner: str, abstract: bool = False) -> None:
     """The sync chain and the device state (flat buffers for ``levels``), in one jitted call.
 
     ``optimizer.grad_clip`` clips each worker's gradient in its job, before its
@@ -326,14 +328,18 @@ class Simulation:
       init = lambda p, m, rng: executor.init_state(p, m, self.tx, self.compressor, W, R, rng,
                                                    inner=inner)
       served = lambda s: executor.served_weights(s, self.eval_replica)
-    self.state = jax.jit(init)(self.params, self.model_state, self.train_rng)
     self.harvest = executor.make_harvest_fn(served, W)
     # One worker's job: the rounds runner's, and what calibration times under either runner.
     self.job_fn = executor.make_job_fn(task.loss, self.compressor, self.dense_bytes,
                                        self.stats_bytes, grad_clip=config.optimizer.grad_clip,
                                        local=self.local)
-    self.arrays = jax.device_put(task.train)
     self.calibrated = None
+    if abstract:
+      self.state = jax.eval_shape(init, self.params, self.model_state, self.train_rng)
+      self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.train)
+      return
+    self.state = jax.jit(init)(self.params, self.model_state, self.train_rng)
+    self.arrays = jax.device_put(task.train)
     if config.cluster.calibrate:
       state = self.state if runner == "rounds" else executor.init_state(
           self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
@@ -412,6 +418,13 @@ class Simulation:
     while engine.num_pushes < pushes and engine.queue:
       rounds.extend(engine.step())
     return rounds, len(rounds) / max(engine.num_pushes, 1)
+
+  def chunk_memory(self) -> dict[str, int]:
+    """The ``levels`` runner's chunk program's device memory (:func:`levels.chunk_memory`),
+    compiled, not run: on an abstract run (``abstract=True``) nothing is allocated."""
+    if not isinstance(self.feed, levels.LevelRunner):
+      raise ValueError("chunk_memory needs the levels runner; this run uses 'rounds'")
+    return levels.chunk_memory(self.feed, self.state, self.arrays)
 
   # -- the executor interface -----------------------------------------------------------------
 
