@@ -174,7 +174,7 @@ def chunk_memory(runner: LevelRunner, state, arrays) -> dict[str, int]:
   """What the compiled chunk program needs on its device, in bytes (XLA's buffer assignment).
 
   Compiles ``runner``'s chunk program for ``state`` and ``arrays`` (arrays or
-  ``jax.ShapeDtypeStruct``\ s: nothing is allocated or run) and returns XLA's
+  ``jax.ShapeDtypeStruct`` shapes: nothing is allocated or run) and returns XLA's
   ``memory_analysis``: ``arguments`` (the state, the training arrays, the chunk's rows),
   ``outputs``, ``aliased`` (outputs that reuse a donated argument: the state),
   ``temporaries`` (activations, the job slots' weights and gradients, the rounds' scratch) and
