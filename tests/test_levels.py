@@ -771,6 +771,9 @@ def test_an_abstract_run_compiles_its_chunk_and_sizes_its_memory_without_allocat
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(sim.arrays))
     memory = sim.chunk_memory()
+    for call in (sim.restore, sim.advance, sim.evaluate):   # shapes only: nothing to run
+      with pytest.raises(ValueError, match="built with abstract=True"):
+        call()
   finally:
     sim.close()
   real = simulate.Simulation(config, task, str(tmp_path / "real"), runner="levels")

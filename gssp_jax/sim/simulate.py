@@ -246,6 +246,12 @@ def job_time(cluster: cluster_lib.Cluster, w: int, k: int, h: int) -> float:
   return float(sum(cluster.compute_span(w, k * h, h)))
 
 
+def _refuse_abstract(sim, what: str) -> None:
+  if sim.abstract:
+    raise ValueError(f"this Simulation was built with abstract=True (shapes only, to compile): it "
+                     f"cannot {what}; build it without abstract to {what}")
+
+
 class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
@@ -268,6 +274,7 @@ class Simulation:
     if runner not in RUNNERS:
       raise ValueError(f"runner={runner!r} is invalid; allowed: {', '.join(RUNNERS)}")
     self.config, self.task, self.workdir = config, task, workdir
+    self.abstract = abstract
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
     self._build_model()
@@ -429,6 +436,7 @@ class Simulation:
   # -- the executor interface -----------------------------------------------------------------
 
   def restore(self) -> int:
+    _refuse_abstract(self, "run")
     latest = self.checkpointer.latest_step()
     if latest is not None:
       saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
@@ -470,6 +478,7 @@ class Simulation:
     return self._iterations() >= self.total_pushes
 
   def advance(self) -> bool:
+    _refuse_abstract(self, "run")
     engine, host = self.engine, self.host
     step, apply_round, iterations = engine.step, self._apply_round, self._iterations
     while not self.finished():
@@ -494,6 +503,7 @@ class Simulation:
     return False
 
   def evaluate(self) -> dict[str, Any]:
+    _refuse_abstract(self, "evaluate")
     self._flush()
     self._account()
     engine, host, W = self.engine, self.host, self.W
