@@ -30,6 +30,7 @@ from absl import app
 from absl import flags
 import jax
 
+from gssp_jax.sim import chunk
 from gssp_jax.sim import levels
 from gssp_jax.sim import simulate
 from gssp_jax.train import tasks
@@ -67,15 +68,15 @@ def main(argv):
   batches = [None] if _ONE_VMAP.value else list(map(int, f.level_job_batch))
   for w, scheme, slots, batch in itertools.product(
       map(int, f.workers), f.schemes, map(int, f.level_job_slots), batches):
-    if batch is None:   # --one_vmap: the job slots the run will have (levels.choose_shape's J)
-      batch = slots or min(w, levels.MAX_JOB_SLOTS)
+    if batch is None:   # --one_vmap: the job slots the run will have
+      batch = levels.job_slots_for(slots, w)
     try:
       config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, w, f.epochs,
                                          job_batch=batch, job_slots=slots)
     except ValueError as e:
       raise app.UsageError(str(e)) from None
     r = measure(config)
-    per_vmap = r["job_batch"] or r["shape"].jobs
+    per_vmap = chunk.jobs_per_vmap(r["job_batch"], r["shape"].jobs)
     print(f"| {w} | {scheme} | {r['shape'].jobs}, {per_vmap} | {r['params']:,} |"
           f" {2 * w * r['params'] * 4 / GIB:.2f} GiB | {r['arguments'] / GIB:.2f} GiB |"
           f" {r['temporaries'] / GIB:.2f} GiB | {r['peak'] / GIB:.2f} GiB |", flush=True)

@@ -240,6 +240,11 @@ def _power_of_two_at_least(n: float) -> int:
   return 1 << max(0, int(np.ceil(np.log2(max(n, 1.0)))))
 
 
+def job_slots_for(job_slots: int, num_workers: int) -> int:
+  """J, a piece's job slots: ``config.level_job_slots``, or ``min(W, MAX_JOB_SLOTS)`` for 0."""
+  return int(job_slots) or min(num_workers, MAX_JOB_SLOTS)
+
+
 def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
                  num_replicas: int, bounds: tuple[int, int], job_slots: int = 0,
                  pieces: int = 0, rounds_per_evaluation: float | None = None
@@ -257,7 +262,7 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
     interval holds fewer pieces, so short runs do not pad their chunks).
   """
   W = num_workers
-  J = job_slots or min(W, MAX_JOB_SLOTS)
+  J = job_slots_for(job_slots, W)
   per_piece, pulls = profile(rounds, first_jobs, W, J)
   Rr = max(int(np.ceil(np.percentile(per_piece, 90))), 1)
   Kp = min(W, max(int(np.ceil(np.percentile(pulls, 99))), -(-W // Rr)))

@@ -278,7 +278,7 @@ class Simulation:
     self.metric_name, self.target = run_lib.metric_and_target(config, task)
     self._plan_pushes()
     self._build_model()
-    self._build_state(runner, abstract)
+    self._build_state(runner)
     self._build_host()
     self._build_runner(runner)
     logging.info(run_header(config, self.cluster, self.scheme, self.calibrated))
@@ -314,7 +314,7 @@ class Simulation:
     # The replica evaluation serves: GSSP global's (HALoS's) global server; None: their mean.
     self.eval_replica = getattr(self.scheme.make_protocol(), "global_replica", None)
 
-  def _build_state(self, runner: str, abstract: bool = False) -> None:
+  def _build_state(self, runner: str) -> None:
     """The sync chain and the device state (flat buffers for ``levels``), in one jitted call.
 
     ``optimizer.grad_clip`` clips each worker's gradient in its job, before its
@@ -341,7 +341,7 @@ class Simulation:
                                        self.stats_bytes, grad_clip=config.optimizer.grad_clip,
                                        local=self.local)
     self.calibrated = None
-    if abstract:
+    if self.abstract:
       self.state = jax.eval_shape(init, self.params, self.model_state, self.train_rng)
       self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.train)
       return
