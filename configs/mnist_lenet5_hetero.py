@@ -18,14 +18,39 @@ gradient scaled by 1/16). Full: 8 epochs, 64 s (BSP) to 212 s (HALoS) per scheme
 CPU (the README's tour table, 2026-11-27); `--config.train.num_epochs=1` shrinks a run to a
 fifth and it still learns. `:smoke`: 2,048 examples, 2 epochs, seconds: it checks that a
 scheme runs, not that it learns (a local-update scheme makes one server update there).
+
+The local-update schemes of the README's tour, each with its own optimizers (8 AdamW steps at
+1e-3 on every worker, then the server's Nesterov step on the pseudo-gradient), as one arg:
+`:diloco`, `:async_local` (Delayed Nesterov every 16 pushes, dynamic local steps), `:halos` (a
+local server per speed group, an asynchronous global one); `:diloco,smoke` shrinks one.
+
+  python -m experiments.main --config=configs/mnist_lenet5_hetero.py:diloco \
+      --workdir=/tmp/hetero/diloco
 """
 
 from configs import mnist_lenet5
 from gssp_jax.defaults import parse_arg
 
 
+# The local-update presets: each one's keys beyond the base config's.
+_LOCAL = {
+    "diloco": {"sync.scheme": "diloco"},
+    "async_local": {"sync.scheme": "async_local_sgd", "local.dylu": True,
+                    "local.delayed_nesterov": 16},
+    "halos": {"sync.scheme": "halos", "local.dylu": True, "optimizer.learning_rate": 0.3,
+              "optimizer.momentum": 0.5},
+}
+_LOCAL_COMMON = {"local.steps": 8, "local.optimizer.name": "adamw",
+                 "local.optimizer.learning_rate": 1e-3, "optimizer.learning_rate": 0.7,
+                 "optimizer.nesterov": True, "optimizer.weight_decay": 0.0}
+
+
 def get_config(arg=None):
-  args = parse_arg(arg)
+  args = parse_arg(arg, allowed=("smoke", *_LOCAL))
+  local = [a for a in _LOCAL if a in args]
+  if len(local) > 1:
+    raise ValueError(f"config args {', '.join(local)} are invalid together; allowed: one "
+                     f"local-update scheme of {', '.join(_LOCAL)}")
   c = mnist_lenet5.get_config("smoke" if "smoke" in args else None)
   c.num_workers = 16
   c.sync.scheme = "gssp"
@@ -40,4 +65,10 @@ def get_config(arg=None):
   c.train.eval_every = 0.5
   if "smoke" in args:
     c.train.num_epochs = 2.0
+  for key, value in ({**_LOCAL_COMMON, **_LOCAL[local[0]]} if local else {}).items():
+    *path, leaf = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = value
   return c

@@ -2,7 +2,7 @@
 
   python -m experiments.reproduce --out=DIR [--only=mnist_tuned,mnist_authors,local_update] \
       [--parallel=N] [--plan] [--merge_from=DIR2] [--save_runs=DIR3] \
-      [--publish=docs/results/claims --doc=docs/REPRODUCTION.md]
+      [--publish=results/claims --doc=docs/REPRODUCTION.md]
 
 It first prints what it will run (each study's trials, how many are finished, the estimated
 hours left: declared per-trial costs until a study has finished trials, then theirs) and then
@@ -20,7 +20,7 @@ a document between its markers (``reproduce.BEGIN``/``END``): the committed tabl
 command's, not typed by hand, and ``--merge_from=DIR --plan`` rebuilds it from the records.
 --save_runs=DIR copies only the records, every minute while the studies run and once more at
 the end: an --out outside the repository does not outlive its machine, so point DIR into the
-repository (e.g. docs/results/claims), commit what it holds, and go on with --merge_from=DIR.
+repository (e.g. results/claims), commit what it holds, and go on with --merge_from=DIR.
 """
 
 import contextlib
@@ -43,7 +43,7 @@ _PLAN = flags.DEFINE_bool("plan", False, "print the plan and the table so far; r
 _MERGE_FROM = flags.DEFINE_string("merge_from", None, "first add the finished trials of another "
                                   "--out (e.g. run on a GPU) that this one lacks")
 _PUBLISH = flags.DEFINE_string("publish", None, "then copy the table and the studies' reports "
-                               "here (e.g. docs/results/claims)")
+                               "here (e.g. results/claims)")
 _SAVE_RUNS = flags.DEFINE_string(
     "save_runs", None, "copy the finished trials' records (no checkpoints) to DIR/runs/, every "
     "minute while the studies run and at the end (interrupted too), so that a later session or "

@@ -103,6 +103,7 @@ def _main():
     raise SystemExit(f"error: {e}") from None   # one line, no traceback
   for name, status in statuses.items():
     print(f"{status or 'not run':>12}  {name}")
+  print(sweep.report_command(_WORKDIR.value, statuses))
 
 
 if __name__ == "__main__":

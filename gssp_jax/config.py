@@ -36,17 +36,18 @@ def override(config: ml_collections.ConfigDict, changes: dict, *,
   """Sets dotted keys in place (``{"sync.scheme": "gssp"}``), as ``--config.key=value`` does.
 
   Raises:
-    KeyError: a key that the config does not have, naming it.
+    KeyError: a key that the config does not have, naming it, the keys it probably meant (in
+      any section) and the keys allowed where it points (:func:`defaults.unknown_key_message`).
   """
   for key, value in changes.items():
     node = config
     *path, leaf = key.split(".")
     for part in path:
-      if part not in node:
-        raise KeyError(f"config has no key {key!r} (no {part!r} under it)")
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        raise KeyError(defaults.unknown_key_message(config, key))
       node = node[part]
-    if leaf not in node:
-      raise KeyError(f"config has no key {key!r}")
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+      raise KeyError(defaults.unknown_key_message(config, key))
     if check_types:
       node[leaf] = value
     else:

@@ -7,6 +7,8 @@ imports it without pulling in the rest. :mod:`gssp_jax.config` validates.
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 # Model -> datasets it can train on.
@@ -199,7 +201,6 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
-
 def comparable(value):
   """A config value comparable with its default (tuples and lists alike)."""
   return tuple(value) if isinstance(value, (tuple, list)) else value
@@ -212,3 +213,68 @@ def parse_arg(arg: str | None, allowed: tuple[str, ...] = ("smoke",)) -> set[str
   if unknown:
     raise ValueError(f"unknown config arg {unknown[0]!r}; allowed: {', '.join(allowed)}")
   return flags
+
+
+# -- a key the config lacks: what to suggest, and what is allowed --------------------------------
+
+
+def dotted_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every leaf key of ``config`` as a dotted name (``train.num_epochs``), in definition order."""
+  out = []
+  for name, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict) and len(value):
+      out += dotted_keys(value, f"{prefix}{name}.")
+    else:
+      out.append(prefix + name)
+  return out
+
+
+# Names a researcher types from habit -> the config's own.
+_ALIASES = {"lr": "learning_rate", "epochs": "num_epochs", "workers": "num_workers",
+            "wd": "weight_decay", "groups": "num_groups", "staleness_bound": "staleness"}
+
+
+def similar_keys(config: ml_collections.ConfigDict, key: str, n: int = 3) -> list[str]:
+  """Up to ``n`` full names of existing keys that ``key`` probably meant, in any section.
+
+  In this order: keys whose last part is ``key``'s, or its usual name (``num_epochs`` ->
+  ``train.num_epochs``, ``lr`` -> ``optimizer.learning_rate``); close spellings of the last
+  part in the same section (``sync.schem`` -> ``sync.scheme``); then in any section.
+  """
+  keys = [k for k in dotted_keys(config) if not key.startswith(k + ".")]
+  section, _, leaf = key.rpartition(".")
+  leaf = _ALIASES.get(leaf, leaf)
+  same = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+  if same:
+    return sorted(same, key=lambda k: (k.rpartition(".")[0] != section, k.count(".")))[:n]
+  siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == section}
+  close = difflib.get_close_matches(leaf, list(siblings), n=n, cutoff=0.7)
+  if close:
+    return [siblings[name] for name in close]
+  by_leaf: dict[str, list[str]] = {}
+  for k in keys:
+    by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+  near = difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.8)
+  return [k for name in near for k in by_leaf[name]][:n]
+
+
+def allowed_keys(config: ml_collections.ConfigDict, key: str) -> str:
+  """The keys of the deepest section of ``config`` that ``key`` names (never empty):
+  ``the keys under 'sync': scheme, staleness, ...`` or ``the top-level keys: model, ...``."""
+  node, path = config, []
+  for part in key.split(".")[:-1]:
+    child = node.get(part) if hasattr(node, "get") else None
+    if not isinstance(child, ml_collections.ConfigDict):
+      break
+    node, path = child, path + [part]
+  names = list(node.keys())
+  where = f"the keys under {'.'.join(path)!r}" if path else "the top-level keys"
+  listed = ", ".join(names) if names else "none (an empty section takes no keys)"
+  return f"{where}: {listed}"
+
+
+def unknown_key_message(config: ml_collections.ConfigDict, key: str) -> str:
+  """``config has no key 'num_epochs' (did you mean 'train.num_epochs'?); allowed: ...``."""
+  hint = similar_keys(config, key)
+  said = f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""
+  return f"config has no key {key!r}{said}; allowed: {allowed_keys(config, key)}"

@@ -261,6 +261,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
     agg = {k: json.loads(v) for k, v in key}
     agg["_overrides"], agg["trial"] = dict(agg), members[0]["trial"]
     agg["_named"] = members[0].get("_named", False)
+    agg["scheme"] = members[0].get("scheme")
     agg["seeds"] = len(members)
     agg["target"] = members[0]["target"]
     for col in COLUMNS:
@@ -279,6 +280,8 @@ def seed_statistics(members: list[dict]) -> dict[str, Any]:
   speedups = sorted(m["speedup_vs_bsp"] for m in members if m.get("speedup_vs_bsp") is not None)
   return {
       "speedup_vs_bsp_n": len(speedups),
+      "seeds_faster": sum(v > 1 for v in speedups),
+      "seeds_slower": sum(v < 1 for v in speedups),
       "speedup_vs_bsp_median": statistics.median(speedups) if speedups else None,
       "speedup_vs_bsp_min": speedups[0] if speedups else None,
       "speedup_vs_bsp_max": speedups[-1] if speedups else None,
@@ -481,7 +484,8 @@ def _markdown(workdir: str, rows: list[dict], selected: list[dict], choices: lis
   agg = aggregate(selected)
   title = "Mean ± std over seeds" + (", each configuration at its best tuned value"
                                      if choices else "")
-  lines = [f"# Sweep report: {workdir}", "", f"## {title}", ""]
+  lines = [f"# Sweep report: {workdir}", ""] + verdict_lines(agg, head_cols, metric) + [
+      "", f"## {title}", ""]
   lines += _mean_table(agg, head_cols, metric)
   lines += ["", "## Speedup against BSP, per seed", ""] + speedup_table(agg, head_cols, metric)
   if choices:
@@ -526,7 +530,8 @@ def _reading_notes(tuned: bool) -> list[str]:
 
 
 _SEED_STAT_COLUMNS = ("speedup_vs_bsp_median", "speedup_vs_bsp_min", "speedup_vs_bsp_max",
-                      "speedup_vs_bsp_n", "collapsed", "diverged")
+                      "speedup_vs_bsp_n", "seeds_faster", "seeds_slower", "collapsed",
+                      "diverged")
 
 
 def _write_csv(path: str, columns: list[str], rows: list[dict]) -> None:
@@ -551,8 +556,9 @@ def _mean_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]
 
 def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:
   """Markdown lines: per configuration the per-seed speedup's median and min–max, and how many
-  seeds have one, collapsed or diverged."""
-  cols = head_cols + ["speedup median", "speedup min–max", "seeds with a speedup", "collapsed",
+  seeds were faster or slower than BSP, had no speedup, collapsed or diverged."""
+  cols = head_cols + ["median speedup over BSP", "speedup min–max",
+                      "seeds faster / slower than BSP", "seeds not compared", "collapsed",
                       "diverged"]
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for a in agg:
@@ -562,13 +568,70 @@ def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[st
         + [_fmt(a["speedup_vs_bsp_median"], "speedup_vs_bsp"),
            (f"{_fmt(lo, 'speedup_vs_bsp')}–{_fmt(hi, 'speedup_vs_bsp')}"
             if lo is not None else "–"),
-           f"{a['speedup_vs_bsp_n']}/{a['seeds']}", f"{a['collapsed']}/{a['seeds']}",
-           f"{a['diverged']}/{a['seeds']}"]) + " |")
-  lines += ["", "Speedup per seed: BSP's time to target with the same seed divided by the "
-            "trial's; the median and the range (min–max) over the seeds where both reached the "
-            "target. A seed without one (never reached, collapsed or diverged) is left out and "
-            "counted in 'seeds with a speedup'."]
+           f"{a['seeds_faster']} / {a['seeds_slower']} of {a['seeds']}",
+           f"{a['seeds'] - a['speedup_vs_bsp_n']} of {a['seeds']}",
+           f"{a['collapsed']}/{a['seeds']}", f"{a['diverged']}/{a['seeds']}"]) + " |")
+  lines += ["", "Speedup per seed: BSP's virtual time to target with the same seed divided by "
+            "the trial's (above 1: faster than BSP); the median and the range (min–max) over "
+            "the seeds where both reached the target. Such a seed is faster or slower than "
+            "BSP (one with exactly BSP's time counts as neither); a seed where either never "
+            "reached the target, collapsed or diverged is not compared."]
   return lines
+
+
+def verdict_lines(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:
+  """One sentence per configuration set against BSP, as its speedup table says it:
+  ``**gssp** was slower than BSP to 40 % test accuracy: a median speedup of 0.59× ...``;
+  a configuration is named by its table cells (``head_cols``), as in the tables below it."""
+  compared = [a for a in agg if not _is_baseline(a)]
+  if not any(_is_baseline(a) for a in agg):
+    return ["No BSP trial in this sweep: no configuration is set against BSP."]
+  return [f"- {_verdict(a, _name(a, head_cols, metric), metric)}" for a in compared]
+
+
+def _name(a: dict, head_cols: list[str], metric: str) -> str:
+  """A configuration's name as its table rows read (``gssp 0.05``), 'none' left out."""
+  cells = [_fmt(a.get(k), k, metric) for k in head_cols
+           if k not in ("seeds", "target") and a.get(k) != "none"]
+  return " ".join(cells) or label(a)
+
+
+def _is_baseline(a: dict) -> bool:
+  return a.get("scheme") == "bsp" and a["_overrides"].get("compress.name", "none") == "none"
+
+
+def _goal(target: float | None, metric: str) -> str:
+  if target is None:
+    return f"its {metric} target"
+  if metric == "test_accuracy":
+    return f"{target * 100:g} % test accuracy"
+  return f"{metric} {target:g}"
+
+
+def _verdict(a: dict, name: str, metric: str) -> str:
+  """The sentence for one configuration (see :func:`verdict_lines`)."""
+  goal, n = _goal(a.get("target"), metric), a["seeds"]
+  median, compared = a["speedup_vs_bsp_median"], a["speedup_vs_bsp_n"]
+  if not compared:
+    text = (f"**{name}** has no speedup over BSP to {goal}: on none of its {n} seeds did both "
+            "it and BSP reach the target")
+  else:
+    how = "faster than" if median > 1 else "slower than" if median < 1 else "as fast as"
+    text = (f"**{name}** was {how} BSP to {goal}: a median speedup of {median:.2f}× (it took "
+            f"{1 / median:.2f}× BSP's virtual time); faster on {a['seeds_faster']} of {n} "
+            f"seeds, slower on {a['seeds_slower']}")
+    if compared < n:
+      text += f", not compared on {n - compared}"
+  delta = a.get("delta_vs_bsp")
+  if delta is not None:
+    points = 100 * delta if metric == "test_accuracy" else delta
+    what = "test accuracy" if metric == "test_accuracy" else metric
+    if round(points, 2) == 0:
+      text += f"; its final {what} equals BSP's (mean over seeds)"
+    else:
+      side = "below" if points < 0 else "above"
+      text += f"; its final {what} is {abs(points):.2f} points {side} BSP's (mean over seeds)"
+  return text + "."
 
 
 def tuning_section(rows: list[dict], choices: list[dict], metric: str,

@@ -85,7 +85,9 @@ STUDIES = {s.name: s for s in (
           "a pipeline check: 2 schemes x 2 rates x 2 seeds on 512 examples (not a result)",
           0.2, "tuned"),
 )}
-DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "cifar10_tuned", "local_update",
+# In the order of the published table's columns, so that the plain command
+# (``--merge_from=results/claims --plan``) rebuilds it byte for byte.
+DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "local_update", "cifar10_tuned",
                    "local_update_long")
 
 
@@ -883,7 +885,7 @@ class Saver:
 
 def publish(root: str, studies: Sequence[Study], dest: str, doc: str | None = None) -> list[str]:
   """Copies the claims table and each study's report from ``root`` into ``dest`` (e.g.
-  ``docs/results/claims``), with the finished trials' records behind them (:func:`save_runs`:
+  ``results/claims``), with the finished trials' records behind them (:func:`save_runs`:
   ``--merge_from=dest`` rebuilds the table from them), and, with ``doc``, puts the table between
   :data:`BEGIN` and :data:`END` in it (its links made relative to ``doc``). Returns the files
   written (the table's, the reports', the doc; not the records).

@@ -41,6 +41,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -384,6 +385,16 @@ def _base_sync_keys(module, arg, grid, overrides: dict) -> tuple[str, ...]:
   schemes = {overrides.get("sync.scheme", base.sync.scheme) for overrides in grid}
   read = {f"sync.{k}" for s in schemes for k in registry.SYNC_KEYS.get(s, ())}
   return tuple(k for k in registry.changed_sync_keys(base) if k in read)
+
+
+def report_command(workdir: str, statuses: dict[str, str | None]) -> str:
+  """The line a finished sweep ends with: how to report it (of its finished trials, if some
+  are not)."""
+  done = sum(status in FINISHED for status in statuses.values())
+  if not done:
+    return "no trial finished, nothing to report yet; rerun the same command to retry them"
+  which = "" if done == len(statuses) else f" (its {done} finished trial(s) of {len(statuses)})"
+  return f"report{which}: python -m experiments.report {shlex.quote(workdir)}"
 
 
 def trial_status(trial_dir: str) -> str | None:

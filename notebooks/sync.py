@@ -26,7 +26,8 @@ BADGE = """\
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab})
 
 Run the first code cell as it is, in Colab or in a checkout. In Colab it clones the repository \
-and installs it with pip; in a checkout it installs that checkout. If pip upgrades jax (or another \
+at `REPOSITORY` (set near the top of that cell: a placeholder until gssp_jax is published, so set \
+it to your copy's address) and installs it with pip; in a checkout it installs that checkout. If pip upgrades jax (or another \
 package this session has already imported), the cell stops and asks you to restart the runtime \
 (Runtime → Restart session); then run all cells again: the second time the cell finds the install \
 and goes on. Data needs no path: MNIST comes from `$GSSP_DATA_DIR` if set, else it is downloaded \
@@ -37,7 +38,9 @@ INSTALL = '''\
 # (`pip install -e`); anywhere else (a fresh Colab runtime) it clones REPOSITORY into ./gssp_jax
 # and installs the clone. Then it moves to the checkout's root, where `configs` and `experiments`
 # import (pip installs only `gssp_jax`) and the README's commands run as written.
-# REPOSITORY is pyproject.toml's [project.urls] Repository, written here by notebooks/sync.py.
+# REPOSITORY: the address to clone from, pyproject.toml's [project.urls] Repository (written
+# here by notebooks/sync.py). Until gssp_jax is published it is a placeholder: set it to the
+# address of your copy of the repository (a fork or a mirror) to run this notebook in Colab.
 import importlib
 import importlib.metadata
 import os
@@ -72,6 +75,11 @@ def installed(name: str) -> bool:
 
 
 checkout = find_checkout(pathlib.Path.cwd().resolve())
+if checkout is None and "REPLACE-WITH-OWNER" in REPOSITORY:
+  raise RuntimeError(f"REPOSITORY = {{REPOSITORY!r}} is a placeholder until gssp_jax is "
+                     "published: set it, at the top of this cell, to the address of your copy "
+                     "of the repository and run the cell again (or open the notebook in a "
+                     "checkout)")
 if checkout is None:
   checkout = pathlib.Path.cwd().resolve() / "gssp_jax"
   print("cloning", REPOSITORY, "into", checkout)

@@ -37,7 +37,7 @@ def _use_a_session_compilation_cache() -> None:
   another process is still writing it fails its decompression, which jax reports
   as a warning before it compiles the program itself. Measured on this 2-core
   machine: tests/test_sim.py 232 -> 198 s; the sweep, notebook, CLI and interrupt
-  tests 317 -> 208 s (docs/PERFORMANCE.md). GSSP_TEST_COMPILATION_CACHE=0 turns it
+  tests 317 -> 208 s (docs/log/performance-2026-11.md). GSSP_TEST_COMPILATION_CACHE=0 turns it
   off. It must be set before the first compilation: jax decides once per process
   whether to use it.
   """
@@ -73,7 +73,7 @@ def _compile_without_llvms_expensive_passes() -> None:
   smoke runs of configs/mnist_lenet5_hetero.py and configs/cifar10_resnet18.py (BatchNorm,
   convolutions) gave identical metrics with and without it (2026-11-28, this 2-core VM). It
   cut a compile-bound pair of files 88 -> 67 s and the tour's BSP and HALoS commands (which run
-  an epoch each) 80 -> 72 s (docs/PERFORMANCE.md#the-test-suite). Set here, before any backend
+  an epoch each) 80 -> 72 s (docs/log/performance-2026-11.md, "The test suite"). Set here, before any backend
   starts (XLA parses XLA_FLAGS once per process), and in the environment the suite's
   subprocesses inherit. The user's own setting of the flag is kept;
   GSSP_TEST_FAST_COMPILE=0 turns it off.
@@ -87,7 +87,7 @@ _compile_without_llvms_expensive_passes()
 # The entry points' own persistent cache (xla_env.use_compilation_cache, size-capped, so
 # file-locked) stays off in the suite's subprocesses: the session's cache above serves them
 # (sharing the locked one measured slower: 29 min 13 s against 27 min 06 s,
-# docs/PERFORMANCE.md), and a test of the entry points' cache turns it on itself.
+# docs/log/performance-2026-11.md), and a test of the entry points' cache turns it on itself.
 os.environ.setdefault("GSSP_COMPILATION_CACHE", "0")
 
 

@@ -188,3 +188,18 @@ def test_install_cell_clones_and_installs_outside_a_checkout(tmp_path):
   # The runtime restarted: back in /content, the clone and the install are found and kept.
   out = _run_cell(python, code, content)
   assert "cloning" not in out and "installing" not in out and f"CWD {clone}\n" in out
+
+
+def test_outside_a_checkout_a_placeholder_address_is_refused_with_what_to_set(tmp_path):
+  """Until the project is published pyproject's address is a placeholder: in a fresh Colab
+  runtime the cell says which variable to set, before it clones or installs anything."""
+  code = _install_cell(REPO / "notebooks" / "quickstart.ipynb")
+  code = re.sub(r'\nREPOSITORY = "[^"]*"\n',
+                '\nREPOSITORY = "https://github.com/REPLACE-WITH-OWNER/gssp_jax"\n', code)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("RuntimeError: REPOSITORY = 'https://github.com/REPLACE-WITH-OWNER/"
+                         "gssp_jax' is a placeholder until gssp_jax is published: set it"), last
+  assert list(tmp_path.iterdir()) == [] and "cloning" not in proc.stdout

@@ -5,6 +5,7 @@ import importlib
 import pytest
 
 from gssp_jax import config as config_lib
+from gssp_jax import defaults
 from gssp_jax import sync
 from gssp_jax.train import executors
 from gssp_jax.train import tasks
@@ -152,6 +153,36 @@ def test_override_sets_dotted_keys_and_names_unknown_ones():
     config_lib.override(config, {"clustr.speeds": (1.0,)})
 
 
+@pytest.mark.parametrize("key, meant, section", [
+    ("num_epochs", "'train.num_epochs'", "the top-level keys: "),    # a key of another section
+    ("sync.schem", "'sync.scheme'", "the keys under 'sync': "),      # a misspelling
+    ("train.nesterov", "'optimizer.nesterov'", "the keys under 'train': "),
+    ("lr", "'optimizer.learning_rate'", "the top-level keys: "),     # a habit's name
+    ("cluster.tier", "'cluster.tiers'", "the keys under 'cluster': "),
+])
+def test_override_suggests_a_key_of_any_section_by_its_full_name(key, meant, section):
+  with pytest.raises(KeyError) as e:
+    config_lib.override(config_lib.default_config(), {key: 1})
+  message = e.value.args[0]
+  assert message.startswith(f"config has no key {key!r} (did you mean {meant}")
+  allowed = message.split("; allowed: ", 1)[1]
+  assert allowed.startswith(section) and len(allowed) > len(section) + 10
+
+
+def test_override_of_a_key_nothing_resembles_lists_what_is_allowed_never_nothing():
+  config = config_lib.default_config()
+  for key, where in (("foo.bar", "the top-level keys: "), ("sync.zzz", "the keys under 'sync': "),
+                     ("model_args.hidden", "the keys under 'model_args': ")):
+    with pytest.raises(KeyError) as e:
+      config_lib.override(config, {key: 1})
+    message = e.value.args[0]
+    assert "did you mean" not in message, message
+    listed = message.split(f"; allowed: {where}", 1)[1]
+    assert listed.strip(), message
+  assert "scheme, staleness" in defaults.allowed_keys(config, "sync.zzz")
+  assert defaults.similar_keys(config, "sync.num_group")[0] == "sync.num_groups"
+
+
 def test_a_scheme_registered_from_outside_has_its_keys_checked_by_its_own_builder():
   """A researcher's scheme declares the sync keys it reads: its builder checks their values
   (at validation, before anything runs), and any other key changed from its default is
@@ -186,3 +217,27 @@ def test_a_scheme_registered_from_outside_has_its_keys_checked_by_its_own_builde
   assert "lagged" not in sync.scheme_names() and "lagged" not in sync.registry.SYNC_KEYS
   sync.unregister_scheme("gssp")   # a built-in stays
   assert "gssp" in sync.scheme_names()
+
+
+def test_the_hetero_configs_local_update_args_set_each_schemes_optimizers():
+  from configs import mnist_lenet5_hetero  # pylint: disable=g-import-not-at-top
+  base = mnist_lenet5_hetero.get_config()
+  diloco = mnist_lenet5_hetero.get_config("diloco")
+  assert (diloco.sync.scheme, diloco.local.steps, diloco.local.optimizer.name) == (
+      "diloco", 8, "adamw")
+  assert (diloco.local.optimizer.learning_rate, diloco.optimizer.learning_rate,
+          diloco.optimizer.nesterov, diloco.optimizer.weight_decay) == (1e-3, 0.7, True, 0.0)
+  halos = mnist_lenet5_hetero.get_config("halos,smoke")
+  assert (halos.sync.scheme, halos.optimizer.learning_rate, halos.optimizer.momentum,
+          halos.local.dylu, halos.train.num_epochs) == ("halos", 0.3, 0.5, True, 2.0)
+  asynchronous = mnist_lenet5_hetero.get_config("async_local")
+  assert (asynchronous.sync.scheme, asynchronous.local.delayed_nesterov) == (
+      "async_local_sgd", 16)
+  # Nothing else moves: the rest is the base config's.
+  assert diloco.data.to_dict() == base.data.to_dict() and diloco.cluster == base.cluster
+  for config in (diloco, halos, asynchronous):
+    config_lib.validate_config(config)
+  with pytest.raises(ValueError, match="diloco, halos are invalid together"):
+    mnist_lenet5_hetero.get_config("diloco,halos")
+  with pytest.raises(ValueError, match="unknown config arg 'dilcoo'; allowed: smoke, diloco"):
+    mnist_lenet5_hetero.get_config("dilcoo")

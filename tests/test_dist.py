@@ -386,8 +386,9 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
   # The launcher ends with the line experiments.main ends with, and counts the shards as the
   # progress lines do (the server holds shard 0).
   final = summary["final"]["test_accuracy"]
-  assert (f"final test_accuracy: {final:.4f} after {summary['final']['epoch']:.2f} epochs"
+  assert (f"final test_accuracy: {final:.4f} after {summary['final']['epoch']:.2f} epochs, wall "
           in out and f"(done); workdir {workdir}" in out), out[-2000:]
+  assert "virtual" not in out.splitlines()[-1]   # a real run's events follow wall time
   assert "(it holds shard 0 of 2); starting 1 more shard process(es) and 4 meshes" in out
   # Converges (the smoke set; BSP gets ~0.9). A real run's event order follows wall time, so
   # its accuracy varies from run to run: 0.79 in one full suite of 2026-11-26, > 0.8 otherwise.

@@ -294,7 +294,13 @@ def test_speedup_median_and_spread_over_seeds(tmp_path):
   assert bsp["time_to_target"] == pytest.approx(25.0) and bsp["time_to_target_first_eval"] == 30
   paths = report.write_report(str(root), str(tmp_path / "out"))
   md = open(paths["md"]).read()
-  assert "## Speedup against BSP, per seed" in md and "| 2.00× | 1.00×–4.00× | 3/3 |" in md
+  assert "## Speedup against BSP, per seed" in md
+  assert "| 2.00× | 1.00×–4.00× | 2 / 0 of 3 | 0 of 3 |" in md
+  # The report opens with the verdict, as its table says it (the seed at 1.00× is neither).
+  assert md.split("\n")[2] == (
+      "- **gssp 0.05** was faster than BSP to 98 % test accuracy: a median speedup of 2.00× "
+      "(it took 0.50× BSP's virtual time); faster on 2 of 3 seeds, slower on 0; its final test "
+      "accuracy equals BSP's (mean over seeds).")
   assert "Tuning" not in md and "interpolated linear" in md
   assert not math.isnan(float(next(csv.DictReader(open(paths["summary_csv"])))["final"]))
 
@@ -372,5 +378,5 @@ def test_a_run_too_short_to_learn_or_at_chance_is_warned_whatever_its_status():
   summary = loop.summarize(config, at_chance, "done", executor)
   assert summary["status"] == "done" and len(summary["warnings"]) == 2
   line = cli.final_line(summary, "/tmp/w")
-  assert line.startswith("final test_accuracy: 0.0720 after 2.00 epochs, 3 s (done; did not "
-                         "learn: only 1 server update") and line.endswith("; workdir /tmp/w")
+  assert line.startswith("final test_accuracy: 0.0720 after 2.00 epochs, wall 3.0 s (done; "
+                         "did not learn: only 1 server update") and line.endswith("; workdir /tmp/w")

@@ -17,7 +17,9 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MARKER = "<!-- readme-test -->"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+REFERENCE = sorted((REPO / "docs").glob("*.md"))      # how things are now
+LOG = sorted((REPO / "docs" / "log").glob("*.md"))     # the dated record
+DOCS = [REPO / "README.md", *REFERENCE, *LOG]
 
 
 def marked_blocks(text: str) -> list[str]:
@@ -48,10 +50,14 @@ def _examples():
 
 def test_marked_blocks_are_found_and_well_formed():
   readme = marked_blocks((REPO / "README.md").read_text())
-  scheme = next(code for code in readme if "register_scheme" in code)
-  assert "configs" not in scheme   # "write a scheme" runs from any folder (the package alone)
-  # The README's "Write a scheme" example: a protocol, registered and trained.
-  assert any("register_scheme" in code and "train_and_evaluate" in code for code in readme)
+  usage = marked_blocks((REPO / "docs" / "USAGE.md").read_text())
+  scheme = next(code for code in usage if "register_scheme" in code)
+  assert "configs" not in scheme   # "your own scheme" runs from any folder (the package alone)
+  # USAGE's "Your own scheme" example: a protocol, registered and trained; the README's own
+  # model example, and USAGE's copy of it.
+  assert "train_and_evaluate" in scheme
+  assert any("register_model" in code and "train_and_evaluate" in code for code in usage)
+  assert all("register_model" in code for code in readme)
   assert marked_blocks("text\n" + MARKER + "\n```python\nx = 1\n```\n") == ["x = 1\n"]
   with pytest.raises(ValueError, match="python fence"):
     marked_blocks(MARKER + "\n```bash\nls\n```\n")
@@ -117,3 +123,27 @@ def test_the_usage_guides_tiny_sweep_is_the_file_itself():
   shown = [code for code in marked_blocks((REPO / "docs/USAGE.md").read_text())
            if "def get_sweep" in code and "tiers = (1.0, 2.0)" in code]
   assert shown == [body]
+
+
+def test_the_log_is_linked_from_the_reference_never_the_other_way_round():
+  """docs/log/ is the dated record: a reference page (or the README) may point into it; a log
+  page never points at a reference page, whose figures are today's and may have moved on."""
+  assert LOG, "docs/log/ holds no page"
+  into_log, back = set(), []
+  for doc in [REPO / "README.md", *REFERENCE]:
+    for target in _links(doc.read_text()):
+      dest = (doc.parent / target.partition("#")[0]).resolve()
+      if dest.parent == (REPO / "docs" / "log").resolve():
+        into_log.add(dest.name)
+  for doc in LOG:
+    for target in _links(doc.read_text()):
+      path = target.partition("#")[0]
+      dest = (doc.parent / path).resolve() if path else doc
+      if dest.suffix == ".md" and (dest in REFERENCE or dest == REPO / "README.md"):
+        back.append(f"{doc.relative_to(REPO)}: {target}")
+  assert not back, "log pages link to reference pages:\n" + "\n".join(back)
+  unlinked = {p.name for p in LOG} - into_log - {"README.md"}
+  index = REPO / "docs" / "log" / "README.md"
+  if index.exists():   # pages the index lists count as reached from the reference through it
+    unlinked -= {t.partition("#")[0] for t in _links(index.read_text())}
+  assert not unlinked, f"log pages no reference page leads to: {sorted(unlinked)}"

@@ -32,7 +32,7 @@ def _write_run(run_dir, *, scheme="bsp", seed=0, final=0.9, time_to_target=10.0,
              "metric": "test_accuracy", "target": 0.5,
              "final": {"test_accuracy": final, "epoch": 1.0},
              "time_to_target": time_to_target,
-             "totals": {"virtual_time": 2 * time_to_target, "bytes_pushed": 1000}}
+             "totals": {"virtual_time": 2 * (time_to_target or 30.0), "bytes_pushed": 1000}}
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f)
   if trial_overrides is not None:
@@ -296,3 +296,52 @@ def test_figure_labels_show_only_what_differs_within_a_scheme():
       "ssp sync.staleness=3"]
   # Each configuration keeps one label of its own (what the figures group by).
   assert len(set(report.short_labels(rows))) == len({report.label(r) for r in rows})
+
+
+def _speedup_rows(md: str) -> dict[str, list[str]]:
+  """The report's "Speedup against BSP" table: label -> its cells."""
+  table = md.split("## Speedup against BSP, per seed", 1)[1].split("\n\n", 2)[1]
+  rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+  return {row[0]: row for row in rows}
+
+
+def test_the_report_opens_with_a_verdict_per_scheme_that_its_table_bears_out(tmp_path):
+  root = tmp_path / "runs"
+  # BSP reaches the target in 10 s on every seed; GSSP in 20, 25 and never (no comparison);
+  # SSP in 5 and 8; ASP never.
+  for seed, (gssp, ssp) in enumerate(((20.0, 5.0), (25.0, 8.0), (None, None))):
+    _write_run(root / f"bsp{seed}", scheme="bsp", seed=seed, final=0.9, time_to_target=10.0)
+    _write_run(root / f"gssp{seed}", scheme="gssp", seed=seed, final=0.85, time_to_target=gssp)
+    if ssp is not None:
+      _write_run(root / f"ssp{seed}", scheme="ssp", seed=seed, final=0.9, time_to_target=ssp)
+    _write_run(root / f"asp{seed}", scheme="asp", seed=seed, final=0.4, time_to_target=None)
+  md = open(report.write_report(str(root))["md"]).read()
+  lines = md.split("\n")
+  verdicts = {l.split("**")[1]: l for l in lines[2:lines.index("", 2)]}
+  assert set(verdicts) == {"gssp", "ssp", "asp"}   # as the tables name them
+  assert verdicts["gssp"] == (
+      "- **gssp** was slower than BSP to 50 % test accuracy: a median speedup of "
+      "0.45× (it took 2.22× BSP's virtual time); faster on 0 of 3 seeds, slower on 2, not "
+      "compared on 1; its final test accuracy is 5.00 points below BSP's (mean over seeds).")
+  assert verdicts["asp"].startswith(
+      "- **asp** has no speedup over BSP to 50 % test accuracy: on none of its 3 "
+      "seeds did both it and BSP reach the target; its final test accuracy is 50.00 points below")
+  # Every figure in a sentence is its table's.
+  table = _speedup_rows(md)
+  for name, sentence in verdicts.items():
+    row = table[name]
+    median, faster_slower, not_compared = row[3], row[5], row[6]
+    if median != "–":
+      assert f"a median speedup of {median} " in sentence
+      counts, seeds = faster_slower.split(" of ")
+      faster, slower = counts.split(" / ")
+      assert f"faster on {faster} of {seeds} seeds, slower on {slower}" in sentence
+    assert (f"not compared on {not_compared.split(' of ')[0]}" in sentence) == (
+        not not_compared.startswith("0 of") and median != "–")
+  assert table["ssp"][3:7] == ["1.62×", "1.25×–2.00×", "2 / 0 of 2", "0 of 2"]
+
+
+def test_a_sweep_without_bsp_says_there_is_nothing_to_compare(tmp_path):
+  _write_run(tmp_path / "runs" / "gssp", scheme="gssp")
+  md = open(report.write_report(str(tmp_path / "runs"))["md"]).read()
+  assert md.split("\n")[2] == "No BSP trial in this sweep: no configuration is set against BSP."

@@ -46,7 +46,7 @@ def test_the_profile_times_each_test_and_its_compilations(tmp_path):
   text = suite_profile.summarize(str(path))
   assert text.startswith("2 tests, ") and "main: busy until" in text
   assert "test_tiny.py::test_sleeps_and_compiles_nothing" in text
-  merged = tmp_path / "merged.csv"   # one CSV, as committed under docs/results/suite
+  merged = tmp_path / "merged.csv"   # one CSV, as committed under results/suite
   suite_profile.merge(str(path), str(merged))
   assert merged.read_text().startswith("worker,start,seconds,")
   assert suite_profile.summarize(str(merged)) == text

@@ -613,10 +613,19 @@ def test_sweep_command_line_overrides_reach_every_trial_process(tmp_path, monkey
          "--config.cluster.profile=tiers", "--config.cluster.tiers=(1.0, 3.0)"]
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.split() == ["failed", "seed=0", "failed", "seed=1"]
+  assert proc.stdout.split()[:4] == ["failed", "seed=0", "failed", "seed=1"]
+  assert proc.stdout.strip().splitlines()[-1].startswith("no trial finished, nothing to report")
   for name in ("seed=0", "seed=1"):
     trial = json.load(open(workdir / name / "trial.json"))
     assert trial["status"] == "failed" and "/nonexistent/overridden" in trial["error"]
   assert json.load(open(workdir / "sweep.json"))["overrides"] == {
       "data_dir": "/nonexistent/overridden", "data_download": False, "cluster.profile": "tiers",
       "cluster.tiers": [1.0, 3.0]}
+
+
+def test_a_sweep_ends_with_the_command_that_reports_it():
+  assert sweep.report_command("/tmp/my sweep", {"a": "done", "b": "collapsed"}) == (
+      "report: python -m experiments.report '/tmp/my sweep'")
+  assert sweep.report_command("/tmp/s", {"a": "done", "b": "failed", "c": None}) == (
+      "report (its 1 finished trial(s) of 3): python -m experiments.report /tmp/s")
+  assert sweep.report_command("/tmp/s", {"a": "failed"}).startswith("no trial finished")

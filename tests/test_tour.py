@@ -25,8 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
 SHRINK = "--config.train.num_epochs=1"
 TOLERANCE = 0.03   # what another CPU type may round away (99.11 % here is 99.07 % on AVX-512)
-_FINAL = re.compile(r"^final test_accuracy: ([0-9.]+) after ([0-9.]+) epochs, [0-9]+ s "
-                    r"\((.*)\); workdir (\S+)$", re.M)
+_FINAL = re.compile(r"^final test_accuracy: ([0-9.]+) after ([0-9.]+) epochs(?:, virtual "
+                    r"([0-9.]+ s))?, wall [0-9.]+ s \((.*)\); workdir (\S+)$", re.M)
 
 
 def _section(title: str) -> str:
@@ -78,6 +78,17 @@ def quoted_shrunk_accuracy(workdir: str) -> float:
   raise AssertionError(f"the README's cost table has no row for {workdir}")
 
 
+def quoted_shrunk_virtual_time(workdir: str) -> str | None:
+  """The virtual time the README's cost table quotes for ``workdir`` shrunk (seed 0), as the
+  final line prints it (``2.1 s``), or None where it quotes none (no simulated cluster)."""
+  for row in re.findall(r"^\|.*\|$", _section("### What the tour costs"), re.M):
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    if cells[0] == f"`{workdir}`":
+      found = re.search(r"virtual ([0-9.]+ s)", cells[-1])
+      return found.group(1) if found else None
+  raise AssertionError(f"the README's cost table has no row for {workdir}")
+
+
 def _workdir(argv: list[str]) -> str:
   return next(a.partition("=")[2] for a in argv if a.startswith("--workdir="))
 
@@ -88,6 +99,8 @@ def test_the_tour_is_found_with_its_table():
   assert len(commands) == 6 and workdirs[0] == "/tmp/mnist_lenet5"   # main, 2 schemes, 3 local
   for workdir in workdirs:
     assert 0.2 < quoted_shrunk_accuracy(workdir) <= 1.0
+    # Every simulated run's row quotes its virtual time; the main job simulates no cluster.
+    assert (quoted_shrunk_virtual_time(workdir) is None) == (workdir == "/tmp/mnist_lenet5")
   assert SHRINK in _section("### What the tour costs")   # the README says how it shrinks them
 
 
@@ -106,9 +119,11 @@ def test_a_tour_command_shrunk_as_the_readme_says_learns_what_it_says(argv, data
   assert proc.returncode == 0, proc.stderr[-3000:]
   found = _FINAL.search(proc.stdout)
   assert found, f"no final line in {proc.stdout[-1000:]!r}"
-  accuracy, epochs, status = float(found.group(1)), float(found.group(2)), found.group(3)
-  assert status == "done" and found.group(4) == workdir   # "did not learn" would follow "done"
+  accuracy, epochs, status = float(found.group(1)), float(found.group(2)), found.group(4)
+  assert status == "done" and found.group(5) == workdir   # "did not learn" would follow "done"
   assert epochs >= 1.0
+  # Virtual time follows the cluster model alone, not this machine's rounding: to the digit.
+  assert found.group(3) == quoted_shrunk_virtual_time(_workdir(argv)), found.group(0)
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["warnings"] == [] and summary["totals"]["updates"] >= health.MIN_UPDATES
   assert accuracy > health.CHANCE_FACTOR / 10
@@ -117,15 +132,17 @@ def test_a_tour_command_shrunk_as_the_readme_says_learns_what_it_says(argv, data
 
 def test_a_run_that_cannot_have_learned_says_so_in_its_last_line(data_dir, tmp_path):
   """The tour's DiLoCo at the config's smoke size: 16 pushes, one server update."""
-  argv = next(c for c in tour_commands() if "--config.sync.scheme=diloco" in c)
+  argv = next(c for c in tour_commands() if _workdir(c) == "/tmp/hetero/diloco")
   args = [a if not a.startswith("--workdir=") else f"--workdir={tmp_path / 'run'}"
           for a in argv[1:]]
-  args = [a + ":smoke" if a.startswith("--config=") else a for a in args]
+  args = [a + (",smoke" if ":" in a else ":smoke") if a.startswith("--config=") else a
+          for a in args]
+  assert "--config=configs/mnist_lenet5_hetero.py:diloco,smoke" in args
   proc = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(data_dir, tmp_path),
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   found = _FINAL.search(proc.stdout)
-  assert found and found.group(3).startswith("done; did not learn: only 1 server update")
+  assert found and found.group(4).startswith("done; did not learn: only 1 server update")
   summary = json.loads((tmp_path / "run" / "summary.json").read_text())
   assert summary["status"] == "done" and summary["totals"]["updates"] == 1
   assert summary["warnings"][0].startswith("only 1 server update (fewer than 10)")
@@ -138,11 +155,16 @@ def test_the_tiny_sweep_and_its_report_give_the_readmes_speedup(data_dir, tmp_pa
               for line in block.splitlines() if line.startswith("python -m")]
   assert [c[2] for c in commands] == ["experiments.sweep", "experiments.report"]
   out = tmp_path / "sweep"
+  printed = []
   for argv in commands:
     args = [re.sub(r"/tmp/sweep_tiny", str(out), a) for a in argv[1:]]
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(data_dir, tmp_path),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    printed.append(proc.stdout.strip().splitlines()[-1])
+  # The sweep ends by printing the command that reports it: the README's next one.
+  assert printed[0] == "report: " + shlex.join(
+      ["python", "-m", "experiments.report", str(out)]), printed[0]
   quoted = re.search(r"median per-seed speedup\s+of \*\*([0-9.]+)×\*\* \(([0-9.]+)–([0-9.]+)×\)",
                      section)
   assert quoted, "the README quotes no median speedup for the tiny sweep"

@@ -272,7 +272,7 @@ def test_the_suites_faster_compilation_computes_the_same_bits(tmp_path, data_dir
   the programs compute. The main job's smoke run (LeNet-5, half an epoch) records the same
   evaluations, every loss to the bit, with the flag and with XLA's default codegen (the codegen
   users run; each compiled afresh, no cache). Checked once by hand on the hetero GSSP and the
-  ResNet-18 smoke configs too (2026-11-28: identical metrics, docs/PERFORMANCE.md)."""
+  ResNet-18 smoke configs too (2026-11-28: identical metrics, docs/log/performance-2026-11.md)."""
   runs = []
   for flags in ("", "--xla_llvm_disable_expensive_passes=true"):
     env = _clean_env(XLA_FLAGS=flags, GSSP_DATA_DIR=data_dir, GSSP_CACHE_DIR=str(tmp_path / "c"))

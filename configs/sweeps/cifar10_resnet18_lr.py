@@ -2,7 +2,7 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/cifar10_resnet18_lr.py \\
       --workdir=/tmp/cifar10_resnet18_lr --parallel=2
-  python -m experiments.report /tmp/cifar10_resnet18_lr --out=docs/results/cifar10_resnet18_lr \\
+  python -m experiments.report /tmp/cifar10_resnet18_lr --out=results/cifar10_resnet18_lr \\
       --target=0.35   # nothing reaches the sweep's 50 % in 4 epochs
 
 In ``paper_cifar10_resnet18.py`` (reduced) GSSP's training loss jumped during

@@ -3,10 +3,10 @@
   # the 4-tier cluster, then the continuous one with a straggler: 28 trials each
   python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:tiers \\
       --workdir=/tmp/local_update_tiers --parallel=2
-  python -m experiments.report /tmp/local_update_tiers --out=docs/results/local_update_tiers
+  python -m experiments.report /tmp/local_update_tiers --out=results/local_update_tiers
   python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:straggler \\
       --workdir=/tmp/local_update_straggler --parallel=2
-  python -m experiments.report /tmp/local_update_straggler --out=docs/results/local_update_straggler
+  python -m experiments.report /tmp/local_update_straggler --out=results/local_update_straggler
   # the same grid on 2,048 examples for 1 epoch: checks the sweep end to end in minutes
   python -m experiments.sweep --sweep=configs/sweeps/local_update_mnist.py:tiers,smoke \\
       --workdir=/tmp/local_update_smoke --parallel=2
@@ -144,7 +144,7 @@ def _label(scheme: dict) -> str:
 
 # Each scheme's rate as the report chose it on seed 0 (the criterion of gssp_jax.report), per
 # cluster: seeds 1 and 2 run at it alone. Filled in from the seed-0 trials' report
-# (docs/results/local_update_<cluster>/report.md, "Tuning"); a scheme missing here runs seed 0
+# (results/local_update_<cluster>/report.md, "Tuning"); a scheme missing here runs seed 0
 # only.
 CHOSEN = {
     "tiers": {"bsp": 0.05, "ssp": 0.05, "gssp": 0.02, "gssp+gdtopk": 0.02, "diloco": 0.003, "async_local_sgd": 0.001, "halos": 0.003},

@@ -2,7 +2,7 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/multi30k_seq2seq_bsp_lr.py \\
       --workdir=/tmp/multi30k_seq2seq_bsp_lr
-  python -m experiments.report /tmp/multi30k_seq2seq_bsp_lr --out=docs/results/multi30k_seq2seq_bsp_lr
+  python -m experiments.report /tmp/multi30k_seq2seq_bsp_lr --out=results/multi30k_seq2seq_bsp_lr
 
 In ``paper_multi30k_seq2seq.py`` every scheme uses Adam 1e-3. BSP applies the
 mean of 8 workers' gradients once per round (32 optimizer steps per reduced

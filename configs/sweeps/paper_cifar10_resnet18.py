@@ -6,7 +6,7 @@
   # full size, for GPUs: every scheme, 3 seeds, the paper's model and data
   python -m experiments.sweep --sweep=configs/sweeps/paper_cifar10_resnet18.py:full \\
       --workdir=/tmp/paper_resnet18_full
-  python -m experiments.report /tmp/paper_resnet18 --out=docs/results/paper_cifar10_resnet18
+  python -m experiments.report /tmp/paper_resnet18 --out=results/paper_cifar10_resnet18
 
 Cluster: workers in four equal speed tiers (1x, 1.5x, 2x, 3x a base iteration of
 100 ms for a batch of 32), 10 Gb/s links with 0.1 ms latency. GSSP: 4 speed

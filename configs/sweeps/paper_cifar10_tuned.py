@@ -2,7 +2,7 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/paper_cifar10_tuned.py \\
       --workdir=/tmp/paper_cifar10_tuned --parallel=2
-  python -m experiments.report /tmp/paper_cifar10_tuned --out=docs/results/paper_cifar10_tuned
+  python -m experiments.report /tmp/paper_cifar10_tuned --out=results/paper_cifar10_tuned
 
 The reduced setting of ``paper_cifar10_resnet18.py`` (what fits a 2-core CPU): ResNet-18 at a
 quarter of the width (701,466 parameters), 8 workers x 32 in four speed tiers (1x, 1.5x, 2x, 3x

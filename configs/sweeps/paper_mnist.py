@@ -3,11 +3,11 @@
   # every scheme at SGD 0.05, seeds 0-2: 27 trials
   python -m experiments.sweep --sweep=configs/sweeps/paper_mnist.py --workdir=/tmp/paper_mnist \\
       --parallel=2
-  python -m experiments.report /tmp/paper_mnist --out=docs/results/paper_mnist
+  python -m experiments.report /tmp/paper_mnist --out=results/paper_mnist
   # the same with the learning rate tuned per scheme over {0.02, 0.05, 0.1}: 81 trials
   python -m experiments.sweep --sweep=configs/sweeps/paper_mnist.py:tune \\
       --workdir=/tmp/paper_mnist_tune --parallel=2
-  python -m experiments.report /tmp/paper_mnist_tune --out=docs/results/paper_mnist_tune
+  python -m experiments.report /tmp/paper_mnist_tune --out=results/paper_mnist_tune
 
 Model and data: LeNet-5 on MNIST (60,000 / 10,000), batch 32 per worker.
 

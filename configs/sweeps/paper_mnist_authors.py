@@ -2,7 +2,7 @@
 
   python -m experiments.sweep --sweep=configs/sweeps/paper_mnist_authors.py \\
       --workdir=/tmp/paper_mnist_authors --parallel=2
-  python -m experiments.report /tmp/paper_mnist_authors --out=docs/results/paper_mnist_authors
+  python -m experiments.report /tmp/paper_mnist_authors --out=results/paper_mnist_authors
 
 The settings are those of the authors' code (GitHub ``guizhiyi/GSSP``, ``cv/gssp.py`` at
 ``b4f69f5``; ``../shared/peer/authors_gssp_side_by_side.md`` runs it beside ours):

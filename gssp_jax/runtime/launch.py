@@ -43,8 +43,8 @@ ENV = {"role": "GSSP_ROLE", "mesh": "GSSP_MESH", "rank": "GSSP_RANK",
 # glibc's malloc in every process the launcher starts (a value already in its environment wins;
 # set these yourself for processes you start by hand): buffers up to 64 MB come from the heap
 # and up to 256 MB of freed heap stays mapped, so a body's buffers do not fault in fresh pages
-# on every push and pull. Without it, a ResNet-18 push + pull took 1.1-1.6x as long over
-# Flight and 1.5-1.9x over gRPC streams (docs/PERFORMANCE.md). Ignored by other C libraries.
+# on every push and pull. Without it, a ResNet-18 push + pull took 1.1-1.3x as long over
+# Flight and 1.6-1.9x over gRPC streams (docs/PERFORMANCE.md). Ignored by other C libraries.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
 
 

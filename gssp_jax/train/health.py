@@ -20,7 +20,7 @@ updates, still near chance but learning) is not judged. Two rules:
   constant one a little more; 1.5x chance (15 % for 10 classes) covers both,
   while a run that learned is above it once the warm-up is over
   (LeNet-5/MNIST > 90 % after one epoch; the weakest recorded reduced 4-epoch
-  CIFAR-10 run, GSSP on ResNet-18 in docs/results, ended at 18.4 %).
+  CIFAR-10 run, GSSP on ResNet-18 in results, ended at 18.4 %).
 * ``loss``: the training loss stopped falling: over the post-warm-up
   evaluations, the mean recorded ``train_loss`` of the second half is not
   below that of the first half, *and* the last one is not below the first one.
