@@ -135,7 +135,8 @@ class RealRun:
               "iteration": job["iteration"], "loss": float(loss),
               "bytes": int(nbytes) + mesh.stats_bytes,
               "wire_bytes": sum(wire.body_bytes(b) for b, _ in bodies), "nnz": [n for _, n in bodies],
-              "receipts": receipts}
+              "receipts": receipts,
+              "digests": [wire.digest(bodies[s][0]) for s in range(1, len(bodies))]}
     _, _, immediate = self.srv.accept_push(header, bodies[0][0])
     assert immediate is None, immediate
 

@@ -142,7 +142,7 @@ def _push_ones(srv, w, seq):
   srv.accept_push({"mesh": w, "instance": "i", "session": srv.session, "seq": seq,
                    "iteration": seq - 1, "loss": 1.0, "bytes": 4,
                    "wire_bytes": wire.body_bytes(body),
-                   "nnz": [-1], "receipts": []}, body)
+                   "nnz": [-1], "receipts": [], "digests": []}, body)
 
 
 def _join_all(srv):
@@ -771,3 +771,112 @@ def test_a_two_process_mesh_computes_the_gradient_of_a_one_process_mesh(tmp_path
     assert len(got.files) == len(want)
     for i, leaf in enumerate(want):
       np.testing.assert_allclose(got[f"arr_{i}"], leaf, rtol=1e-4, atol=1e-6, err_msg=str(i))
+
+
+_STRANGER = r"""
+import signal, sys, threading, time, grpc
+addresses, in_flight = sys.argv[1].split(","), int(sys.argv[2])
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *a: stop.set())
+codes = {}
+def flood(address):
+  channel = grpc.insecure_channel(address)
+  call = channel.unary_unary("/gssp.Run/Push")
+  pending = set()
+  while not stop.is_set():
+    while len(pending) < in_flight:
+      pending.add(call.future(b"x" * 64, timeout=30))
+    done = [f for f in pending if f.done()]
+    for f in done:
+      pending.discard(f)
+      codes[f.code().name] = codes.get(f.code().name, 0) + 1
+    if not done:
+      time.sleep(0.002)
+  for f in pending:
+    f.cancel()
+threads = [threading.Thread(target=flood, args=(a,)) for a in addresses]
+for t in threads:
+  t.start()
+for t in threads:
+  t.join()
+print("CODES", codes, flush=True)
+"""
+
+
+def _listening(pid: int) -> list[int]:
+  import psutil  # pylint: disable=g-import-not-at-top
+  try:
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+  except psutil.NoSuchProcess:
+    return []
+  return sorted({c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN})
+
+
+@pytest.mark.slow
+def test_a_stranger_flooding_every_port_of_a_gssp_run_with_refused_calls_does_not_stop_it(
+    tmp_path, data_dir):
+  """A stranger process keeps 150 unauthenticated calls in flight on every port the server and
+  the second shard listen on (gRPC and Flight), from the first evaluation to the end: the run
+  ends done, every mesh trained on and none was lost (grpcio's call limit, which counted the
+  refusals, failed such a run with RESOURCE_EXHAUSTED)."""
+  workdir = tmp_path / "real"
+  procs = [_launch(workdir, data_dir, "--config.num_workers=4", "--config.sync.num_groups=2",
+                   "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
+                   "--config.train.num_epochs=4", "--num_meshes=4", "--num_servers=2")]
+  stranger = None
+  try:
+    _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
+    pids = _pids(workdir)
+    ports = [p for role in ("server", "shard1") for p in _listening(pids[role])]
+    assert len(ports) >= 4, (pids, ports)   # each: its gRPC port and its Flight port
+    before = _metrics(workdir)[-1]["pushes"]
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", _STRANGER, ",".join(f"127.0.0.1:{p}" for p in ports), "150"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = procs[0].communicate(timeout=400)
+    assert procs[0].returncode == 0, out[-3000:]
+  finally:
+    if stranger is not None:
+      stranger.terminate()
+      flood_out, _ = stranger.communicate(timeout=60)
+    _kill_all(procs, workdir)
+  codes = eval(flood_out.split("CODES ", 1)[1])   # pylint: disable=eval-used   # our own print
+  assert codes.get("UNAUTHENTICATED", 0) >= 1000, flood_out[-2000:]
+  assert "OK" not in codes, codes
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["status"] == "done" and summary["meshes"]["lost"] == []
+  assert summary["totals"]["pushes"] > before
+  assert min(summary["totals"]["pushes_per_worker"]) > 0
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_its_loop_ends_its_mesh_which_the_server_drops(tmp_path, data_dir):
+  """Rank 1 of a two-process mesh leaves its loop (Ctrl-C's SIGINT to it alone; jax keeps
+  SIGTERM for its preemption notice): it ends its process at once,
+  without the shutdown barrier its rank 0 would never reach, rank 0 ends within jax's heartbeat
+  timeout, and the server drops the mesh while the other mesh trains on (before, rank 1 sat in
+  the barrier and rank 0's heartbeats kept the stuck mesh "alive" for minutes)."""
+  workdir = tmp_path / "real"
+  flags = ["--config.num_workers=2", "--config.sync.scheme=asp", "--config.cluster.profile=none",
+           "--config.train.num_epochs=50.0", "--config.train.eval_every=0.25",
+           "--config.dist.heartbeat_timeout=5.0"]
+  procs = [_launch(workdir, data_dir, *flags, "--processes_per_mesh=2")]
+  try:
+    _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
+    pids = _pids(workdir)
+    stopped = time.monotonic()
+    os.kill(pids["mesh1_rank1"], signal.SIGINT)
+    _wait_for(lambda: not _running(pids["mesh1_rank1"]), 30, "rank 1 to end", procs)
+    _wait_for(lambda: not _running(pids["mesh1_rank0"]), 90, "rank 0 of its mesh to end", procs)
+    _wait_for(lambda: "mesh 1 lost" in (workdir / "log.txt").read_text(), 60,
+              "the server to drop mesh 1", procs)
+    dropped = time.monotonic() - stopped
+    pushes = _metrics(workdir)[-1]["pushes"]
+    _wait_for(lambda: _metrics(workdir)[-1]["pushes"] > pushes, 120, "mesh 0 to train on",
+              procs)
+    assert _running(pids["mesh0_rank0"]) and _running(pids["mesh0_rank1"])
+  finally:
+    _kill_all(procs, workdir)
+  rank1 = (workdir / "logs" / "mesh1_rank1.txt").read_text(errors="replace")
+  assert "ending its process without the mesh's shutdown barrier" in rank1, rank1[-3000:]
+  assert dropped < 100, dropped   # jax's heartbeat timeout (10 s here) plus the server's (5 s)

@@ -9,6 +9,7 @@ arrives is refused *before* anything changes.
 """
 
 import contextlib
+from concurrent import futures
 import copy
 import inspect
 import os
@@ -57,7 +58,8 @@ def _join(srv, w, instance="mesh-process"):
 def _push_header(srv, w, seq, nnz=-1, instance="mesh-process", **changes):
   return {"mesh": w, "instance": instance, "session": srv.session, "seq": seq,
           "iteration": seq - 1, "loss": 1.0, "bytes": srv.pull_bytes, "wire_bytes": 4,
-          "nnz": [nnz] * srv.S, "receipts": [], **changes}
+          "nnz": [nnz] * srv.S, "receipts": [], "digests": [b"d" * 32] * (srv.S - 1),
+          **changes}
 
 
 def _gradient(srv, value=0.5):
@@ -241,17 +243,123 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
       _join(srv, w)
     grad = _gradient(srv)
     size = srv.layout.push_limit(1, -1)
-    forged = auth.Credentials(os.urandom(32), "replay-run").receipt(1, 0, 1, srv.session, size)
-    for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.session, size)],
-                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size + 4)]):
+    mine, theirs = [b"m" * 32], [b"t" * 32]   # the mesh's digest of its slice; another's
+    forged = auth.Credentials(os.urandom(32), "replay-run").receipt(1, 0, 1, srv.session, size,
+                                                                      mine[0])
+    for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.session, size, mine[0])],
+                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size + 4, mine[0])],
+                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size, theirs[0])]):
       with pytest.raises(wire.BadMessage, match="receipt"):
-        srv.accept_push(_push_header(srv, 0, 1, receipts=receipts), grad)
+        srv.accept_push(_push_header(srv, 0, 1, receipts=receipts, digests=mine), grad)
     assert srv.host["pushes"] == 0
-    good = [CREDENTIALS.receipt(1, 0, 1, srv.session, size)]
-    srv.accept_push(_push_header(srv, 0, 1, receipts=good), grad)
+    good = [CREDENTIALS.receipt(1, 0, 1, srv.session, size, mine[0])]
+    srv.accept_push(_push_header(srv, 0, 1, receipts=good, digests=mine), grad)
     assert srv.host["pushes"] == 1
   finally:
     srv.close()
+
+
+def _flood(address: str, in_flight: int, stop: threading.Event, codes: list) -> None:
+  """A stranger (no token) keeping ``in_flight`` unary calls in flight on ``address`` until
+  ``stop``: each that ends is sent again; their status codes go to ``codes``."""
+  channel = grpc.insecure_channel(address)
+  call = channel.unary_unary(f"/{wire.SERVICE}/Push")
+  header = ((wire.HEADER_KEY, wire.encode_header({"mesh": 0, "body_bytes": 0})),)
+  pending = set()
+  try:
+    while not stop.is_set():
+      while len(pending) < in_flight:
+        pending.add(call.future(b"x" * 64, metadata=header, timeout=30))
+      done = [f for f in pending if f.done()]
+      for f in done:
+        pending.discard(f)
+        codes.append(f.code())
+      if not done:
+        time.sleep(0.001)
+  finally:
+    for f in pending:
+      f.cancel()
+    channel.close()
+
+
+def test_a_flood_of_refused_calls_never_takes_the_place_of_the_runs_own_calls():
+  """300 unauthenticated calls kept in flight while the run's own calls keep most of the pool
+  busy: every refusal is UNAUTHENTICATED, and every call of the run is answered (a server with
+  grpcio's call limit refused them with RESOURCE_EXHAUSTED: refusals counted against it)."""
+  busy = threading.Semaphore(0)
+
+  def slow(header, body, peer):
+    del body, peer
+    busy.release()
+    time.sleep(header["seconds"])
+    return {}, None
+  methods = [wire.Method("Slow", slow), wire.Method("Echo", lambda h, b, p: ({"n": h["n"]}, None))]
+  grpc_server, port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
+  address = f"127.0.0.1:{port}"
+  client = endpoints.Client(address, CREDENTIALS, retry_seconds=0.5)
+  stop, codes, answered = threading.Event(), [], []
+  stranger = threading.Thread(target=_flood, args=(address, 300, stop, codes), daemon=True)
+  sleepers = [threading.Thread(target=client.call, args=("Slow", {"seconds": 3.0}), daemon=True)
+              for _ in range(3)]   # 3 of the 4 pool threads held by the run's own calls
+  try:
+    for t in sleepers:
+      t.start()
+    for _ in sleepers:
+      assert busy.acquire(timeout=10)
+    stranger.start()
+    assert _until(lambda: len(codes) >= 1000, 20), len(codes)
+    for n in range(50):   # retry_seconds 0.5: a refusal by a call limit would not be waited out
+      answered.append(client.call("Echo", {"n": n})[0]["n"])
+  finally:
+    stop.set()
+    stranger.join(timeout=30)
+    for t in sleepers:
+      t.join(timeout=10)
+    client.close()
+    grpc_server.stop(0)
+  assert answered == list(range(50))
+  assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED}, set(codes)
+  assert codes.count(grpc.StatusCode.UNAUTHENTICATED) >= 1000
+
+
+def test_a_client_waits_out_a_servers_call_limit_within_its_retry_time():
+  """A server with grpcio's call limit (maximum_concurrent_rpcs=1) refuses a second call at once
+  with RESOURCE_EXHAUSTED: the run's client sends it again until it is served, and gives up
+  with the code once its retry time has passed (or at once, without retries)."""
+  entered, release = threading.Event(), threading.Event()
+
+  def hold(header, body, peer):
+    del header, body, peer
+    entered.set()
+    release.wait(10)
+    return {"held": True}, None
+  methods = [wire.Method("Hold", hold), wire.Method("Echo", lambda h, b, p: ({"n": h["n"]}, None))]
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), maximum_concurrent_rpcs=1,
+                       interceptors=[auth.TokenInterceptor(CREDENTIALS)])
+  server.add_generic_rpc_handlers((wire.generic_handler(methods),))
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  address = f"127.0.0.1:{port}"
+  patient = endpoints.Client(address, CREDENTIALS, retry_seconds=20)
+  hasty = endpoints.Client(address, CREDENTIALS, retry_seconds=0.3)
+  holder = threading.Thread(target=patient.call, args=("Hold", {}), daemon=True)
+  try:
+    holder.start()
+    assert entered.wait(10)
+    with pytest.raises(wire.CallError) as raised:
+      hasty.call("Echo", {"n": 1}, retry=False)
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(wire.CallError) as raised:   # retried for 0.3 s, still held
+      hasty.call("Echo", {"n": 2})
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    threading.Timer(0.5, release.set).start()
+    assert patient.call("Echo", {"n": 3})[0]["n"] == 3   # served once the limit frees
+  finally:
+    release.set()
+    holder.join(timeout=10)
+    patient.close()
+    hasty.close()
+    server.stop(0)
 
 
 # -- the wire's limits ----------------------------------------------------------------------------
@@ -922,7 +1030,8 @@ def test_a_token_of_another_run_with_the_same_secret_is_refused(flight):
   secret = bytes(range(32))
   this, earlier = auth.Credentials(secret, "replay-run"), auth.Credentials(secret, "last-week")
   assert this.token != earlier.token
-  assert not this.check_receipt(earlier.receipt(1, 0, 1, "s", 8), 1, 0, 1, "s", 8)
+  assert not this.check_receipt(earlier.receipt(1, 0, 1, "s", 8, b"d" * 32), 1, 0, 1, "s", 8,
+                                b"d" * 32)
   grpc_server, port = _echo_server(flight)   # this run's (dist_replay.RUN_ID)
   replay = endpoints.Client(f"127.0.0.1:{port}", earlier, retry_seconds=1)
   body = np.arange(wire.CHUNK_BYTES + 5, dtype=np.uint8)   # large: Flight's path where offered
@@ -1074,6 +1183,69 @@ def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):
     assert server.lock.held()
 
 
+def test_a_slice_staged_under_a_meshs_number_by_another_caller_is_never_applied(server):
+  """A token holder stages a slice under mesh 0's next push number before the mesh does, and
+  tries numbers out of order: a shard takes only the next number, keeps every candidate under
+  its digest (none displaces another), refuses past its bound, and applies the one whose digest
+  the mesh sent (the ``put`` op names it); the others go."""
+  core = server.core0
+
+  def slice_of(value):
+    body = _gradient(server, value)
+    grads, stats = core.check_push(0, 1, body, -1)
+    return grads, stats, wire.digest(body)
+  theirs, mine, other, more = slice_of(9.0), slice_of(0.5), slice_of(7.0), slice_of(3.0)
+  for seq in (2, 0, 5):   # only push 1 of mesh 0 may be staged now
+    with pytest.raises(wire.BadMessage, match=f"push {seq} of mesh 0 is out of order; expected 1"):
+      core.stage(0, seq, *theirs)
+  assert core.staged == {}
+  core.stage(0, 1, *theirs)   # first, as the attacker was
+  core.stage(0, 1, *mine)
+  core.stage(0, 1, *mine)     # a retry: nothing new
+  core.stage(0, 1, *other)
+  with pytest.raises(wire.Refused) as refused:
+    core.stage(0, 1, *more)
+  assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+  with pytest.raises(wire.BadMessage, match="out of order"):
+    core.stage(0, 2, *more)
+  assert set(core.staged[0]) == {theirs[2], mine[2], other[2]}   # untouched by the refusals
+  with server.lock:
+    server.shard_links.emit({"k": "put", "w": 0, "seq": 1, "loss": 1.0, "bytes": 4,
+                             "d": [mine[2]]})
+    server.shard_links.emit({"k": "save", "step": 1})
+  core.saved(1, timeout=120)
+  assert core.error is None and core.consumed[0] == 1 and core.staged == {}
+  with core.cond:
+    row = np.concatenate([np.asarray(x)[0].reshape(-1)
+                          for x in jax.tree.leaves(core.state.grad_buf)])
+  np.testing.assert_array_equal(row, 0.5)   # the mesh's slice, not the 9.0 staged first
+  core.stage(0, 1, *mine)   # a retry of the applied push: answered, nothing staged
+  with pytest.raises(wire.BadMessage, match="expected 2"):
+    core.stage(0, 1, *theirs)
+  assert core.staged == {}
+
+
+def test_a_put_naming_a_slice_that_was_not_staged_stops_the_shard_with_the_reason(server):
+  core = server.core0
+  body = _gradient(server)
+  core.stage(0, 1, *core.check_push(0, 1, body, -1), wire.digest(body))
+  with server.lock:
+    server.shard_links.emit({"k": "put", "w": 0, "seq": 1, "loss": 1.0, "bytes": 4,
+                             "d": [b"x" * 32]})
+  assert _until(lambda: core.error is not None, 60)
+  assert "push 1 of mesh 0 was never staged here with the digest the mesh sent" in str(
+      core.error)
+
+
+def test_ops_with_malformed_digests_are_refused_before_they_are_queued(server):
+  core = server.core0
+  good = {"k": "put", "w": 0, "seq": 1, "loss": 1.0, "bytes": 4, "d": [b"d" * 32]}
+  assert core._check_op(good)["d"] == [b"d" * 32]   # pylint: disable=protected-access
+  for digests in ([], [b"d" * 31], ["d" * 32], [b"d" * 32, b"e" * 32]):
+    with pytest.raises(wire.BadMessage, match="digests are invalid"):
+      core._check_op({**good, "d": digests})   # pylint: disable=protected-access
+
+
 def test_a_shards_checkpoint_copy_does_not_hold_up_the_pushes_staged_meanwhile(server,
                                                                                monkeypatch):
   """Shard 0 takes a checkpoint's host copy outside its lock: a push staged meanwhile (what the
@@ -1091,12 +1263,13 @@ def test_a_shards_checkpoint_copy_does_not_hold_up_the_pushes_staged_meanwhile(s
     server.shard_links.emit({"k": "save", "step": 7})
   assert copying.wait(60)
   staged = threading.Event()
-  stager = threading.Thread(target=lambda: (core.stage(0, 1, [], []), staged.set()), daemon=True)
+  stager = threading.Thread(target=lambda: (core.stage(0, 1, [], [], b"d"), staged.set()),
+                            daemon=True)
   stager.start()
   try:
     assert staged.wait(60), "staging a push waited for the checkpoint's host copy"
     with core.cond:
-      assert core.staged[0][0] == 1 and core.applied == 0   # the save is not applied yet
+      assert list(core.staged[0]) == [b"d"] and core.applied == 0   # the save: not applied yet
   finally:
     release.set()
   core.saved(7, timeout=120)

@@ -21,10 +21,12 @@ cluster's traffic can replay it: on a network you do not trust, add TLS
 certificate of every client too.
 
 A shard acknowledges the gradient slice it staged with a **receipt**, an HMAC
-of (shard, mesh, push number, session, size) under another key derived from
-the secret; the control plane applies a push only when the mesh hands it a
-valid receipt from every other shard, so no shard is ever asked to apply a
-gradient it did not receive and check. Everything here is the standard
+of (shard, mesh, push number, session, size, the slice's SHA-256) under another
+key derived from the secret; the control plane applies a push only when the
+mesh hands it a valid receipt from every other shard for the digests the mesh
+computed of its own slices, and tells each shard which digest to apply, so no
+shard is ever asked to apply a gradient it did not receive and check, nor one
+that another caller staged under the mesh's number. Everything here is the standard
 library's ``hmac``/``secrets`` and gRPC's own credentials: no cryptography is
 written by hand.
 """
@@ -206,15 +208,17 @@ class Credentials:
   def metadata(self) -> tuple[tuple[str, str], ...]:
     return ((TOKEN_KEY, self.token),)
 
-  def receipt(self, shard: int, mesh: int, seq: int, session: str, nbytes: int) -> bytes:
-    """Shard ``shard`` staged push ``seq`` of ``mesh`` (``nbytes`` bytes) in ``session``."""
-    message = f"{int(shard)}|{int(mesh)}|{int(seq)}|{session}|{int(nbytes)}".encode()
-    return hmac.new(self._receipt_key, message, hashlib.sha256).digest()
+  def receipt(self, shard: int, mesh: int, seq: int, session: str, nbytes: int,
+              digest: bytes) -> bytes:
+    """Shard ``shard`` staged push ``seq`` of ``mesh`` in ``session``: ``nbytes`` bytes whose
+    SHA-256 is ``digest`` (``wire.digest``), so a receipt vouches for those bytes only."""
+    message = f"{int(shard)}|{int(mesh)}|{int(seq)}|{session}|{int(nbytes)}|{digest.hex()}"
+    return hmac.new(self._receipt_key, message.encode(), hashlib.sha256).digest()
 
   def check_receipt(self, receipt, shard: int, mesh: int, seq: int, session: str,
-                    nbytes: int) -> bool:
-    return isinstance(receipt, bytes) and hmac.compare_digest(
-        receipt, self.receipt(shard, mesh, seq, session, nbytes))
+                    nbytes: int, digest: bytes) -> bool:
+    return isinstance(receipt, bytes) and isinstance(digest, bytes) and hmac.compare_digest(
+        receipt, self.receipt(shard, mesh, seq, session, nbytes, digest))
 
 
 REFUSAL = ("this call lacks the run's token: the caller is not part of this run (set "

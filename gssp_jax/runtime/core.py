@@ -150,14 +150,17 @@ class ProtocolCore:
 
   # -- events (under the lock) ------------------------------------------------------------------
 
-  def accept(self, w: int, seq: int, loss: float, nbytes: int, wire_bytes: int) -> None:
+  def accept(self, w: int, seq: int, loss: float, nbytes: int, wire_bytes: int,
+             digests: tuple = ()) -> None:
     """Mesh ``w``'s new push ``seq`` (checked, its slices staged): counted, ``put``, the
-    protocol's reaction."""
+    protocol's reaction. ``digests``: its slices' on shards 1..S-1, which the ``put`` names
+    (shard 0's, staged here, under ``b""``)."""
     self.lock.check("ProtocolCore.accept")
     host = self.host
     host["seq"][w] = seq
     self.last_push_bytes[w] = nbytes
-    self._emit({"k": "put", "w": w, "seq": seq, "loss": float(loss), "bytes": int(nbytes)})
+    self._emit({"k": "put", "w": w, "seq": seq, "loss": float(loss), "bytes": int(nbytes),
+                "d": [b"", *digests]})
     host["pushes"] += 1
     host["pushes_per_worker"][w] += 1
     host["wire_pushed_per_worker"][w] += wire_bytes

@@ -100,9 +100,13 @@ def bind_server(address: str, credentials: auth.Credentials, *, max_workers: int
   options = [(k, int(wire.port_reserved_for_us(address)) if k == "grpc.so_reuseport" else v)
              for k, v in wire.SERVER_OPTIONS]
   check = auth.TokenInterceptor(credentials)
+  # No maximum_concurrent_rpcs: grpcio counts every call against it, refused ones too (their
+  # refusal runs in the pool), so strangers who kept a few hundred refused calls in flight took
+  # the run's own calls' places (RESOURCE_EXHAUSTED failed a run). A refusal aborts at once and
+  # reads nothing (``auth.TokenInterceptor``), so it holds a pool thread for microseconds; the
+  # run's own calls are bounded by the run itself (each mesh and shard has a few in flight).
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=[check],
-                       options=options, maximum_concurrent_rpcs=4 * max_workers)
+                       interceptors=[check], options=options)
   try:
     port = (server.add_secure_port(address, tls) if tls is not None
             else server.add_insecure_port(address))
@@ -131,7 +135,8 @@ def make_server(methods: list[wire.Method], address: str, credentials: auth.Cred
 
 
 class Client:
-  """Calls one server of the run with its token; retries ``UNAVAILABLE`` for ``retry_seconds``.
+  """Calls one server of the run with its token; retries ``UNAVAILABLE`` and a server's call
+  limit for ``retry_seconds``.
 
   Args:
     address: the server's ``host:port``.
@@ -213,7 +218,9 @@ class Client:
       reply_parts: the reply body as the list of messages it came in (uint8
         arrays, no copy) instead of one buffer.
       timeout: seconds for one attempt (None: no deadline).
-      retry: retry ``UNAVAILABLE`` until ``retry_seconds`` have passed.
+      retry: retry ``UNAVAILABLE`` (the server unreachable) and a refusal by the server's call
+        limit (``RESOURCE_EXHAUSTED``, :data:`CALL_LIMIT_DETAILS`) until ``retry_seconds`` have
+        passed, with a backoff of 50 ms doubling to 250 ms (1 s for the limit).
 
     Raises:
       wire.ServerGone: unreachable for ``retry_seconds``.
@@ -236,6 +243,12 @@ class Client:
         break
       except wire.FAILURES as e:
         code = e.code()
+        if _busy(code, e.details()):   # the server's call limit: it ran nothing of this call
+          if not retry or time.monotonic() + delay >= deadline:
+            raise wire.CallError(name, code, e.details() or "") from None
+          time.sleep(delay)
+          delay = min(2 * delay, 1.0)
+          continue
         if code != grpc.StatusCode.UNAVAILABLE:
           raise wire.CallError(name, code, e.details() or "") from None
         self._forget_flight()
@@ -289,6 +302,16 @@ class Client:
   def close(self) -> None:
     self._forget_flight()
     self._channel.close()
+
+
+# grpcio's refusal of a call past a server's maximum_concurrent_rpcs: the call never reached a
+# handler, so it is safe to send again (every push is numbered besides: a retry applies once).
+CALL_LIMIT_DETAILS = "Concurrent RPC limit exceeded!"
+
+
+def _busy(code, details) -> bool:
+  """Whether a failed call was turned away by its server's call limit, and may be retried."""
+  return code == grpc.StatusCode.RESOURCE_EXHAUSTED and details == CALL_LIMIT_DETAILS
 
 
 def server_settings(dist) -> dict[str, Any]:

@@ -269,11 +269,36 @@ def run_worker(config: ml_collections.ConfigDict, topo: Topology) -> int:
     rank = jax.process_index()
   from gssp_jax.runtime import worker  # pylint: disable=g-import-not-at-top
   try:
-    return worker.MeshWorker(config, topo.mesh, rank, topo.processes_per_mesh,
-                             topo.server_address).run()
-  finally:
+    iterations = worker.MeshWorker(config, topo.mesh, rank, topo.processes_per_mesh,
+                                   topo.server_address).run()
+  except BaseException as e:
     if topo.processes_per_mesh > 1:
-      jax.distributed.shutdown()
+      leave_mesh(topo.mesh, rank, e)
+    raise
+  if topo.processes_per_mesh > 1:
+    jax.distributed.shutdown()
+  return iterations
+
+
+def leave_mesh(mesh: int, rank: int, error: BaseException) -> None:
+  """A rank of a multi-process mesh that left its loop (an error, a signal) ends its process now.
+
+  Not through ``jax.distributed.shutdown``: its barrier waits for every rank, and a rank left
+  behind in a collective (the job broadcast) never comes, so this process would go on beating
+  to the coordination service for the barrier's timeout (minutes) while the mesh's rank 0 went
+  on beating to the server: a mesh "alive" that trains no more. Ended, it stops beating; the
+  coordination service tells the other ranks within ``dist.heartbeat_timeout`` (jax ends their
+  processes), and the server drops the mesh after as long again.
+  """
+  interrupted = isinstance(error, KeyboardInterrupt)
+  if not interrupted:
+    logging.exception("mesh %d rank %d left its loop: %s", mesh, rank, error)
+  logging.error("mesh %d rank %d: ending its process without the mesh's shutdown barrier",
+                mesh, rank)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(cli.INTERRUPTED_EXIT if interrupted else 1)   # pylint: disable=protected-access
 
 
 # -- the one-host launcher ------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class MeshCalls:
                                  credentials=self.credentials(), session=self.links.session)
       self.core0.stage(w, seq, grads, stats)
       self.members.last_seen[w] = time.monotonic()
-      core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes)
+      core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests)
       if self.at_end(core.iterations(), core.host["pushes"]):
         core.finish()
       if core.iterations() >= core.host["next_eval"] or core.done:

@@ -5,7 +5,8 @@ of its header, without any lock (a malformed push raises ``wire.BadMessage``
 and changes nothing). :func:`check_in_order` checks it against the mesh table
 under the server's lock: the next push number of that mesh, of the iteration
 its job was, not before its release, with a valid receipt from every other
-shard (its slices were staged there). The body itself is checked by shard 0
+shard for the digest the mesh computed of its slice there (that slice, and no
+other caller's, was staged there). The body itself is checked by shard 0
 (``ShardCore.check_push``: sizes, indices, finiteness).
 """
 
@@ -31,6 +32,7 @@ class PushHeader:
   wire_bytes: int = 0
   nnz: tuple = ()
   receipts: tuple = ()
+  digests: tuple = ()   # the SHA-256 of each of the mesh's slices for shards 1..S-1
 
 
 def mesh_of(header: dict, num_workers: int) -> tuple[int, str]:
@@ -54,8 +56,13 @@ def parse(header: dict, *, num_workers: int, layout, pull_bytes: int) -> PushHea
   nnz = tuple(bounded_int(x, f"nnz[{s}]", -1, layout.grad_size(s))
               for s, x in enumerate(_nnz(header, layout)))
   receipts = tuple(wire.field(header, "receipts", list))
+  digests = tuple(wire.field(header, "digests", list))
+  if len(digests) != S - 1 or not all(
+      isinstance(d, bytes) and len(d) == wire.DIGEST_BYTES for d in digests):
+    raise wire.BadMessage(f"digests are invalid; allowed: one per other shard ({S - 1}), each "
+                          f"{wire.DIGEST_BYTES} bytes")
   return PushHeader(w, instance, session, seq, "", iteration, loss, nbytes, wire_bytes, nnz,
-                    receipts)
+                    receipts, digests)
 
 
 def body_limit(header: dict, layout) -> int:
@@ -90,11 +97,11 @@ def check_in_order(push: PushHeader, *, host: dict, waiting, layout, credentials
   if len(push.receipts) != S - 1:
     raise wire.BadMessage(f"{len(push.receipts)} receipts; allowed: one per other shard "
                           f"({S - 1})")
-  for s, receipt in enumerate(push.receipts, start=1):
+  for s, (receipt, digest) in enumerate(zip(push.receipts, push.digests), start=1):
     size = layout.push_limit(s, push.nnz[s])
-    if not credentials.check_receipt(receipt, s, w, seq, session, size):
+    if not credentials.check_receipt(receipt, s, w, seq, session, size, digest):
       raise wire.BadMessage(f"the receipt of shard {s} for push {seq} of mesh {w} is "
-                            "invalid (its slice was not staged there)")
+                            "invalid (the mesh's slice was not staged there)")
 
 
 def bounded_int(value, name: str, lo: int, hi: int) -> int:

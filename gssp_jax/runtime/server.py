@@ -258,8 +258,9 @@ class DistServer:
             "an older real runtime (one server process, no shards); start the run again in a "
             "new workdir")
       core.load(saved)
-      self.core0.restore(latest)
-      self.shard_links.restored_step = latest
+      seqs = core.host["seq"].tolist()   # each mesh's last push: what the shards take next
+      self.core0.restore(latest, seqs)
+      self.shard_links.restored_step, self.shard_links.restored_seqs = latest, seqs
       logging.info("resumed from the server checkpoint at %d pushes", latest)
       # The meshes' iterations in flight belonged to the previous server: every mesh
       # rejoins from its replica's current weights.
@@ -281,7 +282,7 @@ class DistServer:
       core = self.core0 if s == 0 else shard_lib.ShardCore(
           s, self.layout, self.config, [self.init_leaves[i] for i in self.layout.leaves(s)], [],
           shard_lib.checkpoint_dir(self.workdir, s))
-      core.restore(step)
+      core.restore(step, np.zeros([self.W], np.int64))   # (served weights only: no pushes)
       bodies.append(np.asarray(core.served_fn(core.state)))
       if s:
         core.checkpointer.close()

@@ -8,7 +8,8 @@ BatchNorm statistics and the loss sums. Every shard applies the **same
 ordered stream of ops** with the simulator's own jitted functions:
 
 * ``put``: a mesh's push into its worker slot (the gradient slice staged by
-  :meth:`ShardCore.stage`, its loss and bytes) -- the job's outputs;
+  :meth:`ShardCore.stage` under the digest the op names, its loss and bytes) -- the job's
+  outputs;
 * ``round``: one round (``executor.round_body``, with the round's args and
   learning rate);
 * ``snap``: a copy of the served weights (and, on shard 0, the loss sums,
@@ -61,6 +62,9 @@ ROUND_FIELDS = {"arrived": bool, "pulls": bool, "groups": np.int32, "applies": b
                 "forward": bool, "deliver": bool, "aggregate": bool, "adopt": np.int32,
                 "average": np.int32, "stats_mean": np.int32, "adopt_weight": np.float32}
 MAX_OPS_PER_CALL = 4096
+# Slices staged for one mesh's next push, each under its digest: the mesh's own, and room for
+# a restarted mesh's and for one sent by another caller, none of which can displace another.
+MAX_CANDIDATES = 3
 PARTS_METHODS = ("PutGrad",)   # methods whose handler takes a body as the messages it came in
 
 
@@ -142,8 +146,10 @@ class ShardCore:
     self.ops: collections.deque = collections.deque()
     self.enqueued = 0           # ops received (applied + queued)
     self.applied = 0            # ops applied
-    self.staged: dict[int, tuple[int, list, list]] = {}   # mesh -> (seq, grad leaves, stats)
+    # mesh -> {digest: (grad leaves, stats)}: candidates for its next push, consumed + 1
+    self.staged: dict[int, dict[bytes, tuple[list, list]]] = {}
     self.consumed = np.zeros([self.W], np.int64)            # the last push applied per mesh
+    self.consumed_digest: dict[int, bytes] = {}             # mesh -> that push's digest
     self.snapshots: dict[int, Any] = {}
     self.saved_steps: set[int] = set()                       # checkpoints on disk
     self._to_save: collections.deque = collections.deque()   # (step, host copy of the state)
@@ -165,10 +171,13 @@ class ShardCore:
     copy = self.round_fn(copy, args)
     jax.block_until_ready((self.row_fn(copy, np.int32(0)), self.served_fn(copy)))
 
-  def restore(self, step: int) -> None:
-    """Loads this shard's checkpoint at ``step`` (the control plane's latest)."""
+  def restore(self, step: int, seqs) -> None:
+    """Loads this shard's checkpoint at ``step`` (the control plane's latest), where the last
+    push applied of each mesh was ``seqs[w]``."""
     state, _ = self.checkpointer.restore(step, self.state)
     self.state = jax.device_put(state)
+    with self.cond:
+      self.consumed = np.asarray(seqs, np.int64).reshape([self.W])
     logging.info("shard %d: restored its tensors at %d pushes", self.index, step)
 
   def start(self) -> None:
@@ -210,14 +219,30 @@ class ShardCore:
       raise wire.BadMessage(f"mesh={w} is invalid; allowed: 0..{self.W - 1}")
     return self.layout.unpack_push(self.index, body, nnz)
 
-  def stage(self, w: int, seq: int, grads: list, stats: list) -> None:
-    """Keeps mesh ``w``'s checked push ``seq`` until its ``put`` op (a retry is a no-op)."""
+  def stage(self, w: int, seq: int, grads: list, stats: list, digest: bytes = b"") -> None:
+    """Keeps mesh ``w``'s checked push ``seq`` under its ``digest`` until the ``put`` op that
+    names it; a retry is a no-op.
+
+    Only the mesh's next push is taken (``consumed + 1``; or the last applied, again, with the
+    same digest: a retry); another number is refused, and so is a further candidate past
+    :data:`MAX_CANDIDATES`, without touching what is staged (``wire.BadMessage``,
+    ``wire.Refused``).
+    """
     with self.cond:
-      if seq <= self.consumed[w]:
-        return   # a retry of a push already applied
-      held = self.staged.get(w)
-      if held is None or held[0] < seq:
-        self.staged[w] = (seq, grads, stats)
+      if seq == self.consumed[w] and digest == self.consumed_digest.get(w):
+        return   # a retry of the push last applied
+      expected = int(self.consumed[w]) + 1
+      if seq != expected:
+        raise wire.BadMessage(f"shard {self.index}: push {seq} of mesh {w} is out of order; "
+                              f"expected {expected}")
+      held = self.staged.setdefault(w, {})
+      if digest in held:
+        return   # a retry of a staged slice
+      if len(held) >= MAX_CANDIDATES:
+        raise wire.Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"shard {self.index}: {len(held)} different slices are staged for "
+                           f"push {seq} of mesh {w} already; allowed: {MAX_CANDIDATES}")
+      held[digest] = (grads, stats)
 
   # -- ops ------------------------------------------------------------------------------------
 
@@ -294,13 +319,14 @@ class ShardCore:
   def _apply(self, op: dict) -> None:
     kind = op["k"]
     if kind == "put":
-      w, seq = op["w"], op["seq"]
-      held = self.staged.get(w)
-      if held is None or held[0] != seq:
-        raise ShardError(f"shard {self.index}: push {seq} of mesh {w} was never staged here")
-      del self.staged[w]
-      self.consumed[w] = seq
-      _, grads, stats = held
+      w, seq, digest = op["w"], op["seq"], op["d"][self.index]
+      held = self.staged.get(w, {})   # (under self.cond: _run applies a put holding it)
+      if seq != self.consumed[w] + 1 or digest not in held:
+        raise ShardError(f"shard {self.index}: push {seq} of mesh {w} was never staged here "
+                         "with the digest the mesh sent")
+      grads, stats = held[digest]
+      del self.staged[w]   # the other candidates (a stranger's, a restarted mesh's) go too
+      self.consumed[w], self.consumed_digest[w] = seq, digest
       tree = {param_key(i): g for i, g in zip(self.layout.leaves(self.index), grads)}
       stats_tree = {stats_key(i): x for i, x in enumerate(stats)}
       self.state = self.put_fn(self.state, np.int32(w), tree, stats_tree,
@@ -373,9 +399,15 @@ class ShardCore:
       raise wire.BadMessage("an op must be a map")
     kind = wire.field(op, "k", str)
     if kind == "put":
+      digests = wire.field(op, "d", list)
+      if len(digests) != self.layout.num_shards or not all(
+          isinstance(d, bytes) and len(d) in (0, wire.DIGEST_BYTES) for d in digests):
+        raise wire.BadMessage(f"a put op's digests are invalid; allowed: one per shard "
+                              f"({self.layout.num_shards}), each empty or "
+                              f"{wire.DIGEST_BYTES} bytes")
       return {"k": kind, "w": wire.field(op, "w", int, 0, self.W - 1),
               "seq": wire.field(op, "seq", int, 1), "loss": wire.field(op, "loss", float),
-              "bytes": wire.field(op, "bytes", int, 0, 2**31 - 1)}
+              "bytes": wire.field(op, "bytes", int, 0, 2**31 - 1), "d": digests}
     if kind == "round":
       return {"k": kind, "args": decode_round(wire.field(op, "args", dict), self.W, self.R,
                                               self.G),
@@ -464,9 +496,11 @@ class ShardService:
     seq = wire.field(header, "seq", int, 1)
     nnz = wire.field(header, "nnz", int, -1)
     grads, stats = self.core.check_push(w, seq, body, nnz)
-    self.core.stage(w, seq, grads, stats)
+    digest = wire.digest(body)
+    self.core.stage(w, seq, grads, stats, digest)
     size = wire.body_bytes(body)
-    return {"receipt": self.credentials.receipt(self.core.index, w, seq, self.session, size)}, None
+    return {"receipt": self.credentials.receipt(self.core.index, w, seq, self.session, size,
+                                                digest)}, None
 
   def pull(self, header, body, peer):
     del body, peer

@@ -149,6 +149,7 @@ class ShardLinks:
     self._op_log: list | None = [] if self.S > 1 else None   # ops before every shard was ready
     self.snaps = 0
     self.restored_step = -1                    # the step a registering shard restores
+    self.restored_seqs: list[int] = [0] * config.num_workers   # each mesh's last push there
     self._calls = CallPool(self.S - 1, "shard-call")   # snapshots' and checkpoints' calls
 
   # -- the shards' calls (gRPC handler threads) ----------------------------------------------
@@ -186,6 +187,7 @@ class ShardLinks:
     if old is not None:   # outside the lock: closing may call the old shard (Stop), up to 5 s
       old.close()
     return {"session": self.session, "restore": int(self.restored_step),
+            "seqs": [int(x) for x in self.restored_seqs],
             "layout": json.dumps(self.layout.describe())}
 
   def tensors(self, header: dict) -> np.ndarray:

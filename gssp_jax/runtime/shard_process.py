@@ -75,7 +75,12 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
     core = shard_lib.ShardCore(index, layout, config, params, [],
                                shard_lib.checkpoint_dir(workdir, index))
     if header["restore"] >= 0:
-      core.restore(int(header["restore"]))
+      seqs = wire.field(header, "seqs", list)
+      if len(seqs) != config.num_workers or not all(
+          isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seqs):
+        raise wire.BadMessage(f"the server's seqs are invalid; allowed: {config.num_workers} "
+                              "push numbers >= 0")
+      core.restore(int(header["restore"]), seqs)
     core.warm_up()
     core.start()
     service = shard_lib.ShardService(core, credentials, session,

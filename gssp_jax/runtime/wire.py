@@ -58,6 +58,7 @@ as long as the protocol needs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from typing import Any, Callable, Iterator, NamedTuple
@@ -267,6 +268,19 @@ def body_bytes(body) -> int:
     return 0
   return sum(x.nbytes if isinstance(x, np.ndarray) else memoryview(x).nbytes
              for x in (body if isinstance(body, (list, tuple)) else (body,)))
+
+
+DIGEST_BYTES = 32   # SHA-256
+
+
+def digest(body) -> bytes:
+  """SHA-256 of a body's bytes (a buffer, segments, or None: the empty body), no copy: what a
+  shard's receipt for a staged slice names, so that the slice applied is the mesh's own."""
+  h = hashlib.sha256()
+  if body is not None:
+    for segment in segments(body):
+      h.update(segment)
+  return h.digest()
 
 
 def join(body) -> bytes:

@@ -254,7 +254,8 @@ class MeshWorker:
     self.shards = _clients(addresses, self.credentials, self.config)
     if self._calls is not None:
       self._calls.close()
-    self._calls = shard_links.CallPool(len(addresses), "mesh-call")   # the shards at once
+    # The other shards at once, and the slices' digests beside their uploads (push).
+    self._calls = shard_links.CallPool(len(addresses) + 1, "mesh-call")
 
   def _request_push(self, job: dict, loss, grad, model_state, nbytes) -> tuple[dict, object]:
     """Rank 0: the slices to the shards, then the push; ``rejoin`` answers lead to a ``Join``."""
@@ -271,17 +272,19 @@ class MeshWorker:
     if not (np.isfinite(loss) and layout_lib.all_finite(grads + stats)):
       return self.server.call("Push", {**header, "nonfinite": "the mesh computed a non-finite "
                                        "loss or gradient"})
-    try:
-      receipts = self._calls.run([
-          lambda s=s: self.shards[s - 1].call(
-              "PutGrad", {"mesh": self.w, "session": self.session, "seq": self.seq,
-                          "nnz": bodies[s][1]}, bodies[s][0])[0]["receipt"]
-          for s in range(1, self.layout.num_shards)])
+    try:   # the digests of the slices (SHA-256, which receipts name) while they upload
+      digests, *receipts = self._calls.run([
+          lambda: [wire.digest(body) for body, _ in bodies[1:]]] + [
+              lambda s=s: self.shards[s - 1].call(
+                  "PutGrad", {"mesh": self.w, "session": self.session, "seq": self.seq,
+                              "nnz": bodies[s][1]}, bodies[s][0])[0]["receipt"]
+              for s in range(1, self.layout.num_shards)])
     except wire.CallError as e:
       if e.code != grpc.StatusCode.FAILED_PRECONDITION:   # an old session: rejoin below
         raise
       return {"rejoin": True}, None
-    return self.server.call("Push", {**header, "receipts": receipts}, bodies[0][0],
+    return self.server.call("Push", {**header, "receipts": receipts, "digests": digests},
+                            bodies[0][0],
                             reply_limit=self._pull_limit(0), reply_parts=True)
 
   def _fetch_weights(self, job: dict, shard0) -> tuple:
