@@ -1151,6 +1151,23 @@ def test_no_other_user_can_take_a_port_the_launcher_hands_a_child(tmp_path, monk
   finally:
     launcher._release_ports()   # pylint: disable=protected-access
     launcher._remove_secret()   # pylint: disable=protected-access
+  # A port the user gives (--server_address=HOST:PORT) is held the same way, from the launcher's
+  # check to the end: a squatter cannot bind it before the server does and take the calls (and
+  # the token) of the shards and meshes that start meanwhile.
+  given = launch.free_port()
+  topo = launch.Topology(role="local", num_meshes=2, server_address=f"127.0.0.1:{given}")
+  launcher = launch.LocalLauncher([], str(tmp_path / "given"), topo, config)
+  spawned.clear()
+  monkeypatch.setattr(launcher, "_spawn", lambda name, flags, gpu=None, extra_env=None:
+                      spawned.append((name, flags, extra_env or {})))
+  try:
+    assert launcher.start_server() == f"127.0.0.1:{given}"
+    assert spawned[0][2] == {wire.RESERVED_PORT_ENV: str(given)}
+    assert _bind_as(65534, given) != "bound"
+  finally:
+    launcher._release_ports()   # pylint: disable=protected-access
+    launcher._remove_secret()   # pylint: disable=protected-access
+  assert _bind_as(65534, given) == "bound"   # released with the run
 
 
 def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):

@@ -147,17 +147,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def reserve_port(host: str = "127.0.0.1") -> socket.socket:
-  """A socket bound to a free port of ``host`` with SO_REUSEPORT, never listening: keep it open.
+def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+  """A socket bound to ``port`` of ``host`` (0: a free one) with SO_REUSEPORT, never listening:
+  keep it open.
 
   While it is open, Linux lets only sockets of this user with SO_REUSEPORT bind
   the port (a child told so by ``wire.RESERVED_PORT_ENV``, jax's coordination
   service), so another user who reads the port on a child's command line
   cannot take it first. It never listens, so it takes no connections.
+
+  Raises:
+    ValueError: ``port`` is taken (by anyone).
   """
   s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
   s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-  s.bind((host, 0))
+  try:
+    s.bind((host, port))
+  except OSError as e:
+    s.close()
+    raise ValueError(f"--server_address={host}:{port}: port {port} cannot be bound here "
+                     f"({e.strerror}); allowed: a free port, or 0 for any") from None
   return s
 
 
@@ -171,19 +180,6 @@ def visible_gpus() -> list[str]:
   except (OSError, subprocess.TimeoutExpired):
     return []
   return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
-
-
-def check_port_free(address: str) -> None:
-  """Raises ValueError when ``address``'s port is taken here (port 0 always passes)."""
-  host, port = wire.check_address("--server_address", address)
-  if port == 0:
-    return
-  with socket.socket() as s:
-    try:
-      s.bind((host, port))
-    except OSError as e:
-      raise ValueError(f"--server_address={address!r}: port {port} cannot be bound here "
-                       f"({e.strerror}); allowed: a free port, or 0 for any") from None
 
 
 # -- the roles ------------------------------------------------------------------------------------
@@ -364,9 +360,10 @@ class LocalLauncher:
     if path and os.path.exists(path):
       os.remove(path)
 
-  def _reserve(self, host: str) -> int:
-    """A port of ``host`` held for a child until the launcher ends (:func:`reserve_port`)."""
-    sock = reserve_port(host)
+  def _reserve(self, host: str, port: int = 0) -> int:
+    """A port of ``host`` (0: a free one) held for a child until the launcher ends
+    (:func:`reserve_port`)."""
+    sock = reserve_port(host, port)
     self.reserved.append(sock)
     return sock.getsockname()[1]
 
@@ -428,12 +425,11 @@ class LocalLauncher:
     """
     host, port = wire.check_address("--server_address", self.topo.server_address or
                                     "127.0.0.1:0")
-    extra = {}
-    if port:
-      check_port_free(f"{host}:{port}")   # the user's port: theirs to keep free
-    else:   # one this launcher holds until it ends: no one else can take it meanwhile
-      port = self._reserve(host)
-      extra[wire.RESERVED_PORT_ENV] = str(port)
+    # Held from here until the launcher ends, the user's port as one it picks (port 0): no one
+    # else can take it between this check and the server's own bind, and be called with the
+    # run's token by the meshes and shards that start meanwhile.
+    port = self._reserve(host, port)
+    extra = {wire.RESERVED_PORT_ENV: str(port)}
     address = f"{host}:{port}"
     self._spawn("server", ["--role=server", f"--server_address={address}",
                            f"--num_servers={self.topo.num_servers}"], self._gpu(0), extra)
