@@ -65,10 +65,6 @@ def get_config(arg=None):
   c.train.eval_every = 0.5
   if "smoke" in args:
     c.train.num_epochs = 2.0
-  for key, value in ({**_LOCAL_COMMON, **_LOCAL[local[0]]} if local else {}).items():
-    *path, leaf = key.split(".")
-    node = c
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  if local:
+    c.update_from_flattened_dict({**_LOCAL_COMMON, **_LOCAL[local[0]]})
   return c

@@ -27,7 +27,8 @@ BADGE = """\
 
 Run the first code cell as it is, in Colab or in a checkout. In Colab it clones the repository \
 at `REPOSITORY` (set near the top of that cell: a placeholder until gssp_jax is published, so set \
-it to your copy's address) and installs it with pip; in a checkout it installs that checkout. If pip upgrades jax (or another \
+it to your copy's address) and installs it with pip; in a checkout it installs that checkout. \
+If pip upgrades jax (or another \
 package this session has already imported), the cell stops and asks you to restart the runtime \
 (Runtime → Restart session); then run all cells again: the second time the cell finds the install \
 and goes on. Data needs no path: MNIST comes from `$GSSP_DATA_DIR` if set, else it is downloaded \

@@ -73,9 +73,9 @@ def _compile_without_llvms_expensive_passes() -> None:
   smoke runs of configs/mnist_lenet5_hetero.py and configs/cifar10_resnet18.py (BatchNorm,
   convolutions) gave identical metrics with and without it (2026-11-28, this 2-core VM). It
   cut a compile-bound pair of files 88 -> 67 s and the tour's BSP and HALoS commands (which run
-  an epoch each) 80 -> 72 s (docs/log/performance-2026-11.md, "The test suite"). Set here, before any backend
-  starts (XLA parses XLA_FLAGS once per process), and in the environment the suite's
-  subprocesses inherit. The user's own setting of the flag is kept;
+  an epoch each) 80 -> 72 s (docs/log/performance-2026-11.md, "The test suite"). Set here,
+  before any backend starts (XLA parses XLA_FLAGS once per process), and in the environment
+  the suite's subprocesses inherit. The user's own setting of the flag is kept;
   GSSP_TEST_FAST_COMPILE=0 turns it off.
   """
   if xla_env.switch(os.environ, "GSSP_TEST_FAST_COMPILE"):

@@ -282,9 +282,9 @@ def job_batch_for(job_batch: int, backend: str) -> int:
   once (0) on an accelerator.
 
   On this project's 2-core CPU one job at a time ran LeNet-5's level executor at 16 workers
-  2.2x as fast as one ``vmap`` of the piece's 16 slots (``docs/log/performance-2026-11.md``, "Jobs one at
-  a time"): the ``vmap`` over per-worker weights makes every convolution a grouped one, a slow
-  path of XLA:CPU. On a GPU the choice is measured by ``benchmarks/sim_efficiency.py
+  2.2x as fast as one ``vmap`` of the piece's 16 slots (``docs/log/performance-2026-11.md``,
+  "Jobs one at a time"): the ``vmap`` over per-worker weights makes every convolution a grouped
+  one, a slow path of XLA:CPU. On a GPU the choice is measured by ``benchmarks/sim_efficiency.py
   --level_job_batch``; until it is, an accelerator keeps the one ``vmap``.
   """
   if job_batch:
