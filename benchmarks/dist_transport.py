@@ -106,6 +106,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "a smoke test in under a minute: lene
                            "repetitions, S = 1, 2, 2 clients, 2 s runs")
 
 CREDENTIALS = auth.Credentials(bytes(range(32)), "dist-transport")   # fixed: loopback only
+RUN_TLS = {"data_plane": "flight", "tls_mode": "run"}   # config.dist of the runtime's default
 RAW_SERVICE = "gssp.RawBench"
 MB = 1e6
 _UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -213,7 +214,7 @@ def cpu_seconds(pid: int) -> float:
 # -- the ratio part: servers ------------------------------------------------------------------
 
 
-def start_raw_server(reply: bytes, chunk_bytes: int) -> tuple[grpc.Server, int]:
+def start_raw_server(reply: bytes, chunk_bytes: int, tls=None) -> tuple[grpc.Server, int]:
   """A started bare ``grpc.server`` (no interceptor, no copies) answering ``reply``, and its port.
 
   Keep the server: grpc stops a server that is garbage-collected.
@@ -247,7 +248,8 @@ def start_raw_server(reply: bytes, chunk_bytes: int) -> tuple[grpc.Server, int]:
       "Unary": grpc.unary_unary_rpc_method_handler(unary),
       "UnaryHeader": grpc.unary_unary_rpc_method_handler(unary_header),
       "Stream": grpc.stream_stream_rpc_method_handler(stream)}),))
-  port = raw.add_insecure_port("127.0.0.1:0")
+  port = (raw.add_secure_port("127.0.0.1:0", tls) if tls is not None
+          else raw.add_insecure_port("127.0.0.1:0"))
   raw.start()
   return raw, port
 
@@ -259,6 +261,8 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
   layout = payload.layout
   # The raw servers answer prebuilt bodies, as they are.
   _raw, raw_port = start_raw_server(bytes(payload.pull_bytes), chunk_bytes)
+  _raw_tls, raw_tls_port = start_raw_server(bytes(payload.pull_bytes), chunk_bytes,
+                                            auth.server_credentials(RUN_TLS, CREDENTIALS))
   weights = jnp.asarray(np.random.default_rng(2).standard_normal(
       payload.pull_bytes // 4).astype(np.float32))
 
@@ -272,8 +276,11 @@ def _exchange_servers(name: str, chunk_bytes: int, shapes, conn) -> None:
   _wire, wire_port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4)
   _flight, flight_port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
                                                flight=True)
+  # The runtime's default: Flight under the run's own mutual TLS (dist.tls_mode='run').
+  _tls, tls_port = endpoints.make_server(methods, "127.0.0.1:0", CREDENTIALS, max_workers=4,
+                                         **endpoints.server_settings(RUN_TLS, CREDENTIALS))
   # Never returns: the servers live while it serves.
-  _serve_until_told(conn, (raw_port, wire_port, flight_port))
+  _serve_until_told(conn, (raw_port, wire_port, flight_port, tls_port, raw_tls_port))
 
 
 # -- the ratio part: clients ------------------------------------------------------------------
@@ -293,9 +300,16 @@ class Exchanges:
     self.metadata = CREDENTIALS.metadata + ((wire.HEADER_KEY, wire.encode_header(
         {**payload.header, "nnz": [-1], "body_bytes": payload.push_bytes})),)
     self.request_chunks = split(self.request, chunk_bytes)
+    raw_tls = grpc.secure_channel(
+        f"127.0.0.1:{ports[4]}", auth.channel_credentials(RUN_TLS, CREDENTIALS),
+        options=_UNLIMITED + [("grpc.ssl_target_name_override", auth.server_name(RUN_TLS))])
+    self.channels.append(raw_tls)
+    self._stream_tls = raw_tls.stream_stream(f"/{RAW_SERVICE}/Stream")
     self.client = endpoints.Client(f"127.0.0.1:{ports[1]}", CREDENTIALS, retry_seconds=30)
     # The same client code against a server with the Flight data plane (dist.data_plane).
     self.flight_client = endpoints.Client(f"127.0.0.1:{ports[2]}", CREDENTIALS, retry_seconds=30)
+    self.tls_client = endpoints.Client(f"127.0.0.1:{ports[3]}", CREDENTIALS, retry_seconds=30,
+                                       **endpoints.client_settings(RUN_TLS, CREDENTIALS))
 
   def raw_unary(self) -> None:
     reply = self._unary(self.request)
@@ -311,6 +325,11 @@ class Exchanges:
     size = sum(len(part) for part in self._stream(iter(self.request_chunks)))
     assert size == self.payload.pull_bytes
 
+  def raw_stream_tls(self) -> None:
+    """The raw stream under the run's mutual TLS: what TLS alone costs."""
+    size = sum(len(part) for part in self._stream_tls(iter(self.request_chunks)))
+    assert size == self.payload.pull_bytes
+
   def wire(self, client=None) -> None:
     p = self.payload
     body, nnz = p.layout.pack_push(0, p.grads, p.stats, sparse=False)
@@ -321,9 +340,13 @@ class Exchanges:
   def wire_flight(self) -> None:
     self.wire(self.flight_client)
 
+  def wire_flight_tls(self) -> None:
+    self.wire(self.tls_client)
+
   def close(self) -> None:
     self.client.close()
     self.flight_client.close()
+    self.tls_client.close()
     for channel in self.channels:
       channel.close()
 
@@ -355,7 +378,7 @@ def interleaved(variants: dict, rounds: int, reps: int, cpu) -> tuple[dict, dict
 def measure_exchanges(name: str, rounds: int, reps: int, chunk_bytes: int = wire.CHUNK_BYTES,
                       shapes=None,
                       variants=("raw unary", "raw unary + header", "raw stream", "wire",
-                                "wire flight")) -> dict:
+                                "wire flight", "raw stream tls", "flight run tls")) -> dict:
   """Median wall ms and mean CPU ms (client + server; server alone) per exchange of each variant.
 
   The server runs in a child process; ``chunk_bytes`` is set in both.
@@ -370,7 +393,8 @@ def measure_exchanges(name: str, rounds: int, reps: int, chunk_bytes: int = wire
       cpu = lambda: np.array([time.process_time(), child_cpu(conn)])
       try:
         fns = {"raw unary": ex.raw_unary, "raw unary + header": ex.raw_unary_header,
-               "raw stream": ex.raw_stream, "wire": ex.wire, "wire flight": ex.wire_flight}
+               "raw stream": ex.raw_stream, "wire": ex.wire, "wire flight": ex.wire_flight,
+               "raw stream tls": ex.raw_stream_tls, "flight run tls": ex.wire_flight_tls}
         times, used = interleaved({v: fns[v] for v in variants}, rounds, reps, cpu)
       finally:
         ex.close()
@@ -460,7 +484,8 @@ class BenchMesh(worker_lib.MeshWorker):
     self.stats_bytes = step_lib.tree_bytes(model_stats)
     self.layout, self.shards, self.seq, self.session = None, [], 0, ""
     self._calls = None
-    self.server = endpoints.Client(server_address, CREDENTIALS, retry_seconds=120)
+    self.server = endpoints.Client(server_address, CREDENTIALS, retry_seconds=120,
+                                   **endpoints.client_settings(config.dist, CREDENTIALS))
     self.job = self._accept(*self._join())
 
   def iterate(self) -> None:
@@ -566,24 +591,30 @@ def print_ratio(rows: list[dict]) -> None:
         " raw = the faster of raw unary and raw stream")
   print("*wire*: dist.data_plane='grpc'; *flight*: 'flight' (the default; bodies over "
         f"{wire.CHUNK_BYTES >> 20} MiB on Arrow Flight, smaller ones as *wire*)")
+  print("*flight tls*, *raw tls*: flight and the raw stream under the run's own mutual TLS "
+        "(dist.tls_mode='run', the default); the others are plain TCP (dist.tls_mode='none')")
   print("| model | push MB | pull MB | exchanges | raw unary ms | raw unary + header ms |"
-        " raw stream ms | wire ms | flight ms | raw MB/s | flight MB/s | wire / raw (wall) |"
-        " **flight / raw** (wall) | CPU ms raw unary / + header / stream / wire / flight |"
-        " flight / raw (CPU) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        " raw stream ms | wire ms | flight ms | raw tls ms | flight tls ms | raw MB/s |"
+        " flight MB/s | wire / raw (wall) | **flight / raw** (wall) |"
+        " **flight tls / raw tls** (wall) | flight tls / raw (wall) |"
+        " CPU ms raw unary / + header / stream / wire / flight / raw tls / flight tls |"
+        " flight / raw (CPU) | flight tls / raw tls (CPU) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     p, cpu = r["payload"], r["cpu"]
     moved = p.push_bytes + p.pull_bytes
     raw = min(r["raw unary"], r["raw stream"])
     raw_cpu = min(cpu["raw unary"], cpu["raw stream"])
-    flight = r["wire flight"]
+    flight, tls, raw_tls = r["wire flight"], r["flight run tls"], r["raw stream tls"]
     print(f"| {p.name} | {p.push_bytes / MB:.2f} | {p.pull_bytes / MB:.2f} | {r['n']} |"
           f" {r['raw unary']:.2f} | {r['raw unary + header']:.2f} | {r['raw stream']:.2f} |"
-          f" {r['wire']:.2f} | {flight:.2f} | {_mbps(moved, raw):,.0f} |"
-          f" {_mbps(moved, flight):,.0f} | {r['wire'] / raw:.2f} | **{flight / raw:.2f}** |"
+          f" {r['wire']:.2f} | {flight:.2f} | {raw_tls:.2f} | {tls:.2f} |"
+          f" {_mbps(moved, raw):,.0f} | {_mbps(moved, flight):,.0f} | {r['wire'] / raw:.2f} |"
+          f" **{flight / raw:.2f}** | **{tls / raw_tls:.2f}** | {tls / raw:.2f} |"
           f" {cpu['raw unary']:.2f} / {cpu['raw unary + header']:.2f} / {cpu['raw stream']:.2f}"
-          f" / {cpu['wire']:.2f} / {cpu['wire flight']:.2f} |"
-          f" {cpu['wire flight'] / raw_cpu:.2f} |", flush=True)
+          f" / {cpu['wire']:.2f} / {cpu['wire flight']:.2f} / {cpu['raw stream tls']:.2f}"
+          f" / {cpu['flight run tls']:.2f} | {cpu['wire flight'] / raw_cpu:.2f} |"
+          f" {cpu['flight run tls'] / cpu['raw stream tls']:.2f} |", flush=True)
 
 
 def print_local(rows: dict[str, dict]) -> None:

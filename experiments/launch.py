@@ -26,7 +26,12 @@ import json
 import os
 import sys
 
-from absl import app
+# gRPC logs each failed TLS handshake at INFO, so strangers knocking on a port would fill the run's
+# logs; read once, when gRPC loads (below), so set before. Errors are still logged; a value of
+# your own wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
@@ -34,6 +39,7 @@ from ml_collections import config_flags
 from gssp_jax import cli
 from gssp_jax import xla_env
 from gssp_jax.runtime import launch
+from gssp_jax.runtime import private_net
 from gssp_jax.runtime import ray_launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -54,6 +60,10 @@ _NUM_SERVERS = flags.DEFINE_integer("num_servers", None,
 _SHARD = flags.DEFINE_integer("shard", None, "shard: this process's shard, 1..S-1.")
 _SHARD_ADDRESS = flags.DEFINE_string("shard_address", None,
                                      "shard: the host:port it binds (default 127.0.0.1:0).")
+_PRIVATE = flags.DEFINE_bool(
+    "private_network", False, "local: run every process in a network namespace of its own "
+    "(Linux, unshare), so no other user of the host reaches any of the run's ports, the meshes' "
+    "jax coordinators and gloo included; addresses must then be loopback")
 _RAY_FLAGS = ray_launch.define_flags("process", "every process on this host")
 _LAUNCHER, _RAY_ADDRESS, _RAY_CPUS, _RAY_GPUS = _RAY_FLAGS
 flags.mark_flags_as_required(["config", "workdir"])
@@ -77,6 +87,25 @@ def _exit_now(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
+def _enter_private_network(topo) -> None:
+  """Starts this launcher again in a network namespace of its own (``runtime/private_net.py``),
+  or, once in it, brings its loopback up; raises UsageError where it cannot."""
+  if topo.role != "local" or _LAUNCHER.value != "local":
+    raise app.UsageError("--private_network is for the one-host launcher (no --role, "
+                         "--launcher=local): a cluster's processes reach each other over the "
+                         "network; keep it private with a firewall (docs/REAL_RUNS.md)")
+  try:
+    private_net.check_addresses({"--server_address": _SERVER.value,
+                                 "--coordinator_address": _COORD.value})
+    if not private_net.inside():
+      private_net.check_available()
+      private_net.reexec(["-m", "experiments.launch", *sys.argv[1:]])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  private_net.loopback_up()
+  logging.info("in a network namespace of its own: no process outside it reaches the run")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -90,6 +119,8 @@ def main(argv):
                                   processes_per_mesh=_PPM.value, num_servers=_NUM_SERVERS.value,
                                   shard=_SHARD.value, shard_address=_SHARD_ADDRESS.value)
   launch.check_topology(topo, config)
+  if _PRIVATE.value:
+    _enter_private_network(topo)
   if topo.role != "local":
     ray_launch.refuse_unused(_RAY_FLAGS, f"with --role={topo.role}")
   elif _LAUNCHER.value == "local":

@@ -191,8 +191,12 @@ def default_config() -> ml_collections.ConfigDict:
   # Where large bodies (pushes, pulls, joins of over 4 MiB) travel: 'flight' (Arrow Flight, no
   # copy into bytes; docs/PERFORMANCE.md) or 'grpc' (grpcio streams, the wire's size limits).
   c.dist.data_plane = "flight"
-  # TLS (optional; the run secret, GSSP_SECRET_FILE or GSSP_SECRET, is always required): PEM
-  # files of this process's certificate and key and of the CA that signed the run's certificates.
+  # TLS on every port (the run secret, GSSP_SECRET_FILE or GSSP_SECRET, is always required):
+  # 'run': mutual TLS with a key and certificate every process derives from the secret and the
+  # run id (no files; a listener without the secret gets nothing reusable, a caller without it
+  # gets no byte read); 'files': the PEM files below; 'none': plain TCP, the token only.
+  c.dist.tls_mode = "run"
+  # With tls_mode='files': this process's certificate and key and the CA of the run's certificates.
   c.dist.tls_cert = ""
   c.dist.tls_key = ""
   c.dist.tls_ca = ""

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -816,11 +817,14 @@ def test_a_stranger_flooding_every_port_of_a_gssp_run_with_refused_calls_does_no
   """A stranger process keeps 150 unauthenticated calls in flight on every port the server and
   the second shard listen on (gRPC and Flight), from the first evaluation to the end: the run
   ends done, every mesh trained on and none was lost (grpcio's call limit, which counted the
-  refusals, failed such a run with RESOURCE_EXHAUSTED)."""
+  refusals, failed such a run with RESOURCE_EXHAUSTED). Without TLS (``dist.tls_mode='none'``),
+  so that every call reaches the token check: the default's TLS turns them away before
+  (``test_a_stranger_sending_a_gib_to_every_port_of_a_gssp_run_...``)."""
   workdir = tmp_path / "real"
   procs = [_launch(workdir, data_dir, "--config.num_workers=4", "--config.sync.num_groups=2",
                    "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
-                   "--config.train.num_epochs=4", "--num_meshes=4", "--num_servers=2")]
+                   "--config.train.num_epochs=4", "--num_meshes=4", "--num_servers=2",
+                   "--config.dist.tls_mode=none")]
   stranger = None
   try:
     _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
@@ -850,6 +854,216 @@ def test_a_stranger_flooding_every_port_of_a_gssp_run_with_refused_calls_does_no
   assert summary["status"] == "done" and summary["meshes"]["lost"] == []
   assert summary["totals"]["pushes"] > before
   assert min(summary["totals"]["pushes_per_worker"]) > 0
+
+
+_GIB_STRANGER = r"""
+import signal, socket, ssl, sys, threading, time, grpc
+from pyarrow import flight
+addresses = sys.argv[1].split(",")
+GIB = 1 << 30
+BIG = b"x" * GIB
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *a: stop.set())
+def raw(address, tls):   # 1 GiB of bytes on a TCP connection, or inside a TLS one of no key
+  host, port = address.rsplit(":", 1)
+  total, chunk = 0, memoryview(BIG)[:1 << 20]
+  try:
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+      if tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        context.set_alpn_protocols(["h2"])
+        s = context.wrap_socket(s)
+      while total < GIB and not stop.is_set():
+        s.sendall(chunk)
+        total += len(chunk)
+  except (OSError, ssl.SSLError):
+    pass
+  return total
+def grpc_call(address):   # a 1 GiB unary request, as gRPC sends it
+  channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)])
+  try:
+    channel.unary_unary("/gssp.Run/Push")(BIG, timeout=20)
+    return "OK"
+  except grpc.RpcError as e:
+    return e.code().name
+  finally:
+    channel.close()
+def flight_action(address, tls):   # a 1 GiB DoAction, plain or TLS without a certificate
+  location = ("grpc+tls://" if tls else "grpc://") + address
+  kwargs = {"disable_server_verification": True} if tls else {}
+  try:
+    client = flight.FlightClient(location, **kwargs)
+    list(client.do_action(flight.Action("x", BIG), flight.FlightCallOptions(timeout=20)))
+    return "OK"
+  except Exception as e:
+    return type(e).__name__
+results = {}
+for a in addresses:
+  results[a] = (raw(a, False), raw(a, True), grpc_call(a), flight_action(a, False),
+                flight_action(a, True))
+print("GIB", results, flush=True)
+def knock(address):   # then handshakes that fail, as fast as they come, to the end
+  host, port = address.rsplit(":", 1)
+  while not stop.is_set():
+    try:
+      with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"\x16\x03\x01" + bytes(4093))
+        while s.recv(1 << 16):
+          pass
+    except OSError:
+      pass
+    time.sleep(0.002)
+for a in addresses:
+  for _ in range(4):
+    threading.Thread(target=knock, args=(a,), daemon=True).start()
+while not stop.wait(0.1):
+  pass
+print("DONE", flush=True)
+"""
+
+RSS_BOUND = 192 << 20   # bytes a process may grow while a stranger sends it 1 GiB per request
+
+
+class _PeakRss:
+  """The largest resident set of each of ``pids`` seen since :meth:`reset`, sampled every 50 ms."""
+
+  def __init__(self, pids):
+    import psutil  # pylint: disable=g-import-not-at-top
+    self._procs = {pid: psutil.Process(pid) for pid in pids}
+    self.peak = {pid: 0 for pid in pids}
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+
+  def _sample(self):
+    while not self._stop.wait(0.05):
+      for pid, proc in self._procs.items():
+        try:
+          self.peak[pid] = max(self.peak[pid], proc.memory_info().rss)
+        except Exception:  # pylint: disable=broad-except  (it ended)
+          pass
+
+  def reset(self) -> dict:
+    """The peaks so far, and a fresh start."""
+    peaks, self.peak = self.peak, {pid: 0 for pid in self.peak}
+    return peaks
+
+  def stop(self) -> dict:
+    self._stop.set()
+    self._thread.join(5)
+    return self.peak
+
+
+@pytest.mark.slow
+def test_a_stranger_sending_a_gib_to_every_port_of_a_gssp_run_grows_no_process_and_stops_nothing(
+    tmp_path, data_dir):
+  """The default, the run's own mutual TLS: a stranger sends 1 GiB to each port of the server
+  and the second shard (gRPC and Flight) as raw bytes, inside a TLS connection without a
+  certificate, as a gRPC request and as a Flight ``DoAction`` (plain and TLS), then keeps failing
+  handshakes coming to the end. No process grows by :data:`RSS_BOUND` over its own peak before
+  (a Flight ``DoAction`` used to be read whole before its token was checked: 1 GiB grew the
+  server by 1.1 GiB), no port takes in more than a socket's buffers, and the run ends done."""
+  workdir = tmp_path / "real"
+  procs = [_launch(workdir, data_dir, "--config.num_workers=4", "--config.sync.num_groups=2",
+                   "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
+                   "--config.train.num_epochs=4", "--config.train.eval_every=0.5",
+                   "--num_meshes=4", "--num_servers=2")]
+  stranger = rss = None
+  try:
+    _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
+    pids = _pids(workdir)
+    watched = [pids["server"], pids["shard1"]]
+    rss = _PeakRss(watched)
+    evaluations = len(_metrics(workdir))
+    _wait_for(lambda: len(_metrics(workdir)) > evaluations, 300, "another evaluation", procs)
+    before = rss.reset()
+    ports = [p for pid in watched for p in _listening(pid)]
+    assert len(ports) >= 4, (pids, ports)   # each: its gRPC port and its Flight port
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", _GIB_STRANGER, ",".join(f"127.0.0.1:{p}" for p in ports)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = procs[0].communicate(timeout=400)
+    assert procs[0].returncode == 0, out[-3000:]
+  finally:
+    during = rss.stop() if rss is not None else {}
+    if stranger is not None:
+      stranger.terminate()
+      try:
+        stranger_out, _ = stranger.communicate(timeout=60)
+      except subprocess.TimeoutExpired:
+        stranger.kill()
+        stranger_out = stranger.communicate()[0] + "\n(the stranger did not stop within 60 s)"
+    _kill_all(procs, workdir)
+  assert "GIB " in stranger_out and "DONE" in stranger_out, stranger_out[-2000:]
+  results = ast.literal_eval(stranger_out.split("GIB ", 1)[1].splitlines()[0])
+  for address, (raw, raw_tls, grpc_code, flight_plain, flight_tls) in results.items():
+    assert raw < 64 << 20 and raw_tls < 64 << 20, (address, raw, raw_tls)
+    assert grpc_code == "UNAVAILABLE", (address, grpc_code)
+    assert "OK" not in (flight_plain, flight_tls), (address, flight_plain, flight_tls)
+  print("peak RSS MiB before / during the stranger:", {pid: (before[pid] >> 20, during[pid] >> 20)
+                                                        for pid in before}, "; sent:", results)
+  for pid in before:
+    assert during[pid] - before[pid] < RSS_BOUND, (pid, before[pid] >> 20, during[pid] >> 20)
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["status"] == "done" and summary["meshes"]["lost"] == []
+  assert min(summary["totals"]["pushes_per_worker"]) > 0
+
+
+def _listening_in_namespace(pid: int) -> set[int]:
+  """The TCP ports listened on in ``pid``'s network namespace (``/proc/PID/net/tcp``, tcp6)."""
+  ports = set()
+  for name in ("tcp", "tcp6"):
+    with open(f"/proc/{pid}/net/{name}") as f:
+      for line in list(f)[1:]:
+        fields = line.split()
+        if fields[3] == "0A":   # LISTEN
+          ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+  return ports
+
+
+def _private_network_reason():
+  from gssp_jax.runtime import private_net  # pylint: disable=g-import-not-at-top
+  try:
+    private_net.check_available()
+  except (ValueError, OSError, subprocess.SubprocessError) as e:
+    return str(e)
+  return None
+
+
+@pytest.mark.slow
+def test_a_run_on_a_private_network_is_out_of_every_other_processs_reach(tmp_path, data_dir):
+  """``--private_network``: the launcher and every process it starts share a network namespace
+  of their own, so no port of the run (the server's, the shards', each mesh's jax coordinator
+  and gloo connections) answers from outside it, and the run ends done."""
+  reason = _private_network_reason()
+  if reason:
+    pytest.skip(reason)
+  workdir = tmp_path / "real"
+  procs = [_launch(workdir, data_dir, "--config.num_workers=2", "--config.sync.scheme=asp",
+                   "--config.cluster.profile=none", "--config.train.num_epochs=2.0",
+                   "--config.train.eval_every=1.0",   # too few evaluations to judge a collapse
+                   "--processes_per_mesh=2", "--num_servers=2", "--private_network")]
+  try:
+    _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
+    pids = _pids(workdir)
+    namespace = lambda pid: os.readlink(f"/proc/{pid}/ns/net")
+    theirs = {namespace(pid) for pid in [procs[0].pid, *pids.values()] if _running(pid)}
+    assert len(theirs) == 1 and namespace(os.getpid()) not in theirs, theirs
+    ports = _listening_in_namespace(pids["server"])   # every listener of the namespace
+    ours = _listening_in_namespace(os.getpid())
+    ports -= ours
+    # The server's and shard 1's gRPC and Flight ports, each mesh's coordinator.
+    assert len(ports) >= 6, (pids, ports)
+    for port in ports:
+      with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    out, _ = procs[0].communicate(timeout=400)
+    assert procs[0].returncode == 0, out[-3000:]
+  finally:
+    _kill_all(procs, workdir)
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["status"] == "done" and summary["meshes"]["lost"] == []
 
 
 @pytest.mark.slow

@@ -40,8 +40,11 @@ CREDENTIALS = dist_replay.CREDENTIALS
 
 
 def _server(tmp_path, data_dir, scheme="bsp", num_workers=2, num_servers=1, **changes):
+  """A control plane without TLS (``dist.tls_mode='none'``) unless ``changes`` say otherwise:
+  the token and the checks behind it are under test here, which the default, the run's own
+  mutual TLS, keeps strangers from reaching (``test_dist_tls.py``)."""
   config = helpers.mnist_smoke(data_dir, num_workers=num_workers, executor="dist",
-                               **{"sync.scheme": scheme, **changes})
+                               **{"sync.scheme": scheme, "dist.tls_mode": "none", **changes})
   config_lib.validate_config(config)
   srv = server_lib.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path),
                               num_servers=num_servers, credentials=CREDENTIALS)
@@ -796,17 +799,17 @@ def test_tls_and_mutual_tls(tmp_path):
       {"peer": peer, "n": wire.body_bytes(body)}, None), lambda header: 40 << 20)
   big = np.ones([wire.CHUNK_BYTES + 1], np.uint8)   # over Flight (dist.data_plane='flight')
   for client_auth in (False, True):
-    server_dist = {"tls_cert": path("server.pem"), "tls_key": path("server.key"),
+    server_dist = {"tls_mode": "files", "tls_cert": path("server.pem"), "tls_key": path("server.key"),
                    "tls_ca": path("ca.pem"), "tls_client_auth": client_auth,
                    "data_plane": "flight"}
     grpc_server, port = endpoints.make_server([method], "127.0.0.1:0", CREDENTIALS, max_workers=2,
-                                              **endpoints.server_settings(server_dist))
+                                              **endpoints.server_settings(server_dist, CREDENTIALS))
     address = f"127.0.0.1:{port}"
     try:
-      client_dist = {"tls_cert": path("client.pem"), "tls_key": path("client.key"),
+      client_dist = {"tls_mode": "files", "tls_cert": path("client.pem"), "tls_key": path("client.key"),
                      "tls_ca": path("ca.pem"), "tls_client_auth": client_auth}
       client = endpoints.Client(address, CREDENTIALS, retry_seconds=5,
-                                **endpoints.client_settings(client_dist))
+                                **endpoints.client_settings(client_dist, CREDENTIALS))
       assert "peer" in client.call("Echo", {})[0]
       assert client.call("Echo", {}, big)[0]["n"] == big.size
       assert client._flight   # pylint: disable=protected-access  (it went over Flight, with TLS)
@@ -822,15 +825,15 @@ def test_tls_and_mutual_tls(tmp_path):
         link.call("Echo", {"body_bytes": 0}, None, 0, 5.0, False)
       link.close()
       if client_auth:   # mTLS: a client without a certificate is turned away
-        bare_dist = {"tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
+        bare_dist = {"tls_mode": "files", "tls_cert": path("client.pem"), "tls_key": "", "tls_ca": path("ca.pem"),
                      "tls_client_auth": False}
         bare = endpoints.Client(address, CREDENTIALS, retry_seconds=1,
-                                **endpoints.client_settings(bare_dist))
+                                **endpoints.client_settings(bare_dist, CREDENTIALS))
         with pytest.raises((wire.ServerGone, wire.CallError)):
           bare.call("Echo", {}, timeout=5)
         bare.close()
         link = flight.Link("127.0.0.1", grpc_server.flight.port, CREDENTIALS.token,
-                           auth.flight_client_tls(bare_dist))
+                           auth.flight_client_tls(bare_dist, CREDENTIALS))
         with pytest.raises(wire.StatusError):
           link.call("Echo", {"body_bytes": 0}, None, 0, 5.0, False)
         link.close()
@@ -839,8 +842,11 @@ def test_tls_and_mutual_tls(tmp_path):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"dist.tls_cert": "x.pem"}, r"dist.tls_key='' is invalid.*together"),
-    ({"dist.tls_client_auth": True}, r"dist.tls_client_auth=True is invalid"),
+    ({"dist.tls_mode": "files", "dist.tls_cert": "x.pem"},
+     r"dist.tls_key='' is invalid.*together"),
+    ({"dist.tls_cert": "x.pem"}, r"dist.tls_cert='x.pem' is invalid.*dist.tls_mode='run'"),
+    ({"dist.tls_client_auth": True}, r"dist.tls_client_auth=True is invalid.*only with"),
+    ({"dist.tls_mode": "mtls"}, r"dist.tls_mode='mtls' is invalid; allowed: 'run' or 'files'"),
     ({"dist.all_lost_timeout": 0.0}, r"dist.all_lost_timeout=0.0 is invalid"),
     ({"dist.num_servers": 0}, r"dist.num_servers=0 is invalid"),
     ({"dist.data_plane": "tcp"}, r"dist.data_plane='tcp' is invalid; allowed: 'flight' or 'grpc'"),

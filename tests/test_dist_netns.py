@@ -2,9 +2,10 @@
 
 Host A runs the server (shard 0), host B shard 1, hosts C and D one mesh each; every
 process binds or dials its host's own 10.x.y.z address, so every call of the run crosses
-the namespaces' bridge as it would cross a cluster's network. While the run goes on,
-outsiders inside host D's namespace call the server without the run's token and with
-another secret's token: both are refused with UNAUTHENTICATED. The run then finishes.
+the namespaces' bridge as it would cross a cluster's network, under the run's own mutual TLS
+(``dist.tls_mode='run'``, the default). While the run goes on, outsiders inside host D's
+namespace call the server with plain gRPC and with the runtime's own client holding another
+secret (its TLS and token): neither gets a connection. The run then finishes.
 Bounded in time (``BUDGET``); every process is collected and every namespace deleted.
 """
 
@@ -27,8 +28,8 @@ FLAGS = ["--config=configs/mnist_lenet5.py:smoke", "--config.num_workers=2",
 PUSHES = 2 * 512 // 32    # epochs x train_size / batch_size: every mesh's pushes together
 NOT_IN_THE_RUN = {auth.SECRET_ENV: "", auth.SECRET_FILE_ENV: ""}   # an outsider's environment
 
-# A raw gRPC call without the token: a well-formed header (a handler would answer it),
-# no gssp-token metadata. Prints the status code's name.
+# A raw gRPC call without TLS or the token: a well-formed header (a handler would answer it).
+# Prints the status code's name.
 NO_TOKEN = """
 import sys, grpc
 from gssp_jax.runtime import endpoints
@@ -37,24 +38,27 @@ header = wire.encode_header({"mesh": 0, "instance": "outsider", "session": "outs
 channel = grpc.insecure_channel(sys.argv[1])
 try:
   channel.unary_unary("/gssp.Run/Heartbeat")(b"", metadata=((wire.HEADER_KEY, header),),
-                                             timeout=30, wait_for_ready=True)
+                                             timeout=30)
   print("OK")
 except grpc.RpcError as e:
   print(e.code().name)
 """
 
-# The run's own client, with the token of another random secret. Prints "METHOD CODE" lines.
+# The run's own client with another random secret (its TLS and its token). Prints "METHOD
+# CODE" lines, "METHOD GONE" where it got no connection.
 WRONG_SECRET = """
 import sys
 from gssp_jax.runtime import auth, endpoints, wire
-client = endpoints.Client(sys.argv[1],
-                          auth.Credentials(bytes.fromhex(auth.new_secret()), "outsider"),
-                          retry_seconds=30)
+credentials = auth.Credentials(bytes.fromhex(auth.new_secret()), "outsider")
+client = endpoints.Client(sys.argv[1], credentials, retry_seconds=1,
+                          **endpoints.client_settings({"tls_mode": "run"}, credentials))
 for method in ("Heartbeat", "Join"):
   try:
     client.call(method, {"mesh": 0, "instance": "outsider", "session": "outsider",
                          "config": "outsider"}, timeout=30)
     print(method, "OK")
+  except wire.ServerGone:
+    print(method, "GONE")
   except wire.CallError as e:
     print(method, e.code.name)
 """
@@ -107,13 +111,13 @@ def test_multi_host_for_real_on_one_machine(tmp_path, data_dir):
       time.sleep(0.2)
     assert json.loads(address_file.read_text())["address"] == server
 
-    # (a) No token, (b) another secret's token: refused before any handler runs.
+    # (a) No TLS or token, (b) another secret's TLS and token: no connection, no handler runs.
     no_token = d.run([sys.executable, "-c", NO_TOKEN, server], cwd=REPO, env=NOT_IN_THE_RUN,
                      timeout=min(90, left()))
-    assert no_token.stdout.split() == ["UNAUTHENTICATED"], no_token.stdout + no_token.stderr
+    assert no_token.stdout.split() == ["UNAVAILABLE"], no_token.stdout + no_token.stderr
     wrong = d.run([sys.executable, "-c", WRONG_SECRET, server], cwd=REPO, env=NOT_IN_THE_RUN,
                   timeout=min(90, left()))
-    assert wrong.stdout.splitlines() == ["Heartbeat UNAUTHENTICATED", "Join UNAUTHENTICATED"], (
+    assert wrong.stdout.splitlines() == ["Heartbeat GONE", "Join GONE"], (
         wrong.stdout + wrong.stderr)
     assert procs["server"].poll() is None, "the run ended before the outsiders called"
 
@@ -142,6 +146,6 @@ def test_multi_host_for_real_on_one_machine(tmp_path, data_dir):
   assert "status done" in server_log
   for host, mesh in ((c, 0), (d, 1)):   # each mesh called from its own host's address
     assert f"mesh {mesh} joined from ipv4:{host.address}:" in server_log, server_log[-3000:]
-  for method in ("Heartbeat", "Join"):
-    assert f"refused a call to /gssp.Run/{method} without the run's token" in server_log
+  # The outsiders never reached the token check: TLS turned them away before any call.
+  assert "refused a call to" not in server_log
   assert env[auth.SECRET_ENV] not in server_log + (workdir / "summary.json").read_text()

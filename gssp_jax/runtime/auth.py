@@ -1,4 +1,5 @@
-"""Who may call a real run's servers: a per-run secret on every call, optional TLS, receipts.
+"""Who may call a real run's servers: mutual TLS keyed by a per-run secret, a token on every call,
+receipts.
 
 Every process of a run holds the same **run secret**: 256 random bits, written
 as 64 hexadecimal characters, handed over by the environment
@@ -10,25 +11,30 @@ a cluster the user makes one file and points every host at it::
   export GSSP_SECRET_FILE=~/.gssp_secret
 
 The secret itself never travels and is never logged, nor written to
-``summary.json`` or ``config.json``. Calls carry a token derived from it with
-HMAC-SHA256 over the **run id** (``GSSP_RUN_ID``, the same on every process of
-a run, a new one per run; not secret; the one-host launcher makes one), so a
-token seen in one run opens no other (``Credentials.token``), checked by a server interceptor
-(:class:`TokenInterceptor`) in constant time before any handler runs. Without
-TLS the token crosses the network in clear text, so anyone who can read the
-cluster's traffic can replay it: on a network you do not trust, add TLS
-(``dist.tls_*``), which encrypts and, with ``dist.tls_client_auth``, checks a
-certificate of every client too.
+``summary.json`` or ``config.json``. From it and the **run id**
+(``GSSP_RUN_ID``, the same on every process of a run, a new one per run; not
+secret; the one-host launcher makes one) every process derives:
 
-A shard acknowledges the gradient slice it staged with a **receipt**, an HMAC
-of (shard, mesh, push number, session, size, the slice's SHA-256) under another
-key derived from the secret; the control plane applies a push only when the
-mesh hands it a valid receipt from every other shard for the digests the mesh
-computed of its own slices, and tells each shard which digest to apply, so no
-shard is ever asked to apply a gradient it did not receive and check, nor one
-that another caller staged under the mesh's number. Everything here is the standard
-library's ``hmac``/``secrets`` and gRPC's own credentials: no cryptography is
-written by hand.
+* the run's **TLS** key and certificate (:func:`run_tls_pem`; ``dist.tls_mode='run'``, the
+  default), which each process presents and the only one it trusts, on gRPC and on Flight.
+  Only holders of the secret complete a handshake: a caller without it gets no byte of a call
+  read, and a listener in a server's place (a squatter) gets the client's TLS hello and
+  nothing more, since the client checks the server's certificate before it sends its own,
+  its token or a call. ``dist.tls_mode='files'`` uses the user's PEM files instead (mutual
+  with ``dist.tls_client_auth``), ``'none'`` plain TCP;
+* the call **token** (``Credentials.token``), checked by a server interceptor
+  (:class:`TokenInterceptor`) in constant time before any handler runs, so a token seen in
+  one run opens no other;
+* the **receipt** key: a shard acknowledges the gradient slice it staged with an HMAC of
+  (shard, mesh, push number, session, size, the slice's SHA-256); the control plane applies a
+  push only when the mesh hands it a valid receipt from every other shard for the digests the
+  mesh computed of its own slices, and tells each shard which digest to apply, so no shard is
+  ever asked to apply a gradient it did not receive and check, nor one that another caller
+  staged under the mesh's number.
+
+Everything here is the standard library's ``hmac``/``secrets``, gRPC's own
+credentials and the ``cryptography`` package's keys and certificates: no
+cryptography is written by hand.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import secrets
 import stat
 import threading
 import time
+from typing import Any
 
 from absl import logging
 import grpc
@@ -203,6 +210,14 @@ class Credentials:
                                     hashlib.sha256).digest()
     self.token = derive(b"gssp call token v2").hex()
     self._receipt_key = derive(b"gssp shard receipt v2")
+    self._run_tls = lambda: run_tls_pem(secret, run_id)
+    self._run_tls_pems = None
+
+  def run_tls(self) -> tuple[bytes, bytes]:
+    """The run's TLS key and certificate, PEM (:func:`run_tls_pem`), made once."""
+    if self._run_tls_pems is None:
+      self._run_tls_pems = self._run_tls()
+    return self._run_tls_pems
 
   @property
   def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -272,7 +287,63 @@ class TokenInterceptor(grpc.ServerInterceptor):
     return self._deny
 
 
-# -- TLS (optional) ---------------------------------------------------------------------------
+# -- TLS: the run's own (default), the user's PEM files, or none -------------------------------
+
+RUN_TLS_NAME = "gssp-run"     # the name in the run's certificate; clients check it
+TLS_MODES = ("run", "files", "none")
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+def run_tls_pem(secret: bytes, run_id: str) -> tuple[bytes, bytes]:
+  """The run's TLS key and certificate (PEM), derived from the secret and the run id.
+
+  Every process of the run derives the same P-256 key (from an HMAC of the
+  secret) and the same self-signed certificate, byte for byte (fixed fields, a
+  deterministic ECDSA signature, RFC 6979), which is both the identity each
+  process presents and the one root each trusts. Whoever completes a handshake
+  with it holds the run's secret and run id: a server proves it before a
+  client sends anything but its TLS hello, and a client proves it before a
+  server reads a byte of its calls. The key and the certificate are made with
+  the ``cryptography`` package; nothing here is written by hand but the fields.
+  """
+  from cryptography import x509  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives import hashes  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives import serialization  # pylint: disable=g-import-not-at-top
+  from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=g-import-not-at-top
+  from cryptography.x509 import oid  # pylint: disable=g-import-not-at-top
+  derive = lambda label: hmac.new(secret, label + b"|" + run_id.encode(), hashlib.sha512).digest()
+  scalar = int.from_bytes(derive(b"gssp run tls key v1"), "big") % (_P256_ORDER - 1) + 1
+  key = ec.derive_private_key(scalar, ec.SECP256R1())
+  name = x509.Name([x509.NameAttribute(oid.NameOID.COMMON_NAME, f"gssp run {run_id}")])
+  usage = x509.ExtendedKeyUsage([oid.ExtendedKeyUsageOID.SERVER_AUTH,
+                                 oid.ExtendedKeyUsageOID.CLIENT_AUTH])
+  certificate = (
+      x509.CertificateBuilder().subject_name(name).issuer_name(name)
+      .public_key(key.public_key())
+      .serial_number(int.from_bytes(derive(b"gssp run tls serial v1")[:16], "big") >> 1)
+      .not_valid_before(_utc(2020)).not_valid_after(_utc(2120))
+      .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+      .add_extension(x509.SubjectAlternativeName([x509.DNSName(RUN_TLS_NAME)]), critical=False)
+      .add_extension(usage, critical=False)
+      .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+      .sign(key, hashes.SHA256(), ecdsa_deterministic=True))
+  key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption())
+  return key_pem, certificate.public_bytes(serialization.Encoding.PEM)
+
+
+def _utc(year: int):
+  import datetime  # pylint: disable=g-import-not-at-top
+  return datetime.datetime(year, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def tls_mode(dist) -> str:
+  """``dist.tls_mode`` (``'run'`` where a mapping lacks it, as the defaults have it)."""
+  mode = dist.get("tls_mode", "run")
+  if mode not in TLS_MODES:
+    raise ValueError(f"config.dist.tls_mode={mode!r} is invalid; allowed: "
+                     + ", ".join(map(repr, TLS_MODES)))
+  return mode
 
 
 def _read(path: str, what: str) -> bytes:
@@ -283,58 +354,70 @@ def _read(path: str, what: str) -> bytes:
     raise ValueError(f"{what}={path!r} cannot be read ({e.strerror}); allowed: a PEM file") from None
 
 
-def tls_enabled(dist) -> bool:
-  return bool(dist.get("tls_cert", ""))
+def _pems(dist, credentials: Credentials) -> dict[str, Any] | None:
+  """The PEM bytes of this process's TLS (``key``, ``cert``, ``ca`` and ``client_auth``); None
+  with ``tls_mode='none'``."""
+  mode = tls_mode(dist)
+  if mode == "none":
+    return None
+  if mode == "run":
+    key, cert = credentials.run_tls()
+    return {"key": key, "cert": cert, "ca": cert, "client_auth": True}
+  return {"key": _read(dist["tls_key"], "config.dist.tls_key") if dist["tls_key"] else b"",
+          "cert": _read(dist["tls_cert"], "config.dist.tls_cert"),
+          "ca": _read(dist["tls_ca"], "config.dist.tls_ca"),
+          "client_auth": bool(dist.get("tls_client_auth", False))}
 
 
-def server_credentials(dist) -> grpc.ServerCredentials | None:
-  """TLS for a server from ``dist.tls_cert``/``tls_key`` (None: plain TCP); mTLS with
-  ``dist.tls_client_auth``, clients' certificates checked against ``dist.tls_ca``.
+def server_name(dist) -> str:
+  """The name a client checks in servers' certificates ('' : the address's host)."""
+  return RUN_TLS_NAME if tls_mode(dist) == "run" else dist.get("tls_server_name", "")
 
-  ``dist``: ``config.dist`` (or any mapping with those keys).
+
+def server_credentials(dist, credentials: Credentials) -> grpc.ServerCredentials | None:
+  """A server's TLS (None: plain TCP): the run's own, mutual (``tls_mode='run'``), or the
+  user's files (``'files'``), mutual with ``dist.tls_client_auth``.
+
+  ``dist``: ``config.dist`` (or any mapping with its keys).
   """
-  if not tls_enabled(dist):
+  pems = _pems(dist, credentials)
+  if pems is None:
     return None
-  key = _read(dist["tls_key"], "config.dist.tls_key")
-  cert = _read(dist["tls_cert"], "config.dist.tls_cert")
-  client_auth = bool(dist.get("tls_client_auth", False))
-  ca = _read(dist["tls_ca"], "config.dist.tls_ca") if client_auth else None
-  return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                     require_client_auth=client_auth)
+  return grpc.ssl_server_credentials(
+      [(pems["key"], pems["cert"])], root_certificates=pems["ca"] if pems["client_auth"] else None,
+      require_client_auth=pems["client_auth"])
 
 
-def channel_credentials(dist) -> grpc.ChannelCredentials | None:
-  """TLS for a client: trusts ``dist.tls_ca``; presents ``tls_cert``/``tls_key`` for mTLS."""
-  if not tls_enabled(dist):
+def channel_credentials(dist, credentials: Credentials) -> grpc.ChannelCredentials | None:
+  """A client's TLS: trusts the CA (the run's certificate with ``'run'``), presents this
+  process's certificate where servers require one."""
+  pems = _pems(dist, credentials)
+  if pems is None:
     return None
-  ca = _read(dist["tls_ca"], "config.dist.tls_ca")
-  if dist.get("tls_client_auth", False):
-    return grpc.ssl_channel_credentials(ca, _read(dist["tls_key"], "config.dist.tls_key"),
-                                        _read(dist["tls_cert"], "config.dist.tls_cert"))
-  return grpc.ssl_channel_credentials(ca)
+  if pems["client_auth"]:
+    return grpc.ssl_channel_credentials(pems["ca"], pems["key"] or None, pems["cert"])
+  return grpc.ssl_channel_credentials(pems["ca"])
 
 
-def flight_server_tls(dist) -> dict | None:
-  """TLS for the Flight data plane's server (``pyarrow.flight.FlightServerBase`` arguments)
-  from the same files as :func:`server_credentials`; None: plain TCP."""
-  if not tls_enabled(dist):
+def flight_server_tls(dist, credentials: Credentials) -> dict | None:
+  """TLS for the Flight data plane's server (``pyarrow.flight.FlightServerBase`` arguments),
+  as :func:`server_credentials`; None: plain TCP."""
+  pems = _pems(dist, credentials)
+  if pems is None:
     return None
   from pyarrow import flight  # pylint: disable=g-import-not-at-top
-  pair = flight.CertKeyPair(_read(dist["tls_cert"], "config.dist.tls_cert"),
-                            _read(dist["tls_key"], "config.dist.tls_key"))
-  client_auth = bool(dist.get("tls_client_auth", False))
-  return {"tls_certificates": [pair], "verify_client": client_auth,
-          "root_certificates": _read(dist["tls_ca"], "config.dist.tls_ca") if client_auth
-                               else None}
+  return {"tls_certificates": [flight.CertKeyPair(pems["cert"], pems["key"])],
+          "verify_client": pems["client_auth"],
+          "root_certificates": pems["ca"] if pems["client_auth"] else None}
 
 
-def flight_client_tls(dist) -> dict | None:
+def flight_client_tls(dist, credentials: Credentials) -> dict | None:
   """TLS for a Flight client (``pyarrow.flight.FlightClient`` arguments), as
   :func:`channel_credentials`; None: plain TCP."""
-  if not tls_enabled(dist):
+  pems = _pems(dist, credentials)
+  if pems is None:
     return None
-  tls = {"tls_root_certs": _read(dist["tls_ca"], "config.dist.tls_ca")}
-  if dist.get("tls_client_auth", False):
-    tls.update(cert_chain=_read(dist["tls_cert"], "config.dist.tls_cert"),
-               private_key=_read(dist["tls_key"], "config.dist.tls_key"))
+  tls = {"tls_root_certs": pems["ca"]}
+  if pems["client_auth"]:
+    tls.update(cert_chain=pems["cert"], private_key=pems["key"])
   return tls

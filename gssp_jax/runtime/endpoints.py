@@ -253,9 +253,10 @@ class Client:
           raise wire.CallError(name, code, e.details() or "") from None
         self._forget_flight()
         if not retry or not self._await_server(deadline, delay):
-          raise wire.ServerGone(f"the server at {self.address} stayed unreachable for "
-                           f"{self.retry_seconds:.0f} s (dist.retry_seconds); is it running?"
-                           ) from None
+          raise wire.ServerGone(
+              f"the server at {self.address} stayed unreachable for {self.retry_seconds:.0f} s "
+              "(dist.retry_seconds); is it running, and with this run's secret, GSSP_RUN_ID and "
+              "dist.tls_mode? (a TLS handshake that fails reads as unreachable)") from None
         delay = min(2 * delay, 0.25)
     self.bytes_sent += size
     self.bytes_received += wire.body_bytes(reply)
@@ -314,14 +315,16 @@ def _busy(code, details) -> bool:
   return code == grpc.StatusCode.RESOURCE_EXHAUSTED and details == CALL_LIMIT_DETAILS
 
 
-def server_settings(dist) -> dict[str, Any]:
-  """:func:`make_server`'s TLS and data-plane arguments from ``config.dist``."""
+def server_settings(dist, credentials: auth.Credentials) -> dict[str, Any]:
+  """:func:`make_server`'s TLS and data-plane arguments from ``config.dist`` (``dist.tls_mode``:
+  the run's own mutual TLS, the user's files, or none)."""
   flight = dist.get("data_plane", "grpc") == "flight"
-  return {"tls": auth.server_credentials(dist), "flight": flight,
-          "flight_tls": auth.flight_server_tls(dist) if flight else None}
+  return {"tls": auth.server_credentials(dist, credentials), "flight": flight,
+          "flight_tls": auth.flight_server_tls(dist, credentials) if flight else None}
 
 
-def client_settings(dist) -> dict[str, Any]:
+def client_settings(dist, credentials: auth.Credentials) -> dict[str, Any]:
   """:class:`Client`'s TLS arguments (gRPC's and Flight's) from ``config.dist``."""
-  return {"tls": auth.channel_credentials(dist), "server_name": dist.get("tls_server_name", ""),
-          "flight_tls": auth.flight_client_tls(dist)}
+  return {"tls": auth.channel_credentials(dist, credentials),
+          "server_name": auth.server_name(dist),
+          "flight_tls": auth.flight_client_tls(dist, credentials)}

@@ -464,7 +464,8 @@ class DistServer:
                wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
     self._grpc, port = endpoints.make_server(methods, address, self.credentials,
                                              max_workers=2 * self.W + 2 * self.S + 8,
-                                             **endpoints.server_settings(self.config.dist))
+                                             **endpoints.server_settings(self.config.dist,
+                                                                      self.credentials))
     host, _ = wire.check_address("--server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),

@@ -10,6 +10,7 @@ import ml_collections
 
 from gssp_jax import checks
 from gssp_jax import defaults
+from gssp_jax.runtime import auth
 from gssp_jax.runtime import flight
 from gssp_jax.runtime import wire
 from gssp_jax.sync import registry
@@ -50,14 +51,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_tls(dist: ml_collections.ConfigDict) -> None:
-  tls = {k: dist[k] for k in ("tls_cert", "tls_key", "tls_ca")}
-  if any(tls.values()) and not all(tls.values()):
+  mode = dist.get("tls_mode", "run")
+  if mode not in auth.TLS_MODES:
+    checks.fail("dist.tls_mode", mode, " or ".join(map(repr, auth.TLS_MODES)))
+  files = ("tls_cert", "tls_key", "tls_ca", "tls_client_auth", "tls_server_name")
+  if mode != "files":
+    for key in files:
+      if dist[key]:
+        checks.fail(f"dist.{key}", dist[key], f"its default, with dist.tls_mode={mode!r} (it is "
+                    "read only with dist.tls_mode='files')")
+    return
+  tls = {k: dist[k] for k in files[:3]}
+  if not all(tls.values()):
     missing = [k for k, v in tls.items() if not v]
-    checks.fail(f"dist.{missing[0]}", "", "a PEM file: TLS needs dist.tls_cert, dist.tls_key and "
-                "dist.tls_ca together")
-  if dist.tls_client_auth and not dist.tls_cert:
-    checks.fail("dist.tls_client_auth", True,
-                "False, or True with dist.tls_cert/tls_key/tls_ca set")
+    checks.fail(f"dist.{missing[0]}", "", "a PEM file: dist.tls_mode='files' needs dist.tls_cert,"
+                " dist.tls_key and dist.tls_ca together")
 
 
 def check_real_run(config: ml_collections.ConfigDict) -> None:

@@ -179,9 +179,9 @@ class ShardLinks:
                            f"shard {s} is already registered (at {old.address}); each --shard "
                            "runs once")
       dist = self.config.dist
-      client = endpoints.Client(address, self._credentials(),
-                                retry_seconds=float(dist.retry_seconds),
-                                **endpoints.client_settings(dist))
+      credentials = self._credentials()
+      client = endpoints.Client(address, credentials, retry_seconds=float(dist.retry_seconds),
+                                **endpoints.client_settings(dist, credentials))
       self.links[s] = RemoteShard(s, address, client, self.session, self.layout)
       logging.info("shard %d registered at %s", s, address)
     if old is not None:   # outside the lock: closing may call the old shard (Stop), up to 5 s

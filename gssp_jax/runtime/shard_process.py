@@ -58,11 +58,11 @@ def start(config, workdir: str, index: int, num_servers: int, server_address: st
   """
   grpc_server = endpoints.bind_server(bind_address, credentials,
                                       max_workers=2 * config.num_workers + 8,
-                                      **endpoints.server_settings(config.dist))
+                                      **endpoints.server_settings(config.dist, credentials))
   address = _advertised(bind_address, grpc_server.port)
   client = endpoints.Client(server_address, credentials,
                             retry_seconds=float(config.dist.join_timeout),
-                            **endpoints.client_settings(config.dist))
+                            **endpoints.client_settings(config.dist, credentials))
   try:
     header, _ = client.call("Register", {"shard": index, "address": address,
                                          "num_servers": num_servers,

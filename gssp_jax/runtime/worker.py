@@ -84,7 +84,7 @@ make_mesh_local_step = mesh_compute.make_mesh_local_step
 
 def _clients(addresses, credentials, config) -> list[endpoints.Client]:
   return [endpoints.Client(a, credentials, retry_seconds=float(config.dist.retry_seconds),
-                           **endpoints.client_settings(config.dist))
+                           **endpoints.client_settings(config.dist, credentials))
           for a in addresses]
 
 
