@@ -205,6 +205,9 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
     pool.shutdown(wait=False)
   family, _, _, _, sockaddr = infos[0]
   with socket.socket(family, socket.SOCK_STREAM) as s:
+    # As gRPC binds its servers: a port whose last server died moments ago (its connections in
+    # TIME_WAIT) is free to a new one (a restarted server), a port another socket listens on not.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if wire.port_reserved_for_us(address):   # beside the launcher's reservation, as grpc will
       s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
