@@ -366,8 +366,10 @@ def final_line(summary: dict[str, Any], workdir: str) -> str:
     took.append(f"wall {seconds(totals['wall_time'])}")
   took_text = "".join(f", {t}" for t in took)
   if metric in final:
-    return (f"final {metric}: {final[metric]:.4f} after {final['epoch']:.2f} epochs{took_text}"
-            f" ({status}); workdir {workdir}")
+    held_out = defaults.validation_metric(metric)   # data.validation_size's, where scored
+    beside = f" ({held_out} {final[held_out]:.4f})" if held_out in final else ""
+    return (f"final {metric}: {final[metric]:.4f}{beside} after {final['epoch']:.2f} epochs"
+            f"{took_text} ({status}); workdir {workdir}")
   return f"no evaluation{took_text} ({status}); workdir {workdir}"
 
 

@@ -46,6 +46,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.train_size = 0  # use only the first N training examples (0 = all)
   c.data.test_size = 0   # evaluate on the first N test examples (0 = all)
+  # Hold N examples out of the training set (one fixed draw, the same for every run) and score
+  # them at each evaluation beside the test set (val_accuracy, val_loss; Multi30k: its own
+  # validation split, val_bleu): what tuning chooses rates on. 0 = none.
+  c.data.validation_size = 0
   c.data.augment = False  # random crop (4-pixel padding) + horizontal flip, in JAX
   c.data.max_len = 0     # translation: truncate sentences to this many tokens (0 = no limit)
   c.data.eval_batch_size = 500
@@ -203,6 +207,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.dist.tls_client_auth = False  # mutual TLS: servers also require a client certificate (tls_ca)
   c.dist.tls_server_name = ""     # the name the servers' certificates carry, if not their host
   return c
+
+
+def validation_metric(metric: str) -> str:
+  """The held-out set's name for an evaluation ``metric`` (``data.validation_size``):
+  ``val_accuracy`` for ``test_accuracy``, ``val_bleu`` for ``bleu``."""
+  return "val_" + metric.removeprefix("test_")
 
 
 def comparable(value):

@@ -29,6 +29,7 @@ import os
 import statistics
 from typing import Any
 
+from gssp_jax import defaults
 from gssp_jax import report_figures
 from gssp_jax.report_labels import column_order as _column_order
 from gssp_jax.report_labels import context as _context
@@ -166,6 +167,16 @@ def _times_to_target(trial: dict, metric: str, target: float | None) -> tuple:
           time_to(trial["metrics"], metric, target, interpolate=False))
 
 
+def _held_out_time(trial: dict, held_out: str, target: float | None) -> float | None:
+  """Virtual time for the validation set (``data.validation_size``) to reach ``target``: None
+  for an unhealthy run, a run that scored none, or one without virtual time."""
+  metrics = trial["metrics"]
+  if (trial["summary"]["status"] in UNHEALTHY or not target
+      or not any(held_out in m and m.get("virtual_time") is not None for m in metrics)):
+    return None
+  return time_to(metrics, held_out, target)
+
+
 def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
   """One row per trial that wrote a summary: swept values and the recorded figures.
 
@@ -197,12 +208,15 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
     metric = s.get("metric", "test_accuracy")
     row_target = target if target is not None else s.get("target")
     ttt, ttt_first = _times_to_target(trial, metric, row_target)
+    held_out = defaults.validation_metric(metric)
     rows.append({
         "trial": trial["name"], **{k: v for k, v in trial["overrides"].items()},
         "scheme": s["config"]["sync"]["scheme"], "seed": s["config"]["seed"],
         "status": s["status"], "collapse_reason": s.get("collapse_reason"),
         "metric": metric, "final": final.get(metric), "target": row_target,
         "time_to_target": ttt, "time_to_target_first_eval": ttt_first,
+        "val_final": final.get(held_out),
+        "val_time_to_target": _held_out_time(trial, held_out, row_target),
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
         "blocked_time": final.get("blocked_time"),
@@ -296,17 +310,28 @@ TUNING_CRITERION = ("the fewest collapsed or diverged seeds (a value that breaks
                     "then the lowest mean over seeds of the (interpolated) virtual time to "
                     "target; ties, including never reached at every value, broken by the "
                     "higher median final metric (an unhealthy seed's counting as the worst); "
-                    "then the smaller value")
+                    "then the smaller value. Target and metric are the validation set's "
+                    "(data.validation_size, held out of the training set) wherever every trial "
+                    "of the configuration scored one; else, in records without one, the test "
+                    "set's, as the table says")
 
 
-def _tuning_score(members: list[dict]) -> tuple[int, int, float, float]:
+def tuning_split(by_value: dict[tuple, list[dict]]) -> str:
+  """``"val_"`` where every trial of one configuration scored a validation set (tuning then
+  reads it, never the test set), else ``""`` (records without one: the test set)."""
+  members = [m for ms in by_value.values() for m in ms]
+  return "val_" if members and all(m.get("val_final") is not None for m in members) else ""
+
+
+def _tuning_score(members: list[dict], split: str = "") -> tuple[int, int, float, float]:
   """Lower is better: (unhealthy seeds, seeds that missed the target, mean time to target
-  (infinite if any seed missed it), -median final)."""
+  (infinite if any seed missed it), -median final), on ``split``'s metric (:func:`tuning_split`)."""
   inf = float("inf")
-  times = [m["time_to_target"] for m in members if m["time_to_target"] is not None]
+  times = [m[split + "time_to_target"] for m in members
+           if m[split + "time_to_target"] is not None]
   missed = len(members) - len(times)
-  finals = [m["final"] if m["final"] is not None and m["status"] not in UNHEALTHY else -inf
-            for m in members]
+  finals = [m[split + "final"] if m[split + "final"] is not None
+            and m["status"] not in UNHEALTHY else -inf for m in members]
   return (sum(m["status"] in UNHEALTHY for m in members), missed,
           statistics.fmean(times) if times and not missed else inf,
           -statistics.median(finals))
@@ -352,7 +377,8 @@ def configurations(rows: list[dict], tuned: list[str]) -> dict[tuple, dict[tuple
 def best_value(by_value: dict[tuple, list[dict]], seeds: tuple[int, ...] | None = None) -> tuple:
   """The tuned value :data:`TUNING_CRITERION` picks among one configuration's, chosen on
   ``seeds``' trials (None: every seed's)."""
-  return min(by_value, key=lambda v: (_tuning_score(_choosers(by_value[v], seeds)),
+  split = tuning_split(by_value)
+  return min(by_value, key=lambda v: (_tuning_score(_choosers(by_value[v], seeds), split),
                                       _value_order(v)))
 
 
@@ -383,8 +409,8 @@ def select_tuned(rows: list[dict],
     return rows, []
   selected, choices = [], []
   for cfg, by_value in configurations(rows, tuned).items():
-    best = best_value(by_value, seeds)
-    unhealthy, missed, mean_time, final = _tuning_score(_choosers(by_value[best], seeds))
+    best, split = best_value(by_value, seeds), tuning_split(by_value)
+    unhealthy, missed, mean_time, final = _tuning_score(_choosers(by_value[best], seeds), split)
     selected += [dict(r) for r in by_value[best]]
     choices.append({**{k: json.loads(v) for k, v in cfg},
                     "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},
@@ -393,7 +419,8 @@ def select_tuned(rows: list[dict],
                     "unhealthy_seeds": unhealthy, "missed_seeds": missed,
                     "candidates": len(by_value),
                     "values": "; ".join(", ".join(v) for v in sorted(by_value, key=_value_order)),
-                    "at_edge": _edge(list(by_value), best)})
+                    "at_edge": _edge(list(by_value), best),
+                    "chosen_on": "validation" if split else "test"})
   _add_baselines(selected, ignore=tuned)
   return selected, choices
 
@@ -648,7 +675,7 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
   grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in declared if k in r["_overrides"]},
                     key=lambda v: _value_order((v,))) for k in tuned}
   info = ("chosen", "mean_time_to_target", "median_final", "unhealthy_seeds", "missed_seeds",
-          "candidates", "values", "at_edge")
+          "candidates", "values", "at_edge", "chosen_on")
   cfg_cols = list(dict.fromkeys(k for c in choices for k in c if k not in info))
   cfg_cols.sort(key=lambda k: _column_order(k, 0))
   which = ("the same grid for every scheme (BSP included)" if len(tuned) == 1 else
@@ -663,13 +690,14 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
            f"with {TUNING_CRITERION}.{on}{_ladder_text(ladder, rows, added)} The full per-value "
            "table follows.", "",
            "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
-                            + ["unhealthy seeds", "seeds that missed", "mean time_to_target",
-                               "median final", "values compared", "at the edge of those"])
-           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 6)]
+                            + ["chosen on", "unhealthy seeds", "seeds that missed",
+                               "mean time_to_target", "median final", "values compared",
+                               "at the edge of those"])
+           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 7)]
   for c in choices:
     lines.append("| " + " | ".join(
         [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"].get(k)) for k in tuned]
-        + [str(c["unhealthy_seeds"]), str(c["missed_seeds"]),
+        + [c.get("chosen_on", "test"), str(c["unhealthy_seeds"]), str(c["missed_seeds"]),
            _fmt(c["mean_time_to_target"], "time_to_target"),
            _fmt(c["median_final"], "final", metric), c.get("values") or str(c["candidates"]),
            _edge_cell(c, ladder)]) + " |")

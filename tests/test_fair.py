@@ -191,10 +191,12 @@ def test_a_collapsed_trial_is_finished_and_not_rerun(tmp_path):
 
 
 def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
-           times=(10.0, 20.0, 30.0, 40.0), extra=None, tuned_keys=("optimizer.learning_rate",)):
+           times=(10.0, 20.0, 30.0, 40.0), extra=None, tuned_keys=("optimizer.learning_rate",),
+           val_accs=None):
   """A trial directory as the runner leaves it (summary.json, metrics.jsonl, trial.json).
 
-  ``extra``: more swept keys after the seed; ``tuned_keys``: its tuned keys (if ``tuned``)."""
+  ``extra``: more swept keys after the seed; ``tuned_keys``: its tuned keys (if ``tuned``);
+  ``val_accs``: a validation set's accuracies (``data.validation_size``), if any."""
   overrides = {"sync.scheme": scheme, "optimizer.learning_rate": lr, "seed": seed,
                **(extra or {})}
   name = sweep.trial_name(overrides)
@@ -202,6 +204,8 @@ def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
   d.mkdir(parents=True)
   metrics = [{"epoch": i + 1.0, "virtual_time": t, "test_accuracy": a, "train_loss": 1.0}
              for i, (t, a) in enumerate(zip(times, accs))]
+  for m, v in zip(metrics, val_accs or ()):
+    m["val_accuracy"] = v
   (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
   (d / "summary.json").write_text(json.dumps({
       "config": {"sync": {"scheme": scheme}, "seed": seed}, "status": status,
@@ -331,6 +335,31 @@ def test_tuning_on_declared_seeds_chooses_on_them_alone_and_reports_every_seed(t
   with open(tmp_path / "out" / "summary.csv") as f:
     (bsp,) = list(csv.DictReader(f))
   assert float(bsp["optimizer.learning_rate"]) == 0.05 and bsp["seeds"] == "3"
+
+
+def test_rates_are_chosen_on_the_validation_set_and_the_test_set_does_not_move_the_choice(
+    tmp_path):
+  """Trials that scored a validation set (``data.validation_size``) are tuned on it: the test
+  set, which here favours the other rate, changes nothing; records without one are still tuned
+  on the test set, and the report says which."""
+  mid, fast = [0.9, 0.97, 0.99, 0.99], [0.97, 0.99, 0.99, 0.99]
+  for name, test_of in (("a", {0.05: mid, 0.1: fast}), ("b", {0.05: fast, 0.1: mid})):
+    root = tmp_path / name
+    for seed in (0, 1):
+      _trial(root, "bsp", seed, 0.05, test_of[0.05], val_accs=fast)   # validation: 0.05 faster
+      _trial(root, "bsp", seed, 0.1, test_of[0.1], val_accs=mid)
+    _, (choice,) = report.select_tuned(report.collect(str(root)))
+    assert choice["chosen"] == {"optimizer.learning_rate": 0.05}, name
+    assert choice["chosen_on"] == "validation"
+    assert choice["mean_time_to_target"] == pytest.approx(15.0)   # validation: 0.97@10, 0.99@20
+  md = open(report.write_report(str(tmp_path / "a"), str(tmp_path / "out"))["md"]).read()
+  assert "| validation |" in md
+  old = tmp_path / "old"   # no validation set recorded: the test set chooses, and says so
+  for seed in (0, 1):
+    _trial(old, "bsp", seed, 0.05, mid)
+    _trial(old, "bsp", seed, 0.1, fast)
+  _, (choice,) = report.select_tuned(report.collect(str(old)))
+  assert choice["chosen"] == {"optimizer.learning_rate": 0.1} and choice["chosen_on"] == "test"
 
 
 def test_a_rate_where_any_seed_misses_the_target_loses_and_edge_winners_are_flagged(tmp_path):

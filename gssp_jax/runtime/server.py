@@ -371,7 +371,7 @@ class DistServer:
     return (f"{self.scheme.name} (real, {self.W} meshes, {self.S} shard"
             f"{'s' if self.S > 1 else ''}) epoch {record['epoch']:.2f} | wall"
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
-            f" {self.metric_name} {record[self.metric_name]:.4f} | {rate:.1f} pushes/s |"
+            f" {run_lib.metrics_text(record, self.metric_name)} | {rate:.1f} pushes/s |"
             f" meshes alive {record['meshes_alive']}/{self.W} | staleness mean"
             f" {record['staleness']['mean']:.2f} updates | ETA {workdir_lib.format_duration(eta)}")
 

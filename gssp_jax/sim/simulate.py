@@ -536,7 +536,7 @@ class Simulation:
     eta = self._eta.seconds_left(self._iterations(), end)   # a local round may pass the end
     return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
-            f" {self.metric_name} {record[self.metric_name]:.4f} | blocked"
+            f" {run_lib.metrics_text(record, self.metric_name)} | blocked"
             f" {record['blocked_time']:.1f} s | staleness mean {record['staleness']['mean']:.2f}"
             f" updates | ETA {workdir_lib.format_duration(eta)}")
 

@@ -342,7 +342,7 @@ class FusedBSP:
     return self.meta["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
-    return f"{self._line} | {self.metric_name} {record[self.metric_name]:.4f}"
+    return f"{self._line} | {run_lib.metrics_text(record, self.metric_name)}"
 
   def save(self) -> None:
     self.meta["wall_time"] = self._wall_time()

@@ -13,6 +13,7 @@ import jax
 import ml_collections
 
 from gssp_jax import compress
+from gssp_jax import defaults
 from gssp_jax.train import tasks
 from gssp_jax.train import workdir as workdir_lib
 
@@ -46,6 +47,13 @@ def metric_and_target(config: ml_collections.ConfigDict, task) -> tuple[str, flo
   if isinstance(task, tasks.TranslationTask):
     return "bleu", config.train.target_bleu
   return "test_accuracy", config.train.target_accuracy
+
+
+def metrics_text(record: dict, metric: str) -> str:
+  """``metric`` of ``record`` for a progress line, the validation set's beside it where scored."""
+  text = f"{metric} {record[metric]:.4f}"
+  held_out = defaults.validation_metric(metric)
+  return text + (f" | {held_out} {record[held_out]:.4f}" if held_out in record else "")
 
 
 def init_model(task, seed: int):

@@ -27,6 +27,29 @@ from gssp_jax.data import user as user_data_lib
 Batch = dict[str, jax.Array]
 
 
+VALIDATION_SEED = 20261206   # one fixed draw: every run, scheme and seed holds out the same set
+
+
+def split_validation(n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+  """``(training indices, validation indices)`` of a training set of ``n`` examples.
+
+  ``size`` of them are held out, drawn by one fixed permutation
+  (:data:`VALIDATION_SEED`, never the run's seed), so every scheme, rate and
+  seed of a comparison is tuned on the same examples and trains on the same
+  rest; the rest keep their order (``data.train_size`` then takes the first of
+  them). A training set sorted by class (CIFAR-10 from JPEG folders) still
+  gives a validation set of every class.
+
+  Raises:
+    ValueError: ``size`` leaves no example to train on.
+  """
+  if not 0 <= size < n:
+    raise ValueError(f"config.data.validation_size={size} is invalid; allowed: 0 (none) to "
+                     f"{n - 1} (the training set has {n} examples)")
+  held = np.sort(np.random.default_rng(VALIDATION_SEED).permutation(n)[:size])
+  return np.setdiff1d(np.arange(n), held, assume_unique=True), held
+
+
 def _pad_to_batches(arrays: dict[str, np.ndarray], batch_size: int):
   """Splits arrays into ``[(batch, mask)]`` of equal size, the last padded (mask False)."""
   n = len(next(iter(arrays.values())))
@@ -44,7 +67,8 @@ class ClassificationTask:
   """Classification: LeNet-5, ResNet-18, VGG-19 on MNIST / CIFAR-10, or a user model and data.
 
   The loss is the mean softmax cross-entropy of the model's logits, the metrics test accuracy
-  and loss, for every model alike.
+  and loss, for every model alike, and with ``validation_size`` the same on the examples held
+  out of the training set (``val_accuracy``, ``val_loss``; :func:`split_validation`).
   """
   model: Any
   dataset: data_lib.ImageDataset
@@ -52,17 +76,25 @@ class ClassificationTask:
   eval_batch_size: int
   train_size: int = 0
   test_size: int = 0
+  validation_size: int = 0
 
   def __post_init__(self):
     ds = self.dataset
-    n_train = self.train_size or len(ds.train_labels)
     n_test = self.test_size or len(ds.test_labels)
-    self.train = {"image": ds.train_images[:n_train], "label": ds.train_labels[:n_train]}
+    if self.validation_size:
+      train, held = split_validation(len(ds.train_labels), self.validation_size)
+      train = train[:self.train_size or len(train)]
+      self.train = {"image": ds.train_images[train], "label": ds.train_labels[train]}
+      self.val = {"image": ds.train_images[held], "label": ds.train_labels[held]}
+    else:   # views of the (memory-mapped) arrays, no copy
+      n_train = self.train_size or len(ds.train_labels)
+      self.train = {"image": ds.train_images[:n_train], "label": ds.train_labels[:n_train]}
+      self.val = None
     self.test = {"image": ds.test_images[:n_test], "label": ds.test_labels[:n_test]}
     self._mean = np.asarray(ds.mean, np.float32)
     self._std = np.asarray(ds.std, np.float32)
     self._eval = jax.jit(self._eval_batch)
-    self._test_batches = None
+    self._batches = {}
 
   @property
   def num_train(self) -> int:
@@ -99,14 +131,21 @@ class ClassificationTask:
     return correct.sum(), jnp.where(mask, ce, 0).sum()
 
   def evaluate(self, params, model_state) -> dict[str, float]:
-    if self._test_batches is None:
-      self._test_batches = jax.device_put(_pad_to_batches(self.test, self.eval_batch_size))
+    """Test accuracy and loss, and the validation set's (``val_*``) where one is held out."""
+    out = self._score(params, model_state, "test", self.test)
+    if self.val is not None:
+      out.update(self._score(params, model_state, "val", self.val))
+    return out
+
+  def _score(self, params, model_state, split: str, arrays) -> dict[str, float]:
+    if split not in self._batches:
+      self._batches[split] = jax.device_put(_pad_to_batches(arrays, self.eval_batch_size))
     # A host loop over batches, not lax.scan: see step.make_chunk_runner on XLA:CPU loops.
-    sums = [self._eval(params, model_state, b, m) for b, m in self._test_batches]
-    n = len(self.test["label"])
+    sums = [self._eval(params, model_state, b, m) for b, m in self._batches[split]]
+    n = len(arrays["label"])
     correct = sum(int(c) for c, _ in sums)
     loss = sum(float(l) for _, l in sums)
-    return {"test_accuracy": correct / n, "test_loss": loss / n}
+    return {f"{split}_accuracy": correct / n, f"{split}_loss": loss / n}
 
 
 def _masked_ce(logits, targets, lengths):
@@ -118,24 +157,39 @@ def _masked_ce(logits, targets, lengths):
 
 @dataclasses.dataclass
 class TranslationTask:
-  """Multi30k de->en with the GRU Seq2Seq; evaluated by greedy-decoding BLEU (sacrebleu)."""
+  """Multi30k de->en with the GRU Seq2Seq; evaluated by greedy-decoding BLEU (sacrebleu).
+
+  With ``validation_size``, the first that many sentence pairs of Multi30k's own validation
+  split are scored too (``val_bleu``, ``val_loss``, ``val_perplexity``): the corpus ships one
+  that no run trains on, so nothing is taken out of the training split.
+  """
   model: Any
   dataset: data_lib.TranslationDataset
   eval_batch_size: int
   train_size: int = 0
   test_size: int = 0
+  validation_size: int = 0
 
   def __post_init__(self):
     ds = self.dataset
     n_train = self.train_size or len(ds.train.src)
     n_test = self.test_size or len(ds.test.src)
-    self.train = {k: getattr(ds.train, k)[:n_train] for k in ("src", "src_len", "tgt", "tgt_len")}
-    self.test = {k: getattr(ds.test, k)[:n_test] for k in ("src", "src_len", "tgt", "tgt_len")}
-    self.references = list(ds.test_references[:n_test])
+    keys = ("src", "src_len", "tgt", "tgt_len")
+    self.train = {k: getattr(ds.train, k)[:n_train] for k in keys}
+    self.test = {k: getattr(ds.test, k)[:n_test] for k in keys}
+    self.references = {"test": list(ds.test_references[:n_test])}
+    self.val = None
+    if self.validation_size:
+      if self.validation_size > len(ds.val.src):
+        raise ValueError(f"config.data.validation_size={self.validation_size} is invalid; "
+                         f"allowed: 0 (none) to {len(ds.val.src)} (Multi30k's validation split)")
+      self.val = {k: getattr(ds.val, k)[:self.validation_size] for k in keys}
+      self.references["val"] = list(ds.val_references[:self.validation_size])
     # Greedy decoding may run a few tokens past the longest reference.
-    self.max_decode_len = int(ds.test.tgt.shape[1]) + 5
+    longest = max(a["tgt"].shape[1] for a in (self.test, self.val) if a is not None)
+    self.max_decode_len = int(longest) + 5
     self._eval = jax.jit(self._eval_batch)
-    self._test_batches = None
+    self._batches = {}
 
   @property
   def num_train(self) -> int:
@@ -166,18 +220,26 @@ class TranslationTask:
     return total, count, tokens
 
   def evaluate(self, params, model_state) -> dict[str, float]:
+    """Test BLEU, loss and perplexity, and the validation set's (``val_*``) where asked for."""
     del model_state
-    if self._test_batches is None:
-      self._test_batches = jax.device_put(_pad_to_batches(self.test, self.eval_batch_size))
-    outs = [self._eval(params, b, m) for b, m in self._test_batches]
+    bleu, loss = self._score(params, "test", self.test)
+    out = {"bleu": bleu, "test_loss": loss, "test_perplexity": float(np.exp(min(loss, 50.0)))}
+    if self.val is not None:
+      bleu, loss = self._score(params, "val", self.val)
+      out.update(val_bleu=bleu, val_loss=loss, val_perplexity=float(np.exp(min(loss, 50.0))))
+    return out
+
+  def _score(self, params, split: str, arrays) -> tuple[float, float]:
+    if split not in self._batches:
+      self._batches[split] = jax.device_put(_pad_to_batches(arrays, self.eval_batch_size))
+    outs = [self._eval(params, b, m) for b, m in self._batches[split]]
     total = sum(float(t) for t, _, _ in outs)
     count = sum(int(c) for _, c, _ in outs)
-    tokens = np.concatenate([np.asarray(tok) for _, _, tok in outs])[: len(self.references)]
+    references = self.references[split]
+    tokens = np.concatenate([np.asarray(tok) for _, _, tok in outs])[: len(references)]
     vocab = self.dataset.tgt_vocab
     hyps = [" ".join(vocab.decode(row)) for row in tokens]
-    bleu = sacrebleu.corpus_bleu(hyps, [self.references]).score
-    loss = total / max(count, 1)
-    return {"bleu": bleu, "test_loss": loss, "test_perplexity": float(np.exp(min(loss, 50.0)))}
+    return sacrebleu.corpus_bleu(hyps, [references]).score, total / max(count, 1)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -194,7 +256,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0):
     checks.fail("model_args.width", width, "a number > 0 (1.0 = the paper's channel counts)")
   checks.positive(config, "data.eval_batch_size", int)
-  for key in ("data.train_size", "data.test_size", "data.max_len"):
+  for key in ("data.train_size", "data.test_size", "data.max_len", "data.validation_size"):
     checks.non_negative(config, key)
     if not isinstance(checks.get(config, key), int):
       checks.fail(key, checks.get(config, key), "an integer >= 0")
@@ -254,14 +316,15 @@ def make_task(config: ml_collections.ConfigDict):
     model = models_lib.create_model(config.model, src_vocab_size=len(ds.src_vocab),
                                     tgt_vocab_size=len(ds.tgt_vocab), **model_args)
     return TranslationTask(model, ds, config.data.eval_batch_size, config.data.train_size,
-                           config.data.test_size)
+                           config.data.test_size, config.data.validation_size)
   if config.data.augment and ds.train_images.ndim != 4:
     raise ValueError(f"config.data.augment=True needs images [N, H, W, C]; dataset "
                      f"{config.dataset!r} has inputs {ds.train_images.shape}; allowed: "
                      "data.augment=False for it")
   model = models_lib.create_model(config.model, num_classes=ds.num_classes, **model_args)
   return ClassificationTask(model, ds, config.data.augment, config.data.eval_batch_size,
-                            config.data.train_size, config.data.test_size)
+                            config.data.train_size, config.data.test_size,
+                            config.data.validation_size)
 
 
 TaskLike = ClassificationTask | TranslationTask
