@@ -64,13 +64,9 @@ def test_held_out_examples_are_never_trained_on_and_are_scored_beside_the_test_s
   assert set(plain.evaluate(params, state)) == {"test_accuracy", "test_loss"}
 
 
-@pytest.mark.parametrize("size, match", [
-    (-1, r"data.validation_size=-1 is invalid"),
-    (1.5, r"data.validation_size=1.5 is invalid"),
-])
-def test_a_bad_validation_size_is_refused(size, match):
-  config = helpers.mnist_smoke(None, **{"data.validation_size": size})
-  with pytest.raises(ValueError, match=match):
+def test_a_negative_validation_size_is_refused():
+  config = helpers.mnist_smoke(None, **{"data.validation_size": -1})
+  with pytest.raises(ValueError, match=r"data.validation_size=-1 is invalid"):
     config_lib.validate_config(config)
 
 
