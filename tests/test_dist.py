@@ -825,6 +825,18 @@ os._exit(0)   # no channel shutdown with hundreds of calls in flight
 """
 
 
+def _stop_stranger(stranger: subprocess.Popen | None) -> str:
+  """Stops a stranger process (SIGTERM, SIGKILL after 60 s) and returns what it printed."""
+  if stranger is None:
+    return ""
+  stranger.terminate()
+  try:
+    return stranger.communicate(timeout=60)[0]
+  except subprocess.TimeoutExpired:
+    stranger.kill()
+    return stranger.communicate()[0] + "\n(the stranger did not stop within 60 s)"
+
+
 def _listening(pid: int) -> list[int]:
   import psutil  # pylint: disable=g-import-not-at-top
   try:
@@ -861,13 +873,7 @@ def test_a_stranger_flooding_every_port_of_a_gssp_run_with_refused_calls_does_no
     out, _ = procs[0].communicate(timeout=400)
     assert procs[0].returncode == 0, out[-3000:]
   finally:
-    if stranger is not None:
-      stranger.terminate()
-      try:
-        flood_out, _ = stranger.communicate(timeout=60)
-      except subprocess.TimeoutExpired:
-        stranger.kill()
-        flood_out = stranger.communicate()[0] + "\n(the stranger did not stop within 60 s)"
+    flood_out = _stop_stranger(stranger)
     _kill_all(procs, workdir)
   assert "CODES " in flood_out, flood_out[-2000:]
   codes = ast.literal_eval(flood_out.split("CODES ", 1)[1].strip())
@@ -1009,13 +1015,7 @@ def test_a_stranger_sending_a_gib_to_every_port_of_a_gssp_run_grows_no_process_a
     assert procs[0].returncode == 0, out[-3000:]
   finally:
     during = rss.stop() if rss is not None else {}
-    if stranger is not None:
-      stranger.terminate()
-      try:
-        stranger_out, _ = stranger.communicate(timeout=60)
-      except subprocess.TimeoutExpired:
-        stranger.kill()
-        stranger_out = stranger.communicate()[0] + "\n(the stranger did not stop within 60 s)"
+    stranger_out = _stop_stranger(stranger)
     _kill_all(procs, workdir)
   assert "GIB " in stranger_out and "DONE" in stranger_out, stranger_out[-2000:]
   results = ast.literal_eval(stranger_out.split("GIB ", 1)[1].splitlines()[0])

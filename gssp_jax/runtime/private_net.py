@@ -31,6 +31,8 @@ import subprocess
 import sys
 from typing import NoReturn, Sequence
 
+from gssp_jax.runtime import wire
+
 INSIDE_ENV = "GSSP_PRIVATE_NETWORK"   # set in the namespace (the launcher and its children)
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _IFREQ = "16sH22x"                    # struct ifreq: the name, then the flags of its union
@@ -63,7 +65,7 @@ def check_addresses(addresses: dict[str, str | None]) -> None:
   """Raises ValueError for an address (``{flag: host:port}``) that is not loopback: inside the
   namespace loopback is the only interface."""
   for flag, address in addresses.items():
-    if address and address.rsplit(":", 1)[0].strip("[]") not in LOOPBACK_HOSTS:
+    if address and wire.check_address(flag, address)[0] not in LOOPBACK_HOSTS:
       raise ValueError(f"{flag}={address!r} with --private_network is invalid; allowed: a "
                        f"loopback address ({', '.join(LOOPBACK_HOSTS)}), the namespace's only "
                        "interface")
