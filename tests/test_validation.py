@@ -14,6 +14,7 @@ from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
 from gssp_jax.train import loop
 from gssp_jax.train import tasks
+from gssp_jax.train import workdir as workdir_lib
 
 
 def test_the_split_is_one_fixed_draw_disjoint_and_whole():
@@ -62,6 +63,21 @@ def test_held_out_examples_are_never_trained_on_and_are_scored_beside_the_test_s
   metrics = task.evaluate(params, state)
   assert set(metrics) == {"test_accuracy", "test_loss", "val_accuracy", "val_loss"}
   assert set(plain.evaluate(params, state)) == {"test_accuracy", "test_loss"}
+
+
+def test_a_run_recorded_before_the_validation_split_still_resumes_and_counts_as_unchanged(
+    tmp_path):
+  """Every run recorded before ``data.validation_size`` existed held nothing out: it resumes,
+  and a sweep (the claims table's committed trials) takes it as the same config."""
+  config = config_lib.default_config()
+  recorded = json.loads(config.to_json())
+  del recorded["data"]["validation_size"]
+  assert workdir_lib.config_changes(recorded, config) == []
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(recorded))
+  workdir_lib.check_resumable(config, str(path))
+  config.data.validation_size = 500
+  assert workdir_lib.config_changes(recorded, config) == [("data.validation_size", 0, 500)]
 
 
 def test_a_negative_validation_size_is_refused():
