@@ -9,6 +9,11 @@ lowest (highest) the configuration has tried along that key, and the ladder goes
 The rule repeats until no configuration's best can move, so no winner sits at the edge of what
 it tried unless the ladder ends there (the report says which).
 
+A grid that keeps reporting seeds apart (``sweep.report_on``) tunes on its own seeds alone: the
+rule reads only their trials. Once no configuration's best can move, each configuration's
+chosen value runs on every reporting seed (:func:`reporting`), so those seeds never take
+part in a choice; a rerun that finds them finished adds nothing.
+
 The added trials go to the sweep's ``extended.json`` before they run, so a rerun, a child
 process (``experiments.sweep --only``) and the report treat them as trials of the grid; the
 sweep runner does not take them for a changed sweep. Nothing is extended while any trial of the
@@ -42,15 +47,10 @@ def extensions(workdir: str, trials: Sequence[sweep_lib.Trial],
   """
   if not ladders:
     return []
-  rows = report.collect(workdir)
-  tuned = report.tuned_keys(rows)
-  waiting = {_configuration(t.overrides, tuned) for t in trials
-             if sweep_lib.trial_status(os.path.join(workdir, t.name)) not in sweep_lib.FINISHED}
   by_name = {t.name: t for t in trials}
+  tuned, settled = _settled(workdir, trials)
   added = []
-  for cfg, by_value in report.configurations(rows, tuned).items():
-    if cfg in waiting:
-      continue
+  for by_value in settled.values():
     best = report.best_value(by_value)
     for i, key in enumerate(tuned):
       step = _next_value(key, i, best, list(by_value), ladders.get(key))
@@ -63,6 +63,43 @@ def extensions(workdir: str, trials: Sequence[sweep_lib.Trial],
         overrides = {**(trial.overrides if trial else member["_overrides"]), key: value}
         if sweep_lib.trial_name(overrides) not in by_name:
           added.append((overrides, why))
+  return added
+
+
+def _settled(workdir: str, trials: Sequence[sweep_lib.Trial]) -> tuple[list[str], dict]:
+  """The tuned keys, and per configuration whose trials have all finished, its tuning trials
+  by tuned value (``report.configurations``, without the reporting seeds' trials)."""
+  rows = report.collect(workdir)
+  tuned = report.tuned_keys(rows)
+  waiting = {_configuration(t.overrides, tuned) for t in trials
+             if sweep_lib.trial_status(os.path.join(workdir, t.name)) not in sweep_lib.FINISHED}
+  reporting = getattr(trials, "report_seeds", None)
+  out = {}
+  for cfg, by_value in report.configurations(rows, tuned).items():
+    by_value = report.tuning_trials(by_value, reporting)
+    if cfg not in waiting and by_value:
+      out[cfg] = by_value
+  return tuned, out
+
+
+def reporting(workdir: str, trials: Sequence[sweep_lib.Trial]) -> list[tuple[dict, str]]:
+  """The reporting trials to add now (``sweep.report_on``): each settled configuration's chosen
+  value on every reporting seed it has not run, ``(overrides, why)`` each."""
+  seeds = getattr(trials, "report_seeds", None)
+  if not seeds:
+    return []
+  by_name = {t.name: t for t in trials}
+  tuned, settled = _settled(workdir, trials)
+  added = []
+  for by_value in settled.values():
+    best = report.best_value(by_value)
+    member = by_value[best][0]
+    trial = by_name.get(member["trial"])
+    chosen = ", ".join(f"{k}={json.loads(v)}" for k, v in zip(tuned, best))
+    for seed in seeds:
+      overrides = {**(trial.overrides if trial else member["_overrides"]), "seed": seed}
+      if sweep_lib.trial_name(overrides) not in by_name:
+        added.append((overrides, f"reporting seed {seed} at the chosen {chosen}"))
   return added
 
 
@@ -104,16 +141,17 @@ def run_sweep(path: str, workdir: str, **kwargs) -> dict[str, str]:
       return statuses
     unfinished = [n for n, s in statuses.items() if s not in sweep_lib.FINISHED]
     trials = sweep_lib.expand(path, kwargs.get("overrides"), workdir)
-    if not trials.ladders:
+    if not trials.ladders and not trials.report_seeds:
       return statuses
     if unfinished:
       logging.info("grid edge: not extended while %d trial(s) are unfinished (%s); a rerun "
                    "finishes them first", len(unfinished), ", ".join(unfinished[:5]))
       return statuses
-    added = extensions(workdir, trials, trials.ladders)
+    added = extensions(workdir, trials, trials.ladders) or reporting(workdir, trials)
     if not added:
       logging.info("grid edge: every configuration's best value lies inside the values it "
-                   "tried, or at the end of its ladder")
+                   "tried, or at the end of its ladder%s", ", and has run on every reporting "
+                   "seed" if trials.report_seeds else "")
       return statuses
     for overrides, why in added:
       logging.info("grid edge: adding %s: %s", sweep_lib.trial_name(overrides), why)
@@ -125,25 +163,24 @@ def possible(trials: Sequence[sweep_lib.Trial], ladders: dict[str, tuple],
   """The most trials the rule could still add (an upper bound, for the plan).
 
   Per configuration and laddered key it tunes: the ladder's values not tried yet, times its
-  seeds. With ``workdir`` (the sweep's directory), a configuration whose trials have all
+  tuning seeds; and per configuration, the reporting seeds (``sweep.report_on``) it has not
+  run. With ``workdir`` (the sweep's directory), a configuration whose trials have all
   finished counts only what lies beyond its best value on the side the rule would move it
   (:func:`_next_value`): nothing where its best is inside the values tried or at the ladder's
   end, so a finished study that the rule has settled says 0.
   """
   tuned = list(dict.fromkeys(k for t in trials for k in t.tuned))
+  reporting = set(getattr(trials, "report_seeds", None) or ())
   by_cfg: dict[tuple, list[dict]] = {}
   for t in trials:
     by_cfg.setdefault(_configuration(t.overrides, tuned), []).append(t.overrides)
   settled = {}
-  if workdir is not None and ladders and os.path.isdir(workdir):   # (absent: nothing ran yet)
-    waiting = {_configuration(t.overrides, tuned) for t in trials
-               if sweep_lib.trial_status(os.path.join(workdir, t.name)) not in sweep_lib.FINISHED}
-    rows = report.collect(workdir)
-    settled = {cfg: by_value for cfg, by_value in report.configurations(rows, tuned).items()
-               if cfg not in waiting and cfg in by_cfg}
+  if workdir is not None and (ladders or reporting) and os.path.isdir(workdir):
+    settled = {cfg: v for cfg, v in _settled(workdir, trials)[1].items() if cfg in by_cfg}
   total = 0
   for cfg, members in by_cfg.items():
-    seeds = {json.dumps(m.get("seed")) for m in members}
+    seeds = {json.dumps(m.get("seed")) for m in members if m.get("seed") not in reporting}
+    total += len(reporting - {m.get("seed") for m in members})
     for key, ladder in ladders.items():
       tried = {m[key] for m in members if key in m}
       if len(tried) < 2 or not tried <= set(ladder):

@@ -77,6 +77,13 @@ def tune_seeds(workdir: str) -> tuple[int, ...] | None:
   return None if seeds is None else tuple(int(s) for s in seeds)
 
 
+def report_seeds(workdir: str) -> tuple[int, ...] | None:
+  """The seeds the sweep kept apart for reporting (``sweep.json``; ``sweep.report_on``), or
+  None."""
+  seeds = (_grid_record(workdir) or {}).get("report_seeds")
+  return None if seeds is None else tuple(int(s) for s in seeds)
+
+
 UNFINISHED = ("interrupted", "failed", "running")   # a summary of part of a run
 
 
@@ -374,12 +381,25 @@ def configurations(rows: list[dict], tuned: list[str]) -> dict[tuple, dict[tuple
   return configs
 
 
-def best_value(by_value: dict[tuple, list[dict]], seeds: tuple[int, ...] | None = None) -> tuple:
+def best_value(by_value: dict[tuple, list[dict]], seeds: tuple[int, ...] | None = None,
+               reporting: tuple[int, ...] | None = None) -> tuple:
   """The tuned value :data:`TUNING_CRITERION` picks among one configuration's, chosen on
-  ``seeds``' trials (None: every seed's)."""
+  ``seeds``' trials (None: every seed's), never on a ``reporting`` seed's."""
+  by_value = tuning_trials(by_value, reporting)
   split = tuning_split(by_value)
   return min(by_value, key=lambda v: (_tuning_score(_choosers(by_value[v], seeds), split),
                                       _value_order(v)))
+
+
+def tuning_trials(by_value: dict[tuple, list[dict]], reporting: tuple[int, ...] | None
+                  ) -> dict[tuple, list[dict]]:
+  """``by_value`` without the trials of the ``reporting`` seeds (and the values left with
+  none)."""
+  if not reporting:
+    return by_value
+  kept = {v: [m for m in ms if m["_overrides"].get("seed") not in reporting]
+          for v, ms in by_value.items()}
+  return {v: ms for v, ms in kept.items() if ms}
 
 
 def _choosers(members: list[dict], seeds: tuple[int, ...] | None) -> list[dict]:
@@ -388,13 +408,30 @@ def _choosers(members: list[dict], seeds: tuple[int, ...] | None) -> list[dict]:
   return [m for m in members if seeds is None or m["_overrides"].get("seed") in seeds] or members
 
 
-def select_tuned(rows: list[dict],
-                 seeds: tuple[int, ...] | None = None) -> tuple[list[dict], list[dict]]:
+def reported(members: list[dict], seeds: tuple[int, ...] | None,
+             reporting: tuple[int, ...] | None) -> tuple[list[dict], bool]:
+  """The trials at a configuration's chosen value that its comparison reports, and whether
+  they are seeds apart from those that chose it: the ``reporting`` seeds' (none until the
+  runner has run them), else the seeds other than ``seeds`` (the sweep's ``tune_seeds``) where
+  there are any, else every seed (a grid that keeps no seed apart: reported on the seeds
+  that chose)."""
+  seed = lambda m: m["_overrides"].get("seed")
+  if reporting:
+    return [m for m in members if seed(m) in reporting], True
+  others = [m for m in members if seeds is not None and seed(m) not in seeds]
+  return (others, True) if others else (members, False)
+
+
+def select_tuned(rows: list[dict], seeds: tuple[int, ...] | None = None,
+                 reporting: tuple[int, ...] | None = None) -> tuple[list[dict], list[dict]]:
   """Each configuration's trials at its best tuned value (criterion: :data:`TUNING_CRITERION`).
 
   A configuration is every swept value but the tuned keys and the seed. ``seeds``
   (the sweep's ``tune_seeds``): only these seeds' trials choose the value (the other
-  seeds ran at the chosen value alone); every seed's trials at it are reported.
+  seeds ran at the chosen value alone); ``reporting`` (its ``report_seeds``): these seeds'
+  trials never choose. The trials reported are those of :func:`reported`: seeds apart from
+  the choosing ones wherever the grid keeps any (``reported_seeds`` and ``reported_apart``
+  in each choice say which).
 
   Returns:
     ``(selected, choices)``: the chosen trials (copies, their speedups and
@@ -408,10 +445,14 @@ def select_tuned(rows: list[dict],
   if not tuned:
     return rows, []
   selected, choices = [], []
-  for cfg, by_value in configurations(rows, tuned).items():
+  for cfg, every in configurations(rows, tuned).items():
+    by_value = tuning_trials(every, reporting)
+    if not by_value:   # only reporting seeds' trials (a grid changed under them): nothing chose
+      continue
     best, split = best_value(by_value, seeds), tuning_split(by_value)
     unhealthy, missed, mean_time, final = _tuning_score(_choosers(by_value[best], seeds), split)
-    selected += [dict(r) for r in by_value[best]]
+    shown, apart = reported(every[best], seeds, reporting)
+    selected += [dict(r) for r in shown]
     choices.append({**{k: json.loads(v) for k, v in cfg},
                     "chosen": {k: json.loads(v) for k, v in zip(tuned, best)},
                     "mean_time_to_target": mean_time if mean_time != float("inf") else None,
@@ -420,7 +461,9 @@ def select_tuned(rows: list[dict],
                     "candidates": len(by_value),
                     "values": "; ".join(", ".join(v) for v in sorted(by_value, key=_value_order)),
                     "at_edge": _edge(list(by_value), best),
-                    "chosen_on": "validation" if split else "test"})
+                    "chosen_on": "validation" if split else "test",
+                    "reported_seeds": " ".join(str(r["seed"]) for r in shown),
+                    "reported_apart": apart})
   _add_baselines(selected, ignore=tuned)
   return selected, choices
 
@@ -461,14 +504,14 @@ def write_report(workdir: str, out_dir: str | None = None,
     raise ValueError(f"no finished trial (summary.json) under {workdir}")
   swept = list(dict.fromkeys(k for r in rows for k in r["_overrides"]))
   swept = [k for i, k in sorted(enumerate(swept), key=lambda ik: _column_order(ik[1], ik[0]))]
-  seeds = tune_seeds(workdir)
-  selected, choices = select_tuned(rows, seeds)
+  seeds, reporting = tune_seeds(workdir), report_seeds(workdir)
+  selected, choices = select_tuned(rows, seeds, reporting)
   chosen_trials = {r["trial"] for r in selected}
   for r in rows:
     r["selected_by_tuning"] = r["trial"] in chosen_trials if choices else None
   head_cols = [k for k in swept if k != "seed"] + ["seeds", "target"]
   paths = _write_csvs(out_dir, rows, selected, choices, swept, head_cols)
-  lines = _markdown(workdir, rows, selected, choices, swept, head_cols, seeds)
+  lines = _markdown(workdir, rows, selected, choices, swept, head_cols, (seeds, reporting))
   notes = []
   names = plot(selected, out_dir, notes)
   lines += [f"Not drawn: {note}." for note in notes] + ([""] if notes else [])
@@ -662,27 +705,28 @@ def _verdict(a: dict, name: str, metric: str) -> str:
 
 
 def tuning_section(rows: list[dict], choices: list[dict], metric: str,
-                   seeds: tuple[int, ...] | None = None, ladder: dict[str, list] | None = None,
+                   seeds: tuple = (None, None), ladder: dict[str, list] | None = None,
                    added: list[str] | None = None) -> list[str]:
   """Markdown lines disclosing the tuning: the grid, the criterion, each configuration's choice.
 
-  ``ladder`` and ``added``: the sweep's ladders and the trials the grid-edge rule added
-  (:func:`ladders`, :func:`extended`); the grid shown is the declared one, without them.
+  ``seeds``: the sweep's ``(tune_seeds, report_seeds)`` (:func:`tune_seeds`,
+  :func:`report_seeds`). ``ladder`` and ``added``: the sweep's ladders and the trials the
+  grid-edge rule added (:func:`ladders`, :func:`extended`); the grid shown is the declared one,
+  without them.
   """
   ladder, added = ladder or {}, set(added or ())
+  tuning, reporting = seeds
   tuned = list(choices[0]["chosen"])
   declared = [r for r in rows if r["trial"] not in added]
   grid = {k: sorted({json.dumps(r["_overrides"][k]) for r in declared if k in r["_overrides"]},
                     key=lambda v: _value_order((v,))) for k in tuned}
   info = ("chosen", "mean_time_to_target", "median_final", "unhealthy_seeds", "missed_seeds",
-          "candidates", "values", "at_edge", "chosen_on")
+          "candidates", "values", "at_edge", "chosen_on", "reported_seeds", "reported_apart")
   cfg_cols = list(dict.fromkeys(k for c in choices for k in c if k not in info))
   cfg_cols.sort(key=lambda k: _column_order(k, 0))
   which = ("the same grid for every scheme (BSP included)" if len(tuned) == 1 else
            "each configuration's own grid (a configuration tunes the keys it sets)")
-  on = ("" if seeds is None else f" The value is chosen on seed(s) {', '.join(map(str, seeds))} "
-        "alone; the other seeds ran at the chosen value only, and the headline tables count "
-        "every seed at it.")
+  on = _seeds_text(tuning, reporting, choices)
   lines = ["## Tuning (disclosed)", "",
            f"Tuned per configuration, over {which}: "
            + "; ".join(f"{k} in {{{', '.join(v)}}}" for k, v in grid.items()) + ". "
@@ -692,15 +736,15 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
            "| " + " | ".join(cfg_cols + [f"chosen {k}" for k in tuned]
                             + ["chosen on", "unhealthy seeds", "seeds that missed",
                                "mean time_to_target", "median final", "values compared",
-                               "at the edge of those"])
-           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 7)]
+                               "at the edge of those", "reported seeds"])
+           + " |", "|" + "---|" * (len(cfg_cols) + len(tuned) + 8)]
   for c in choices:
     lines.append("| " + " | ".join(
         [_fmt(c.get(k), k, metric) for k in cfg_cols] + [str(c["chosen"].get(k)) for k in tuned]
         + [c.get("chosen_on", "test"), str(c["unhealthy_seeds"]), str(c["missed_seeds"]),
            _fmt(c["mean_time_to_target"], "time_to_target"),
            _fmt(c["median_final"], "final", metric), c.get("values") or str(c["candidates"]),
-           _edge_cell(c, ladder)]) + " |")
+           _edge_cell(c, ladder), _reported_cell(c)]) + " |")
   edges = [c for c in choices if c["at_edge"]]
   ends = [c for c in edges if _edge_cell(c, ladder).endswith("the ladder's end")]
   if ends:
@@ -713,6 +757,29 @@ def tuning_section(rows: list[dict], choices: list[dict], metric: str,
                  if ladder else
                  "extend the grid on that side).")]
   return lines
+
+
+def _seeds_text(tuning: tuple[int, ...] | None, reporting: tuple[int, ...] | None,
+                choices: list[dict]) -> str:
+  """The sentence on which seeds choose and which are reported."""
+  if reporting:
+    return (f" The value is chosen on the grid's own seeds alone; reporting seeds "
+            f"{', '.join(map(str, reporting))} were kept apart, each run at the chosen value "
+            "once the configuration's tuning had settled, and the headline tables count those "
+            "seeds alone (a configuration whose reporting trials have not run yet has none).")
+  if tuning is not None:
+    apart = all(c.get("reported_apart") for c in choices)
+    return (f" The value is chosen on seed(s) {', '.join(map(str, tuning))} alone; the other "
+            "seeds ran at the chosen value only, and the headline tables count "
+            + ("those other seeds alone." if apart else
+               "those other seeds alone where they ran, else the seeds that chose."))
+  return (" The grid keeps no seed apart from tuning: the headline tables report the seeds "
+          "that chose the value (sweep.report_on keeps seeds apart).")
+
+
+def _reported_cell(choice: dict) -> str:
+  seeds = choice.get("reported_seeds") or "none yet"
+  return seeds if choice.get("reported_apart") else f"{seeds} (the seeds that chose)"
 
 
 def _ladder_text(ladder: dict[str, list], rows: list[dict], added: set[str]) -> str:

@@ -77,14 +77,21 @@ class Grid(list):
   ``ladders``: per tuned key, the increasing values it may be extended to (:func:`tune`'s
   ``ladder``): where a configuration's best value is an end of those it tried, the runner adds
   the ladder's next value on that side (``gssp_jax.grid_edge``).
+
+  ``report_seeds`` (:func:`report_on`): seeds kept apart for reporting. The grid's own seeds
+  tune (every value, ladders included); once a configuration's tuning has settled, the runner
+  adds its chosen value on each reporting seed (``gssp_jax.grid_edge``), and the report and
+  the claims table count those seeds alone.
   """
 
   def __init__(self, items=(), tuned: Sequence[str] = (), tune_seeds: Sequence[int] | None = None,
-               ladders: dict[str, Sequence[float]] | None = None):
+               ladders: dict[str, Sequence[float]] | None = None,
+               report_seeds: Sequence[int] | None = None):
     super().__init__(items)
     self.tuned = tuple(dict.fromkeys(tuned))
     self.tune_seeds = None if tune_seeds is None else tuple(int(s) for s in tune_seeds)
     self.ladders = {k: tuple(v) for k, v in (ladders or {}).items()}
+    self.report_seeds = None if report_seeds is None else _seeds(report_seeds)
     for key, ladder in self.ladders.items():
       if key not in self.tuned:
         raise ValueError(f"ladders: key {key!r} is not tuned; allowed: the tuned keys "
@@ -93,10 +100,30 @@ class Grid(list):
 
 
 class Trials(list):
-  """:func:`expand`'s trials, with the grid's ``tune_seeds`` and ``ladders`` (for
-  ``sweep.json``)."""
+  """:func:`expand`'s trials, with the grid's ``tune_seeds``, ``ladders`` and ``report_seeds``
+  (for ``sweep.json``)."""
   tune_seeds: tuple[int, ...] | None = None
   ladders: dict[str, tuple] = {}
+  report_seeds: tuple[int, ...] | None = None
+
+
+def _seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+  """``seeds`` as a tuple of distinct ints (at least one)."""
+  if (isinstance(seeds, (str, bytes)) or not isinstance(seeds, Sequence) or not seeds
+      or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+      or len(set(seeds)) < len(seeds)):
+    raise ValueError(f"report_seeds={seeds!r} is invalid; allowed: a list of distinct integers, "
+                     "at least one")
+  return tuple(seeds)
+
+
+def report_on(grid: "Grid", seeds: Sequence[int]) -> "Grid":
+  """``grid`` (with tuned keys) with reporting seeds kept apart from its own, tuning seeds:
+  e.g. ``report_on(product(schemes, tune("optimizer.learning_rate", RATES), sweep("seed",
+  (0, 1, 2))), range(100, 105))`` tunes on seeds 0-2 and reports on seeds 100-104 at each
+  configuration's chosen rate (:class:`Grid`)."""
+  return Grid(grid, tuned=getattr(grid, "tuned", ()), tune_seeds=getattr(grid, "tune_seeds", None),
+              ladders=getattr(grid, "ladders", None), report_seeds=list(seeds))
 
 
 def _tuned(axes) -> tuple[str, ...]:
@@ -307,8 +334,11 @@ def expand(path: str, overrides: dict | None = None, workdir: str | None = None)
     raise ValueError(f"sweep file {path}: ladders with tune_seeds are invalid (the other seeds "
                      "ran at a value chosen before, which an extension could change); allowed: "
                      "one or the other")
+  trials.report_seeds = getattr(grid, "report_seeds", None)
   tuned = tuple(getattr(grid, "tuned", ()))
-  extra = [] if workdir is None else extended_overrides(workdir, grid, trials.ladders)
+  _check_report_seeds(path, grid, tuned, trials)
+  extra = [] if workdir is None else extended_overrides(workdir, grid, trials.ladders,
+                                                         trials.report_seeds)
   for overrides_of_trial, extended in [(o, False) for o in grid] + [(o, True) for o in extra]:
     config = _call(module.get_config, arg)
     _set(config, overrides, f"sweep {path}, --config.*")
@@ -330,6 +360,23 @@ def expand(path: str, overrides: dict | None = None, workdir: str | None = None)
   return trials
 
 
+def _check_report_seeds(path: str, grid: Sequence[dict], tuned: tuple, trials: Trials) -> None:
+  """``report_seeds`` need tuned keys, no ``tune_seeds`` and none of the grid's own seeds."""
+  seeds = trials.report_seeds
+  if seeds is None:
+    return
+  if not tuned:
+    raise ValueError(f"sweep file {path}: report_seeds={list(seeds)} with no tuned key is "
+                     "invalid; allowed: a grid that tunes a key (sweep.tune)")
+  if trials.tune_seeds is not None:
+    raise ValueError(f"sweep file {path}: report_seeds with tune_seeds are invalid; allowed: one "
+                     "or the other (report_seeds: the runner adds the chosen value on them)")
+  shared = sorted({o.get("seed") for o in grid} & set(seeds))
+  if shared:
+    raise ValueError(f"sweep file {path}: report_seeds={list(seeds)} share seed(s) {shared} with "
+                     "the grid's, which tune; allowed: seeds the grid does not run")
+
+
 def extended_records(workdir: str) -> list[dict]:
   """``workdir``'s ``extended.json`` entries, in order: ``name``, ``overrides`` (``[key, value]``
   pairs: the grid's key order, which names the trial; JSON objects are sorted) and ``why``."""
@@ -341,26 +388,42 @@ def extended_records(workdir: str) -> list[dict]:
 
 
 def extended_overrides(workdir: str, grid: Sequence[dict] | None = None,
-                       ladders: dict[str, tuple] | None = None) -> list[dict]:
+                       ladders: dict[str, tuple] | None = None,
+                       report_seeds: Sequence[int] | None = None) -> list[dict]:
   """The trials the grid-edge rule added to ``workdir`` (``extended.json``), in order.
 
-  With ``grid`` and ``ladders`` (the sweep file's), only those that still belong to it: one
-  laddered key differs from a trial of the grid, to a value on that key's ladder. The others
-  (the file dropped their configuration or ladder) stay in the file, unused.
+  With ``grid``, ``ladders`` and ``report_seeds`` (the sweep file's), only those that still
+  belong to it: one laddered key differs from a trial of the grid, to a value on that key's
+  ladder; or (a reporting trial) the seed is a reporting seed and the tuned keys hold values
+  the grid or their ladders have. The others (the file dropped their configuration, ladder or
+  seed) stay in the file, unused.
   """
   added = [dict(t["overrides"]) for t in extended_records(workdir)]
   if grid is None:
     return added
   ladders = ladders or {}
+  return [o for o in added if _on_ladder(o, grid, ladders)
+          or (report_seeds and _reporting_trial(o, grid, ladders, report_seeds))]
 
-  def belongs(o):
-    for key, ladder in ladders.items():
-      if key in o and o[key] in ladder:
-        rest = {k: v for k, v in o.items() if k != key}
-        if any(key in g and {k: v for k, v in g.items() if k != key} == rest for g in grid):
-          return True
+
+def _on_ladder(o: dict, grid: Sequence[dict], ladders: dict[str, tuple]) -> bool:
+  for key, ladder in ladders.items():
+    if key in o and o[key] in ladder:
+      rest = {k: v for k, v in o.items() if k != key}
+      if any(key in g and {k: v for k, v in g.items() if k != key} == rest for g in grid):
+        return True
+  return False
+
+
+def _reporting_trial(o: dict, grid: Sequence[dict], ladders: dict[str, tuple],
+                     report_seeds: Sequence[int]) -> bool:
+  tuned = tuple(getattr(grid, "tuned", ()))
+  if o.get("seed") not in report_seeds:
     return False
-  return [o for o in added if belongs(o)]
+  rest = lambda d: {k: v for k, v in d.items() if k != "seed" and k not in tuned}
+  values = lambda key: {g.get(key) for g in grid} | set(ladders.get(key, ()))
+  return (any(rest(g) == rest(o) for g in grid)
+          and all(o.get(k) in values(k) for k in tuned if k in o))
 
 
 def add_extended(workdir: str, added: Sequence[dict], why: Sequence[str]) -> None:
@@ -585,6 +648,8 @@ def write_grid(workdir: str, path: str, trials: Sequence[Trial],
     record["tune_seeds"] = list(trials.tune_seeds)
   if getattr(trials, "ladders", None):
     record["ladders"] = {k: list(v) for k, v in trials.ladders.items()}
+  if getattr(trials, "report_seeds", None) is not None:
+    record["report_seeds"] = list(trials.report_seeds)
   workdir_lib.write_json(os.path.join(workdir, GRID_FILE), record, default=str)
 
 

@@ -1,0 +1,1 @@
+"""Comparisons over studies: what their trials support (statistics, verdicts, provenance)."""
