@@ -226,6 +226,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "val_time_to_target": _held_out_time(trial, held_out, row_target),
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
+        "bytes_total": totals.get("bytes_total"),   # every leg (None in older records)
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "staleness_data_mean": (final.get("staleness_data") or {}).get("mean"),

@@ -30,12 +30,11 @@ import threading
 from typing import Any, Sequence
 
 from absl import logging
-import numpy as np
 
 from gssp_jax import grid_edge
 from gssp_jax import report
-from gssp_jax import report_figures
 from gssp_jax import sweep as sweep_lib
+from gssp_jax.studies import claims as claims_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,75 +90,14 @@ DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "local_update", "cifar10_tune
                    "local_update_long")
 
 
-@dataclasses.dataclass(frozen=True)
-class Claim:
-  """A paper's claim, and the figures that decide it.
-
-  Attributes:
-    name: the scheme as the table names it.
-    paper: who claims it.
-    statement: the claim, in the paper's terms.
-    scheme: ``(sync.scheme, compress.name)`` of the scheme's trials.
-    min_speedup: the speedup over BSP to the target that the claim needs (median over
-      seeds); None where the claim is not about speed.
-    max_drop_pp: how far below BSP's final accuracy (points) the claim allows; None: not about
-      accuracy.
-    max_bytes_vs_bsp: the most bytes pushed, as a share of BSP's, the claim allows; None: not
-      about communication.
-    baselines: schemes besides BSP the claim is against (``(sync.scheme, compress.name)``):
-      the speedup over each, at its own best rate, must reach ``min_speedup`` too.
-  """
-  name: str
-  paper: str
-  statement: str
-  scheme: tuple[str, str]
-  min_speedup: float | None
-  max_drop_pp: float | None
-  max_bytes_vs_bsp: float | None = None
-  baselines: tuple[tuple[str, str], ...] = ()
-
-
-# The GSSP paper's baselines besides BSP (where a study ran them).
-_ASYNC_BASELINES = (("asp", "none"), ("ssp", "none"))
-# The synchronous local-update baseline that asynchronous Local-SGD and HALoS are set against.
-_DILOCO = (("diloco", "none"),)
-NAMES = {("bsp", "none"): "BSP", ("asp", "none"): "ASP", ("ssp", "none"): "SSP",
-         ("diloco", "none"): "DiLoCo"}
-# When the baselines that the claims of DSSP, asynchronous Local-SGD and HALoS name were added to
-# their verdicts (the table's header discloses it).
-NAMED_BASELINES_ADDED = (
-    "the baselines that the claims of DSSP (SSP), asynchronous Local-SGD and HALoS (DiLoCo) "
-    "name were added to their verdicts on 2026-12-03, after the lost run and the 3-epoch "
-    "local-update study had been seen and before the 8-epoch one ran; a baseline can only "
-    "add a reason for a verdict not to hold; with them, a seed on which the baseline ran past "
-    "the scheme's time to the target without reaching it counts the scheme ahead on that seed "
-    "(before, such a seed was left out, and a claim left with no seed to compare failed)")
-
-CLAIMS = (
-    Claim("GSSP", "the GSSP paper", "46-120 % faster than the baselines, under 1 % accuracy drop",
-          ("gssp", "none"), 1.46, 1.0, baselines=_ASYNC_BASELINES),
-    Claim("GSSP + GDTopK", "the GDTopK paper",
-          "less communication at GSSP's accuracy (judged here: GSSP's speed claim, under 1 % drop)",
-          ("gssp", "gdtopk"), 1.46, 1.0, baselines=_ASYNC_BASELINES),
-    Claim("SSP", "Ho et al. 2013", "faster than BSP at its accuracy", ("ssp", "none"), 1.0, 1.0),
-    Claim("DSSP", "Zhao et al. 2019", "faster than SSP's fixed bound, at BSP's accuracy",
-          ("dssp", "none"), 1.0, 1.0, baselines=(("ssp", "none"),)),
-    Claim("DS-Sync", "the DS-Sync paper", "BSP's accuracy in less time", ("dssync", "none"),
-          1.0, 1.0),
-    Claim("CASP (Petrel)", "the Petrel paper", "up to 1.87x faster convergence",
-          ("casp", "none"), 1.0, 1.0),
-    Claim("InHAD", "the InHAD paper", "faster than BSP on heterogeneous workers, at its accuracy",
-          ("inhad", "none"), 1.0, 1.0),
-    Claim("DiLoCo", "Douillard et al. 2023",
-          "as good as synchronous training while communicating H times less (H = 8 here)",
-          ("diloco", "none"), None, 1.0, 1.0 / 8 * 1.05),
-    Claim("Asynchronous Local-SGD", "Liu et al. 2024",
-          "matches synchronous DiLoCo in less wall time on heterogeneous workers",
-          ("async_local_sgd", "none"), 1.0, 1.0, baselines=_DILOCO),
-    Claim("HALoS", "the HALoS paper",
-          "up to 7.5x faster than synchronous methods, at synchronous quality",
-          ("halos", "none"), 1.0, 1.0, baselines=_DILOCO),
-)
+# Disclosed in the table's header: when the claims took the form they are judged in.
+CLAIMS_RESTATED = (
+    "the claims were restated as their papers state them (each against the scheme its paper "
+    "names: InHAD against ASP, DSSP against SSP, GDTopK by the accuracy it recovers over GSSP "
+    "and its traffic; GSSP against BSP and ASP), with intervals and three-way verdicts, on "
+    "2026-12-06 (issue 59), after the earlier table of 277 trials had been seen and before "
+    "the rerun under this protocol")
+CLAIMS = claims_lib.CLAIMS
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -326,247 +264,49 @@ def _running(workdir: str, name: str) -> bool:
 # -- the claims table ---------------------------------------------------------------------------
 
 
-def _scheme(row: dict) -> tuple[str, str]:
-  return (row["_overrides"].get("sync.scheme", row.get("sync.scheme")),
-          row["_overrides"].get("compress.name", "none"))
-
-
-def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
-  """Per scheme of a study's trials, at its best tuned value: the figures the claims use."""
-  rows = report.collect(workdir)
-  selected, choices = report.select_tuned(rows, report.tune_seeds(workdir))
-  chosen = {_scheme({"_overrides": c}): c["chosen"] for c in choices}
-  out = {}
-  aggs = report.aggregate(selected)
-  bsp = next((a for a in aggs if _scheme(a) == ("bsp", "none")), None)
-  trials = collections.defaultdict(list)
-  for r in selected:
-    trials[_scheme(r)].append(r)
-  for agg in aggs:
-    key = _scheme(agg)
-    delta = agg["delta_vs_bsp"]
-    if delta is None and bsp and agg["final"] is not None and bsp["final"] is not None:
-      # No BSP trial shares its other swept keys (a local-update scheme's outer and inner
-      # optimizer settings): its mean final metric against BSP's, each at its best.
-      delta = agg["final"] - bsp["final"]
-    out[key] = {
-        "seeds": agg["seeds"], "reached": agg["time_to_target_n"],
-        "speedup_median": agg["speedup_vs_bsp_median"], "speedup_min": agg["speedup_vs_bsp_min"],
-        "speedup_max": agg["speedup_vs_bsp_max"], "speedup_n": agg["speedup_vs_bsp_n"],
-        "delta_pp": None if delta is None else 100.0 * delta,
-        "final": agg["final"], "target": agg["target"],
-        "bytes_vs_bsp": (agg["bytes_pushed"] / bsp["bytes_pushed"]
-                         if bsp and agg["bytes_pushed"] and bsp["bytes_pushed"] else None),
-        "unhealthy": agg["collapsed"] + agg["diverged"], "chosen": chosen.get(key),
-        "bsp_reached": bsp["time_to_target_n"] if bsp else 0,
-        "times": {r["seed"]: r["time_to_target"] for r in trials[key]},
-        "ends": {r["seed"]: _end_time(r) for r in trials[key]},
-        "at_equal_time": (None if key == ("bsp", "none")
-                          else delta_at_equal_time(trials[key], trials[("bsp", "none")]))}
-  base = out.get(("bsp", "none"))
-  for key, fig in out.items():   # the same for the speedup, per seed, where no BSP trial matched
-    if fig["speedup_median"] is None and fig["reached"] and base is not None and key != (
-        "bsp", "none"):
-      over = speedup_over(fig, base, ahead=False)   # the report's rule: seeds both reached
-      if over is not None:
-        fig.update(speedup_median=over["median"], speedup_min=over["min"],
-                   speedup_max=over["max"], speedup_n=over["n"])
-  return out
-
-
-def _end_time(row: dict) -> float | None:
-  """A healthy trial's virtual time at its end (its final evaluation's, ``report.collect``'s
-  ``virtual_time``); None for an unhealthy one."""
-  return None if row["status"] in report.UNHEALTHY else row["virtual_time"]
-
-
-def speedup_over(fig: dict[str, Any], base: dict[str, Any], *, ahead: bool = True
-                 ) -> dict[str, Any] | None:
-  """``fig``'s per-seed speedup over ``base``: median, min, max, over how many seeds (``n``), and
-  on how many of them ``fig`` is ahead (``ahead``); None where no seed compares.
-
-  A seed compares where ``fig`` reached the target and ``base`` did too (its time to target
-  over ``fig``'s), or, with ``ahead``, where ``base`` ran healthy past ``fig``'s time to target
-  (its ``ends``) without reaching it: ``fig`` is ahead there, a speedup of ``inf``. A seed
-  where ``base`` ended sooner without reaching the target says nothing, and is left out.
-  """
-  ratios, leads = [], 0
-  for seed, t in fig["times"].items():
-    if not t:
-      continue
-    theirs, end = base["times"].get(seed), base.get("ends", {}).get(seed)
-    if theirs:
-      ratios.append(theirs / t)
-    elif ahead and end is not None and end >= t:
-      leads += 1
-  if not ratios and not leads:
-    return None
-  ratios = sorted(ratios) + [float("inf")] * leads
-  # With seeds ahead, of two middle values the lower (never the mean of a finite one and inf).
-  middle = statistics.median_low(ratios) if leads else statistics.median(ratios)
-  return {"median": middle, "min": ratios[0], "max": ratios[-1], "n": len(ratios),
-          "ahead": leads}
-
-
-def metric_at(metrics: list[dict], metric: str, t: float) -> float | None:
-  """``metric`` at virtual time ``t``, interpolated linearly between the evaluations around it;
-  None outside the evaluated span or where no evaluation has both."""
-  return _value_at(report_figures.timed_series(metrics, metric), t)
-
-
-def _value_at(series: np.ndarray, t: float) -> float | None:
-  """:func:`metric_at` on a :func:`report_figures.timed_series`."""
-  if not len(series) or not series[0, 0] <= t <= series[-1, 0]:
-    return None
-  return float(np.interp(t, series[:, 0], series[:, 1]))
-
-
-def delta_at_equal_time(rows: Sequence[dict], base_rows: Sequence[dict]
-                        ) -> dict[str, Any] | None:
-  """Per seed that both ran to the end healthy: the trial's metric minus the baseline's, each at
-  the earlier of the two runs' last evaluations (virtual time), in points; median, min, max and
-  how many seeds. None where no seed has both.
-
-  A scheme that finishes its epochs sooner in virtual time ends with fewer seconds of training
-  than BSP, so its final accuracy after the same epochs understates it; this compares the two
-  at the same virtual time instead. It informs and does not decide: the verdicts use the final
-  accuracy, as declared before the runs.
-  """
-  base = {r["seed"]: r for r in base_rows if r["status"] not in report.UNHEALTHY}
-  deltas = []
-  for row in rows:
-    other = base.get(row["seed"])
-    if other is None or row["status"] in report.UNHEALTHY:
-      continue
-    mine, theirs = (report_figures.timed_series(r["_metrics"], r["metric"]) for r in (row, other))
-    if not len(mine) or not len(theirs):
-      continue
-    t = min(mine[-1, 0], theirs[-1, 0])   # the earlier of the two runs' last evaluations
-    mine, theirs = _value_at(mine, t), _value_at(theirs, t)
-    if mine is not None and theirs is not None:
-      deltas.append(100.0 * (mine - theirs))
-  if not deltas:
-    return None
-  deltas.sort()
-  return {"median": statistics.median(deltas), "min": deltas[0], "max": deltas[-1],
-          "n": len(deltas)}
-
-
-def verdict(claim: Claim, fig: dict[str, Any] | None) -> str:
-  """One sentence on whether ``claim`` holds for these figures, and why not where it does not."""
-  if fig is None:
-    return "not run in this study"
-  if claim.scheme == ("bsp", "none"):
-    return "the baseline"
-  why = []
-  if fig["unhealthy"]:
-    why.append(f"{fig['unhealthy']} of {fig['seeds']} seeds collapsed or diverged")
-  if claim.min_speedup is not None:
-    if fig["speedup_median"] is None and not fig["bsp_reached"]:
-      why.append("BSP never reached the target either, so there is no speedup to compare")
-    elif fig["speedup_median"] is None:
-      why.append("it never reached the target on a seed where BSP did (no speedup)")
-    elif fig["speedup_median"] < claim.min_speedup:
-      why.append(f"its median speedup {fig['speedup_median']:.2f}x is below the "
-                 f"{claim.min_speedup:.2f}x the claim needs")
-    if 0 < fig["reached"] < fig["seeds"]:   # its own seeds (where BSP missed, not its doing)
-      why.append(f"only {fig['reached']} of {fig['seeds']} seeds reached the target")
-    for name, over in fig.get("vs", {}).items():
-      if over is None:
-        why.append(f"no seed where both it and {name} reached the target (no speedup over "
-                   f"{name})")
-      elif over["median"] < claim.min_speedup:
-        why.append(f"its median speedup over {name}, {over['median']:.2f}x, is below the "
-                   f"{claim.min_speedup:.2f}x")
-  if claim.max_drop_pp is not None:
-    if fig["delta_pp"] is None:
-      why.append("there is no final accuracy of it and BSP's to compare")
-    elif fig["delta_pp"] < -claim.max_drop_pp:
-      why.append(f"it ends {-fig['delta_pp']:.2f} points below BSP, more than the "
-                 f"{claim.max_drop_pp:g} allowed")
-  if claim.max_bytes_vs_bsp is not None:
-    if fig["bytes_vs_bsp"] is None:
-      why.append("there are no bytes of it and BSP's to compare")
-    elif fig["bytes_vs_bsp"] > claim.max_bytes_vs_bsp:
-      why.append(f"it pushes {fig['bytes_vs_bsp']:.3f} of BSP's bytes, more than the "
-                 f"{claim.max_bytes_vs_bsp:.3f} the claim allows")
-  if not why:
-    return "holds here"
-  return "does not hold here: " + "; ".join(why)
-
-
-def _cell(fig: dict[str, Any] | None) -> str:
-  if fig is None:
-    return "–"
-  parts = []
-  if fig["speedup_median"] is not None:
-    parts.append(f"{fig['speedup_median']:.2f}x ({fig['speedup_min']:.2f}-"
-                 f"{fig['speedup_max']:.2f}, {fig['speedup_n']}/{fig['seeds']} seeds)")
-  else:
-    parts.append(f"never at target ({fig['reached']}/{fig['seeds']} seeds reached it)")
-  for name, over in fig.get("vs", {}).items():
-    parts.append(_over_text(name, over))
-  if fig["delta_pp"] is not None:
-    parts.append(f"{fig['delta_pp']:+.2f} pp")
-  equal = fig.get("at_equal_time")
-  if equal is not None:
-    parts.append(f"{equal['median']:+.2f} pp at equal virtual time ({equal['min']:+.2f} to "
-                 f"{equal['max']:+.2f})")
-  if fig["bytes_vs_bsp"] is not None:
-    parts.append(f"{fig['bytes_vs_bsp']:.2f}x bytes")
-  chosen = {k: v for k, v in (fig["chosen"] or {}).items() if v is not None}
-  if chosen:   # each key by its last part, unless two share it (an outer and an inner rate)
-    short = [k.split(".")[-1] for k in chosen]
-    parts.append("at " + ", ".join(f"{s if short.count(s) == 1 else k}={v}"
-                                   for s, (k, v) in zip(short, chosen.items())))
-  return "; ".join(parts)
-
-
-def _over_text(name: str, over: dict[str, Any] | None) -> str:
-  """A cell's speedup over another baseline (:func:`speedup_over`)."""
-  if over is None:
-    return f"over {name} –"
-  x = lambda v: "inf" if v == float("inf") else f"{v:.2f}"
-  text = f"over {name} {x(over['median'])}x ({x(over['min'])}-{x(over['max'])})"
-  if over.get("ahead"):
-    text += (f", ahead on {over['ahead']} of {over['n']} seeds where {name} ran past its time "
-             "without reaching the target")
-  return text
-
-
 def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
-  """One row per claim and study: its figures and the verdict (studies with no report: none)."""
+  """One row per claim and study: its figures, comparisons and verdict (studies with no
+  finished trial: none)."""
   rows = []
   for study in studies:
-    workdir = os.path.join(root, "runs", study.name)
     try:
-      figs = figures(workdir)
-    except ValueError:   # nothing finished yet
-      continue
+      figs = claims_lib.figures(os.path.join(root, "runs", study.name))
+    except ValueError as e:
+      if "two reported trials" in str(e):
+        raise
+      continue   # nothing finished yet
     for claim in CLAIMS:
       fig = figs.get(claim.scheme)
       if fig is None:
         continue
-      fig = {**fig, "vs": {NAMES[b]: speedup_over(fig, figs[b]) for b in claim.baselines
-                           if b in figs}}
+      vs = claims_lib.against(claim, figs)
+      verdict, why = claims_lib.judge_claim(claim, fig, vs)
+      first = next(iter(vs.values()))
+      est = lambda k: None if first is None else first[k]
       rows.append({"claim": claim.name, "paper": claim.paper, "statement": claim.statement,
-                   "study": study.name, "protocol": study.protocol, "cell": _cell(fig),
-                   "verdict": verdict(claim, fig), **{k: v for k, v in fig.items()
-                                                      if k not in ("chosen", "bsp_reached",
-                                                                   "times", "ends", "vs",
-                                                                   "at_equal_time")},
-                   "speedup_over_others": _json(fig["vs"]) if fig["vs"] else "",
-                   "delta_equal_time_pp": (None if fig["at_equal_time"] is None
-                                           else fig["at_equal_time"]["median"]),
-                   "chosen": json.dumps(fig["chosen"]) if fig["chosen"] else ""})
+                   "study": study.name, "protocol": study.protocol,
+                   "against": claims_lib.name(claim.reference), "seeds": fig["n"],
+                   "seeds_apart": bool(fig["apart"]), "reached": fig["reached"],
+                   "unhealthy": fig["unhealthy"], "target": fig["target"],
+                   **_estimate_columns("speedup", est("speedup")),
+                   **_estimate_columns("gap_pp", est("gap")),
+                   **_estimate_columns("equal_time_gap_pp", est("equal_time")),
+                   **_estimate_columns("bytes_ratio", est("bytes")),
+                   "bytes_measure": est("bytes_measure"),
+                   "comparisons": claims_lib.estimates_json(vs),
+                   "chosen": json.dumps(fig["chosen"]) if fig["chosen"] else "",
+                   "cell": claims_lib.cell(claim, fig, vs), "verdict": verdict,
+                   "why": "; ".join(why)})
   return rows
 
 
-def _json(value) -> str:
-  """``value`` as standard JSON: an infinite speedup (a seed ahead) as the string "inf"."""
-  finite = lambda v: "inf" if isinstance(v, float) and v == float("inf") else v
-  return json.dumps({k: None if o is None else {f: finite(v) for f, v in o.items()}
-                     for k, o in value.items()}, allow_nan=False)
+def _estimate_columns(prefix: str, estimate) -> dict[str, Any]:
+  """``prefix_median``, ``_lo``, ``_hi``, ``_n`` of an ``evidence.Estimate`` (None: empty);
+  an infinity as ``inf``."""
+  fields = ("median", "lo", "hi", "n")
+  if estimate is None:
+    return {f"{prefix}_{f}": None for f in fields}
+  return {f"{prefix}_{f}": v for f, v in estimate.as_dict().items()}
 
 
 def _machine(trial_dir: str) -> str:
@@ -601,10 +341,11 @@ def costs(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
   return rows
 
 
-CSV_COLUMNS = ("claim", "paper", "statement", "study", "protocol", "seeds", "reached",
-               "speedup_median", "speedup_min", "speedup_max", "speedup_n",
-               "speedup_over_others", "delta_pp", "delta_equal_time_pp",
-               "bytes_vs_bsp", "unhealthy", "chosen", "target", "verdict")
+CSV_COLUMNS = ("claim", "paper", "statement", "study", "protocol", "against", "seeds",
+               "seeds_apart", "reached", "unhealthy",
+               *(f"{p}_{f}" for p in ("speedup", "gap_pp", "equal_time_gap_pp", "bytes_ratio")
+                 for f in ("median", "lo", "hi", "n")),
+               "bytes_measure", "comparisons", "chosen", "target", "verdict", "why")
 
 
 def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
@@ -637,15 +378,16 @@ def _head_lines(ran: Sequence[Study], cost: list[dict],
   (``waiting``: each study asked for that has no claim's figures yet, with its :func:`costs`)."""
   lines = ["# The papers' claims, measured", "",
            "Generated by `python -m experiments.reproduce` from the trials under its `--out` "
-           "directory's `runs/`; nothing here is typed by hand. Each cell: the median speedup "
-           "over BSP to the study's target (min-max over seeds, and how many seeds it is over), "
-           "the final accuracy against BSP's in points, the accuracy against BSP's at equal "
-           "virtual time (median and min to max over seeds, each seed at the earlier of the two "
-           "runs' ends: a scheme that finishes its epochs sooner has trained fewer virtual "
-           "seconds; this figure informs and does not decide, added on 2026-11-28 after the "
-           "CIFAR-10 study had been seen), bytes pushed against BSP's, and the "
-           "rate it ran at. Under \"tuned\" every scheme, BSP included, is at its own best "
-           f"rate ({report.TUNING_CRITERION}). Disclosed: {NAMED_BASELINES_ADDED}.", "",
+           "directory's `runs/`; nothing here is typed by hand. Each cell: how many seeds are "
+           "reported (kept apart from those that chose the rates, unless it says otherwise) and "
+           "how many reached the target; then, against each scheme the claim names, the median "
+           "over seeds of the per-seed speedup to the study's target with its 95 % interval in "
+           "brackets, and against the first of them the final accuracy gap, the gap at equal "
+           "virtual time (each seed at the earlier of the two runs' ends: a scheme that "
+           "finishes its epochs sooner has trained fewer virtual seconds; it informs and does "
+           "not decide) and the traffic ratio, each with its interval; and the rate it ran at. "
+           "Under \"tuned\" every scheme, BSP included, is at its own best rate "
+           f"({report.TUNING_CRITERION}). Disclosed: {CLAIMS_RESTATED}.", "",
            "Studies:", ""]
   lines += [f"- `{s.name}` ({s.protocol}): {s.title}; `{s.sweep}`" for s in ran]
   partial = [c for c in cost if c["finished"] < c["trials"]]
@@ -668,31 +410,19 @@ def _table_lines(rows: list[dict], ran: Sequence[Study], partial: set = frozense
   lines = ["", "| claim | paper says | " + " | ".join(f"`{s.name}`" for s in ran) + " |",
            "|---|---|" + "---|" * len(ran)]
   for claim in CLAIMS:
-    cells = {r["study"]: f"{r['cell']}. **{r['verdict'][0].upper()}{r['verdict'][1:]}.**"
+    cells = {r["study"]: f"{r['cell']}. **{_sentence(r)}.**"
              for r in rows if r["claim"] == claim.name}
     if cells:
       lines.append(f"| {claim.name} | {claim.statement} ({claim.paper}) | "
                    + " | ".join(cells.get(s.name, "no finished trial yet, or not in this study"
                                           if s.name in partial else "not in this study")
                                 for s in ran) + " |")
-  return lines + [
-      "", "A claim holds here when its median speedup over BSP reaches what it needs (GSSP's "
-      "lower end, 1.46x; otherwise faster than BSP), and so does its median speedup over each "
-      f"other baseline the claim names ({_named_baselines()}; each at its own best rate, per "
-      "seed, a seed on which the baseline ran past the scheme's time to the target without "
-      "reaching it counting the scheme ahead), no seed collapsed, every seed reached the "
-      "target, and it ends at most the allowed points below BSP (1 unless the claim says "
-      "otherwise). These are statements about these studies' settings only."]
+  return lines + ["", claims_lib.footer()]
 
 
-def _named_baselines() -> str:
-  """``GSSP's: ASP and SSP; ...``: the baselines besides BSP that each claim names."""
-  by = collections.defaultdict(list)
-  for claim in CLAIMS:
-    if claim.baselines:
-      by[" and ".join(NAMES[b] for b in claim.baselines)].append(claim.name)
-  return "; ".join(" and ".join(f"{n}'s" for n in names) + ": " + against
-                   for against, names in by.items())
+def _sentence(row: dict) -> str:
+  text = claims_lib.verdict_text(row["verdict"], row["why"].split("; ") if row["why"] else [])
+  return text[0].upper() + text[1:]
 
 
 def _cost_lines(cost: list[dict]) -> list[str]:
@@ -712,36 +442,47 @@ def _cost_lines(cost: list[dict]) -> list[str]:
 
 
 def _plot(rows: list[dict], studies: Sequence[Study], path: str) -> str:
-  """Median speedup over BSP per claim and study, with the seeds' range."""
+  """Median speedup per claim and study, against the scheme the claim names first, with its
+  95 % interval; an infinite end drawn at the top edge, marked."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  names = [c.name for c in CLAIMS if any(r["claim"] == c.name for r in rows)]
-  fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 3.6))
+  names = [c.name for c in CLAIMS if any(r["claim"] == c.name and r["speedup_median"]
+                                         is not None for r in rows)]
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 3.8))
+  finite = [float(r[k]) for r in rows for k in ("speedup_lo", "speedup_hi", "speedup_median")
+            if r[k] is not None and r[k] != "inf"]
+  top = max([2.0] + finite) * 1.15
   width = 0.8 / max(1, len(studies))
   for i, study in enumerate(studies):
     labelled = False
-    for j, name in enumerate(names):
-      r = next((r for r in rows if r["claim"] == name and r["study"] == study.name), None)
+    for j, claim_name in enumerate(names):
+      r = next((r for r in rows if r["claim"] == claim_name and r["study"] == study.name), None)
       if r is None or r["speedup_median"] is None:
         continue
       x = j + (i - (len(studies) - 1) / 2) * width
-      ax.bar(x, r["speedup_median"], width, color=f"C{i}",
-             label=None if labelled else study.name)
+      median, lo, hi = (top if r[k] == "inf" else float(r[k])
+                        for k in ("speedup_median", "speedup_lo", "speedup_hi"))
+      ax.bar(x, median, width, color=f"C{i}", label=None if labelled else study.name)
       labelled = True
-      ax.errorbar(x, r["speedup_median"], yerr=[[r["speedup_median"] - r["speedup_min"]],
-                                                [r["speedup_max"] - r["speedup_median"]]],
-                  color="black", capsize=2, linewidth=0.8)
-  needs = [(j, c.min_speedup) for j, name in enumerate(names) for c in CLAIMS
-           if c.name == name and c.min_speedup is not None and c.min_speedup > 1.0]
+      ax.errorbar(x, median, yerr=[[median - lo], [hi - median]], color="black", capsize=2,
+                  linewidth=0.8)
+      if "inf" in (r["speedup_median"], r["speedup_hi"]):
+        ax.annotate("inf", (x, top), ha="center", va="bottom", fontsize=6)
+  needs = [(j, c.min_speedup) for j, n in enumerate(names) for c in CLAIMS
+           if c.name == n and c.min_speedup is not None]
   for k, (j, need) in enumerate(needs):   # what each claim needs, where it names a speedup
     ax.hlines(need, j - 0.45, j + 0.45, colors="red", linestyles="dashed", linewidth=1.0,
               label="what the claim needs" if k == 0 else None)
   ax.axhline(1.0, color="grey", linewidth=0.8)
-  ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-  ax.set_ylabel("speedup over BSP to target")
+  ax.set_ylim(0, top * 1.08)
+  ax.set_xticks(range(len(names)),
+                [f"{n}\nvs {r}" for n, r in ((n, next(c for c in CLAIMS if c.name == n))
+                                              for n in names)
+                 for r in [claims_lib.name(r.reference)]], rotation=20, ha="right", fontsize=7)
+  ax.set_ylabel("speedup to target (median, 95 % interval)")
   if ax.get_legend_handles_labels()[0]:
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

@@ -17,6 +17,7 @@ import pytest
 from gssp_jax import report
 from gssp_jax import reproduce
 from gssp_jax import sweep
+from gssp_jax.studies import claims
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -79,20 +80,20 @@ def test_reproduce_plans_runs_resumes_after_an_interrupt_and_writes_the_claims_t
   for name in _finished(runs):
     assert sweep.trial_seconds(os.path.join(runs, name)) > 0
 
-  # The table: GSSP's figures are the report's, its verdict follows from them.
+  # The table: GSSP's figures are the per-seed comparison's, its verdict follows from them.
   with open(out / "claims.csv") as f:
     (row,) = [r for r in csv.DictReader(f) if r["claim"] == "GSSP"]
-  with open(out / "tiny" / "summary.csv") as f:
-    (gssp,) = [r for r in csv.DictReader(f) if r["sync.scheme"] == "gssp"]
-  assert row["study"] == "tiny" and row["seeds"] == "2"
-  for mine, theirs in (("speedup_median", "speedup_vs_bsp_median"),
-                       ("speedup_min", "speedup_vs_bsp_min")):
-    assert (float(row[mine]) if row[mine] else None) == pytest.approx(
-        float(gssp[theirs]) if gssp[theirs] else None)
-  assert float(row["delta_pp"]) == pytest.approx(100 * float(gssp["delta_vs_bsp"]))
+  assert row["study"] == "tiny" and row["seeds"] == "2" and row["against"] == "BSP"
   claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
-  fig = reproduce.figures(runs)[("gssp", "none")]
-  assert row["verdict"] == reproduce.verdict(claim, fig)
+  figs = claims.figures(runs)
+  vs = claims.against(claim, figs)
+  speedup = vs["BSP"]["speedup"]
+  assert (row["speedup_median"] or None) == (None if speedup is None else str(speedup.median))
+  gap = vs["BSP"]["gap"]
+  assert float(row["gap_pp_lo"]) == pytest.approx(gap.lo) and row["gap_pp_n"] == "2"
+  verdict, why = claims.judge_claim(claim, figs[("gssp", "none")], vs)
+  assert (row["verdict"], row["why"]) == (verdict, "; ".join(why))
+  assert verdict == "inconclusive"   # two seeds: fewer than a verdict needs
   md = (out / "claims.md").read_text()
   assert "| GSSP | 46-120 % faster" in md and (out / "claims.png").stat().st_size > 0
   assert "Tuning (disclosed)" in (out / "tiny" / "report.md").read_text()
@@ -168,93 +169,19 @@ def test_a_document_without_the_markers_is_refused_before_anything_is_copied(tmp
   assert "body ![x](dest/claims.png)" in doc.read_text()
 
 
-def test_verdicts_follow_the_figures():
-  claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
-  fig = {"seeds": 3, "reached": 3, "speedup_median": 1.5, "speedup_min": 1.2,
-         "speedup_max": 2.0, "speedup_n": 3, "delta_pp": -0.5, "bytes_vs_bsp": 1.0,
-         "unhealthy": 0, "bsp_reached": 3}
-  assert reproduce.verdict(claim, fig) == "holds here"
-  assert "below the 1.46x" in reproduce.verdict(claim, {**fig, "speedup_median": 1.2})
-  assert "0.70 points below BSP" not in reproduce.verdict(claim, {**fig, "delta_pp": -0.7})
-  assert "1.50 points below BSP" in reproduce.verdict(claim, {**fig, "delta_pp": -1.5})
-  assert "2 of 3 seeds reached" in reproduce.verdict(claim, {**fig, "reached": 2,
-                                                               "speedup_n": 2})
-  # A seed where BSP missed the target leaves the speedup over fewer seeds, not the claim's.
-  assert reproduce.verdict(claim, {**fig, "speedup_n": 2}) == "holds here"
-  assert "1 of 3 seeds collapsed" in reproduce.verdict(claim, {**fig, "unhealthy": 1})
-  assert "BSP never reached" in reproduce.verdict(
-      claim, {**fig, "speedup_median": None, "bsp_reached": 0})
-  diloco = next(c for c in reproduce.CLAIMS if c.name == "DiLoCo")
-  assert reproduce.verdict(diloco, {**fig, "speedup_median": None, "bytes_vs_bsp": 0.12}) == \
-      "holds here"
-  assert "more than the 0.131" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": 0.5})
-  assert reproduce.verdict(claim, None) == "not run in this study"
-  # Without a final accuracy (or bytes) to set against BSP's, a claim that bounds them does not
-  # hold: no evidence is not a pass.
-  assert "no final accuracy of it and BSP's to compare" in reproduce.verdict(
-      diloco, {**fig, "speedup_median": None, "bytes_vs_bsp": 0.12, "delta_pp": None})
-  assert "no bytes of it and BSP's" in reproduce.verdict(diloco, {**fig, "bytes_vs_bsp": None})
-  # Against the claim's other baselines too: each at its own best rate, per seed.
-  over = reproduce.speedup_over({"times": {0: 10.0, 1: 20.0, 2: None}},
-                                {"times": {0: 12.0, 1: 40.0, 2: 30.0}})
-  assert over == {"median": 1.6, "min": 1.2, "max": 2.0, "n": 2, "ahead": 0}
-  assert reproduce.verdict(claim, {**fig, "vs": {"SSP": over}}) == "holds here"
-  assert "its median speedup over ASP, 1.20x, is below the 1.46x" in reproduce.verdict(
-      claim, {**fig, "vs": {"ASP": {**over, "median": 1.2}, "SSP": over}})
-  assert "no speedup over SSP" in reproduce.verdict(claim, {**fig, "vs": {"SSP": None}})
-  assert reproduce.speedup_over({"times": {0: None}}, {"times": {0: 1.0}}) is None
-
-
-def test_a_baseline_that_ran_past_the_schemes_time_without_reaching_the_target_is_behind():
-  """Per seed against another baseline: where it never reached the target but ran past the
-  scheme's time to it, the scheme is ahead (an infinite speedup); where it ended sooner, the
-  seed says nothing; the median of two middle values with one of them infinite is the lower."""
-  fig = {"times": {0: 10.0, 1: 20.0, 2: 15.0, 3: None}}
-  base = {"times": {0: 12.0, 1: None, 2: None, 3: 9.0}, "ends": {0: 50.0, 1: 30.0, 2: 14.0,
-                                                                 3: 50.0}}
-  over = reproduce.speedup_over(fig, base)
-  inf = float("inf")
-  assert over == {"median": 1.2, "min": 1.2, "max": inf, "n": 2, "ahead": 1}
-  # Without the ends (or with ahead=False, the speedup over BSP's rule), seed 1 is left out.
-  assert reproduce.speedup_over(fig, {"times": base["times"]})["n"] == 1
-  assert reproduce.speedup_over(fig, base, ahead=False) == {
-      "median": 1.2, "min": 1.2, "max": 1.2, "n": 1, "ahead": 0}
-  # Ahead on every seed it reached: the claim holds against that baseline.
-  only_ahead = reproduce.speedup_over({"times": {0: 5.0, 1: 6.0}},
-                                      {"times": {0: None, 1: None}, "ends": {0: 9.0, 1: 9.0}})
-  assert only_ahead == {"median": inf, "min": inf, "max": inf, "n": 2, "ahead": 2}
-  halos = next(c for c in reproduce.CLAIMS if c.name == "HALoS")
-  fig = {"seeds": 2, "reached": 2, "speedup_median": 1.3, "speedup_min": 1.2,
-         "speedup_max": 1.4, "speedup_n": 2, "delta_pp": -0.5, "bytes_vs_bsp": 0.2,
-         "unhealthy": 0, "bsp_reached": 2}
-  assert reproduce.verdict(halos, {**fig, "vs": {"DiLoCo": only_ahead}}) == "holds here"
-  assert "no speedup over DiLoCo" in reproduce.verdict(halos, {**fig, "vs": {"DiLoCo": None}})
-  cell = reproduce._cell(  # pylint: disable=protected-access
-      {**fig, "chosen": None, "vs": {"DiLoCo": over}})
-  assert ("over DiLoCo 1.20x (1.20-inf), ahead on 1 of 2 seeds where DiLoCo ran past its time "
-          "without reaching the target") in cell
-  written = reproduce._json({"DiLoCo": over, "SSP": None})  # pylint: disable=protected-access
-  assert json.loads(written) == {"DiLoCo": {**over, "max": "inf"}, "SSP": None}
-
-
-def test_each_claim_is_judged_against_the_baselines_it_names():
-  """DSSP's claim names SSP, asynchronous Local-SGD's and HALoS's DiLoCo (synchronous local
-  updates): a speedup over BSP alone does not make them hold; the table's rule says so."""
-  named = {c.name: [reproduce.NAMES[b] for b in c.baselines] for c in reproduce.CLAIMS}
-  assert named["DSSP"] == ["SSP"]
-  assert named["Asynchronous Local-SGD"] == named["HALoS"] == ["DiLoCo"]
-  assert named["GSSP"] == named["GSSP + GDTopK"] == ["ASP", "SSP"]
-  fig = {"seeds": 3, "reached": 3, "speedup_median": 1.2, "speedup_min": 1.1,
-         "speedup_max": 1.3, "speedup_n": 3, "delta_pp": -0.2, "bytes_vs_bsp": 1.0,
-         "unhealthy": 0, "bsp_reached": 3}
-  dssp = next(c for c in reproduce.CLAIMS if c.name == "DSSP")
-  slower = {"median": 0.9, "min": 0.8, "max": 1.0, "n": 3, "ahead": 0}
-  assert "its median speedup over SSP, 0.90x, is below the 1.00x" in reproduce.verdict(
-      dssp, {**fig, "vs": {"SSP": slower}})
-  assert reproduce.verdict(dssp, {**fig, "vs": {"SSP": {**slower, "median": 1.05}}}) == \
-      "holds here"
+def test_each_claim_is_judged_against_the_scheme_its_paper_names():
+  """InHAD against ASP, DSSP against SSP, GDTopK against GSSP (the accuracy it recovers and its
+  traffic), GSSP against BSP and ASP, the asynchronous local-update schemes against BSP and
+  DiLoCo; the table's footer says so."""
+  by = {c.name: [claims.name(c.reference)] + [claims.name(b) for b in c.baselines]
+        for c in reproduce.CLAIMS}
+  assert by["InHAD"] == ["ASP"] and by["DSSP"] == ["SSP"] and by["GSSP + GDTopK"] == ["GSSP"]
+  assert by["GSSP"] == ["BSP", "ASP"]
+  assert by["Asynchronous Local-SGD"] == by["HALoS"] == ["BSP", "DiLoCo"]
+  gdtopk = next(c for c in reproduce.CLAIMS if c.name == "GSSP + GDTopK")
+  assert (gdtopk.min_speedup, gdtopk.min_gain_pp, gdtopk.max_bytes) == (None, 0.0, 1.0)
   lines = reproduce._table_lines([], [])   # pylint: disable=protected-access
-  assert ("DSSP's: SSP; Asynchronous Local-SGD's and HALoS's: DiLoCo" in lines[-1])
+  assert "InHAD: against ASP" in lines[-1] and "HALoS: against BSP and DiLoCo" in lines[-1]
 
 
 def test_unknown_studies_are_refused_naming_the_allowed_ones():
@@ -265,29 +192,27 @@ def test_unknown_studies_are_refused_naming_the_allowed_ones():
     assert sweep.expand(os.path.join(REPO, study.sweep))
 
 
-def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_at_its_best(tmp_path):
-  """A local-update scheme's figures against BSP's: its mean final accuracy and its per-seed
-  speedup, each at its best, where the report's per-trial match finds no BSP trial; the cell
-  names both rates in full (their last parts clash) and leaves out the ones a scheme lacks."""
+def test_a_scheme_no_bsp_trial_matches_is_set_against_bsp_seed_by_seed(tmp_path):
+  """A local-update scheme's figures against BSP's, each at its best, seed by seed, where no
+  BSP trial shares its other swept keys; the cell names both rates in full (their last parts
+  clash)."""
   from tests.test_fair import _trial  # pylint: disable=g-import-not-at-top
   root = tmp_path / "sweep"
   for seed in (0, 1):
     _trial(root, "bsp", seed, 0.05, [0.9, 0.97, 0.99, 0.99])      # at 25.0, final 0.99
-    # DiLoCo: its outer and inner optimizer settings swept, so no BSP trial shares its other
-    # keys (the report's per-trial match finds none); at 10 + 10 * (8/9), final 0.985.
+    # DiLoCo: its outer and inner optimizer settings swept; at 10 + 10 * (8/9), final 0.985.
     _trial(root, "diloco", seed, 0.7, [0.9, 0.99, 0.985, 0.985],
            extra={"local.optimizer.learning_rate": 0.003, "local.steps": 8},
            tuned_keys=("local.optimizer.learning_rate",))
-  figs = reproduce.figures(str(root))
-  diloco, bsp = figs[("diloco", "none")], figs[("bsp", "none")]
-  assert diloco["delta_pp"] == pytest.approx(-0.5)
-  assert diloco["speedup_median"] == pytest.approx(25.0 / (10.0 + 10.0 * 8 / 9))
-  assert diloco["speedup_n"] == 2
-  cell = reproduce._cell(diloco)   # pylint: disable=protected-access
-  assert "at optimizer.learning_rate=0.7, local.optimizer.learning_rate=0.003" in cell
-  assert reproduce._cell(bsp).endswith("at learning_rate=0.05")   # pylint: disable=protected-access
+  figs = claims.figures(str(root))
   claim = next(c for c in reproduce.CLAIMS if c.name == "DiLoCo")
-  assert "0.50 points" not in reproduce.verdict(claim, diloco)
+  vs = claims.against(claim, figs)
+  assert vs["BSP"]["gap"].median == pytest.approx(-0.5)
+  assert vs["BSP"]["speedup"].median == pytest.approx(25.0 / (10.0 + 10.0 * 8 / 9))
+  assert vs["BSP"]["speedup"].n == 2
+  cell = claims.cell(claim, figs[("diloco", "none")], vs)
+  assert "at optimizer.learning_rate=0.7, local.optimizer.learning_rate=0.003" in cell
+  assert "2 seeds (those that chose), 2 at target" in cell
 
 
 def test_a_study_asked_for_that_has_not_run_keeps_the_table_not_final(tmp_path):
@@ -358,33 +283,31 @@ def test_accuracy_at_equal_virtual_time_is_read_at_the_earlier_end_and_decides_n
   and the verdict still follows the final accuracy (declared before the runs)."""
   from tests.test_fair import _trial  # pylint: disable=g-import-not-at-top
   root = tmp_path / "sweep"
-  for seed in (0, 1, 2):
+  for seed in range(5):
     _trial(root, "bsp", seed, 0.05, [0.5, 0.7, 0.9, 0.99])                 # ends at 40
-    # GSSP ends at 20, where BSP stood at 0.7; seed 2 ends at 15 (BSP: 0.6 by interpolation).
+    # GSSP ends at 20, where BSP stood at 0.7; seeds 2-4 end at 15 (BSP: 0.6, interpolated).
     _trial(root, "gssp", seed, 0.05, [0.6, 0.8, 0.85, 0.9 - 0.01 * seed],
            times=(5.0, 10.0, 15.0, 20.0) if seed < 2 else (3.75, 7.5, 11.25, 15.0))
-  figs = reproduce.figures(str(root))
-  gssp = figs[("gssp", "none")]
-  # Per seed: 0.90 - 0.70, 0.89 - 0.70 and 0.88 - 0.60 (15 lies halfway between 10 and 20).
-  assert gssp["at_equal_time"]["n"] == 3
-  assert gssp["at_equal_time"]["median"] == pytest.approx(20.0)
-  assert gssp["at_equal_time"]["min"] == pytest.approx(19.0)
-  assert gssp["at_equal_time"]["max"] == pytest.approx(28.0)
-  assert gssp["delta_pp"] == pytest.approx(100 * ((0.9 + 0.89 + 0.88) / 3 - 0.99))
-  assert figs[("bsp", "none")]["at_equal_time"] is None
-  cell = reproduce._cell(gssp)   # pylint: disable=protected-access
-  assert "-10.00 pp; +20.00 pp at equal virtual time (+19.00 to +28.00)" in cell
-  claim = next(c for c in reproduce.CLAIMS if c.name == "GSSP")
-  assert "10.00 points below BSP" in reproduce.verdict(claim, gssp)
+  figs = claims.figures(str(root))
+  comp = claims.compare(figs[("gssp", "none")], figs[("bsp", "none")])
+  # Per seed: 0.90 - 0.70, 0.89 - 0.70, then 0.88, 0.87, 0.86 - 0.60.
+  assert comp["equal_time"].n == 5
+  assert comp["equal_time"].median == pytest.approx(26.0)
+  assert (comp["equal_time"].lo, comp["equal_time"].hi) == pytest.approx((19.0, 28.0))
+  assert comp["gap"].median == pytest.approx(100 * (0.88 - 0.99))
+  claim = next(c for c in reproduce.CLAIMS if c.name == "SSP")
+  cell = claims.cell(claim, figs[("gssp", "none")], {"BSP": comp})
+  assert "+26.00 [+19.00, +28.00] pp at equal virtual time" in cell
+  ssp_like = claims.Claim("x", "p", "s", ("gssp", "none"), None, 1.0)
+  verdict, why = claims.judge_claim(ssp_like, figs[("gssp", "none")], {"BSP": comp})
+  assert verdict == "does not hold" and "accuracy against BSP -11.00" in why[0]
 
   # An unhealthy seed, or one whose evaluations do not reach the other's end, has no figure.
   metrics = [{"virtual_time": 10.0, "test_accuracy": 0.5}, {"virtual_time": 20.0,
                                                              "test_accuracy": 0.7}]
-  assert reproduce.metric_at(metrics, "test_accuracy", 15.0) == pytest.approx(0.6)
-  assert reproduce.metric_at(metrics, "test_accuracy", 25.0) is None
-  assert reproduce.metric_at(metrics, "test_accuracy", 5.0) is None
+  assert claims.metric_at(metrics, "test_accuracy", 15.0) == pytest.approx(0.6)
+  assert claims.metric_at(metrics, "test_accuracy", 25.0) is None
+  assert claims.metric_at(metrics, "test_accuracy", 5.0) is None
   row = {"seed": 0, "status": "done", "metric": "test_accuracy", "_metrics": metrics}
-  assert reproduce.delta_at_equal_time([{**row, "status": "collapsed"}], [row]) is None
-  assert reproduce.delta_at_equal_time([row], [{**row, "seed": 1}]) is None
-  assert reproduce.delta_at_equal_time([row], [row]) == {"median": 0.0, "min": 0.0, "max": 0.0,
-                                                          "n": 1}
+  assert claims.gap_at_equal_time({**row, "status": "collapsed"}, row) is None
+  assert claims.gap_at_equal_time(row, row) == 0.0

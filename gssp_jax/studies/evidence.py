@@ -142,11 +142,12 @@ def median_interval(values: Iterable[float], level: float = LEVEL) -> Estimate |
   return Estimate(median=x[k - 1], lo=quantile(tail / 2), hi=quantile(1 - tail / 2), n=n)
 
 
-def judge(estimate: Estimate | None, bound: float, higher_is_better: bool = True) -> str:
+def judge(estimate: Estimate | None, bound: float, higher_is_better: bool = True,
+          min_seeds: int = MIN_SEEDS) -> str:
   """One criterion's verdict: :data:`HOLDS` when the interval clears ``bound`` (``lo >= bound``,
   or ``hi <= bound`` where lower is better), :data:`FAILS` when it lies wholly on the other
-  side, else (or with fewer than :data:`MIN_SEEDS` seeds, or none) :data:`UNSURE`."""
-  if estimate is None or estimate.n < MIN_SEEDS:
+  side, else (or with fewer than ``min_seeds`` seeds, or none) :data:`UNSURE`."""
+  if estimate is None or estimate.n < min_seeds:
     return UNSURE
   good, bad = ((estimate.lo >= bound, estimate.hi < bound) if higher_is_better
                else (estimate.hi <= bound, estimate.lo > bound))
