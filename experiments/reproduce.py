@@ -18,7 +18,9 @@ virtual time does not depend on the machine) that this one lacks (``reproduce.me
 trials' records behind them (under DIR/runs/, without checkpoints), and --doc puts the table into
 a document between its markers (``reproduce.BEGIN``/``END``): the committed table is the
 command's, not typed by hand, and ``--merge_from=DIR --plan`` rebuilds it from the records.
---save_runs=DIR copies only the records, every minute while the studies run and once more at
+--mark=<study>/<trial>,... --why=TEXT marks trials the table refuses (run without a commit, or
+from a dirty tree) as counted, with the reason, in runs/<study>/provenance.json; the table names
+them. --save_runs=DIR copies only the records, every minute while the studies run and once more at
 the end: an --out outside the repository does not outlive its machine, so point DIR into the
 repository (e.g. results/claims), commit what it holds, and go on with --merge_from=DIR.
 """
@@ -51,6 +53,11 @@ _SAVE_RUNS = flags.DEFINE_string(
 _DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
                            "between its claims-table markers (e.g. docs/REPRODUCTION.md)")
 
+_MARK = flags.DEFINE_list("mark", [], "first mark these trials (<study>/<trial>) of --out as "
+                         "counted by the claims table despite their provenance (no commit, or a "
+                         "dirty tree), with --why; the table names them")
+_WHY = flags.DEFINE_string("why", None, "with --mark: why those trials are kept")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,8 +71,13 @@ def main(argv):
                      "--doc=FILE (the table's files go to DIR, the table into FILE)")
   if _DOC.value:
     reproduce.check_doc(_DOC.value)   # before hours of runs, not after
+  if _WHY.value and not _MARK.value:
+    raise ValueError("--why is invalid without --mark; allowed: --mark=<study>/<trial> --why=...")
   root = cli.check_workdir(_OUT.value)
   studies = reproduce.select(_ONLY.value)
+  if _MARK.value:
+    for name, kept in reproduce.mark(root, _MARK.value, _WHY.value or "").items():
+      print(f"{name}: {len(kept)} trial(s) marked as counted despite their provenance")
   if _MERGE_FROM.value:
     for name, got in reproduce.merge(_MERGE_FROM.value, root, studies, REPO).items():
       print(f"{name}: {len(got['taken'])} finished trial(s) taken from {_MERGE_FROM.value}"

@@ -35,6 +35,7 @@ from gssp_jax import grid_edge
 from gssp_jax import report
 from gssp_jax import sweep as sweep_lib
 from gssp_jax.studies import claims as claims_lib
+from gssp_jax.studies import provenance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +249,61 @@ def merge(source: str, root: str, studies: Sequence[Study], repo: str) -> dict[s
       taken.append(t.name)
     if taken:   # the grid as it stands here now (tuned seeds, ladders): what the reports read
       sweep_lib.write_grid(dst, path, trials)
+    _merge_marks(src, dst)
   return out
+
+
+def _merge_marks(src: str, dst: str) -> None:
+  """Adds ``src``'s provenance marks (``studies.provenance``) that ``dst`` lacks to ``dst``'s."""
+  theirs = provenance.marks(src)
+  ours = provenance.marks(dst) if os.path.isdir(dst) else {}
+  if set(theirs) - set(ours):
+    from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+    os.makedirs(dst, exist_ok=True)
+    workdir_lib.write_json(os.path.join(dst, provenance.MARK_FILE),
+                           {"accepted": {**theirs, **ours}})
+
+
+def mark(root: str, specs: Sequence[str], why: str) -> dict[str, dict[str, str]]:
+  """Marks trials (``<study>/<trial>``, under ``root/runs``) as kept despite their provenance
+  (``studies.provenance.mark``); returns per study its marks."""
+  by_study: dict[str, list[str]] = collections.defaultdict(list)
+  for spec in specs:
+    study, _, trial = spec.partition("/")
+    if study not in STUDIES or not trial:
+      raise ValueError(f"--mark={spec!r} is invalid; allowed: <study>/<trial>, a study of "
+                       f"{', '.join(STUDIES)}")
+    by_study[study].append(trial)
+  return {study: provenance.mark(os.path.join(root, "runs", study), trials, why)
+          for study, trials in by_study.items()}
+
+
+def provenance_lines(root: str, studies: Sequence[Study]) -> list[str]:
+  """The table's header on where its trials came from: per study, the commits its finished
+  trials ran, the trials refused (left out of every figure) and those kept by a mark."""
+  lines = []
+  for study in studies:
+    workdir = os.path.join(root, "runs", study.name)
+    names = [n for n in report.grid(workdir) or ()
+             if sweep_lib.trial_status(os.path.join(workdir, n)) in sweep_lib.FINISHED]
+    if not names:
+      continue
+    refused, marked = provenance.check(workdir, names)
+    commits = provenance.commits(workdir, names)
+    text = (f"- `{study.name}`: " + ", ".join(f"{n} at `{c}`" for c, n in sorted(
+        commits.items(), key=lambda cn: (-cn[1], cn[0]))))
+    if refused:
+      text += (f"; **refused, left out of every figure** ({len(refused)}): "
+               + "; ".join(f"`{n}` ({why})" for n, why in sorted(refused.items())))
+    if marked:
+      text += (f"; counted by a mark in its `{provenance.MARK_FILE}` ({len(marked)}): "
+               + "; ".join(f"`{n}` ({why})" for n, why in sorted(marked.items())))
+    lines.append(text)
+  if not lines:
+    return []
+  return ["", "Provenance (each finished trial's commit, from its `summary.json`; the table "
+          "counts a trial only if it ran a clean, committed tree, or is marked with the reason it "
+          "is kept):", "", *lines]
 
 
 def _running(workdir: str, name: str) -> bool:
@@ -362,7 +417,8 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   pending = [s for s in studies if s not in ran]
   waiting = list(zip(pending, costs(root, pending)))
   partial = {c["study"] for c in cost if c["finished"] < c["trials"]}
-  lines = (_head_lines(ran, cost, waiting) + _table_lines(rows, ran, partial)
+  lines = (_head_lines(ran, cost, waiting) + provenance_lines(root, ran)
+           + _table_lines(rows, ran, partial)
            + ["", "![speedups](claims.png)", "", "Each study's report (the tuning disclosed, "
               "every trial, the figures): "
               + ", ".join(f"[`{s.name}`]({s.name}/report.md)" for s in ran) + "."]
@@ -568,9 +624,9 @@ def save_runs(root: str, studies: Sequence[Study], dest: str) -> dict[str, list[
     if not names:
       continue
     os.makedirs(dst, exist_ok=True)
-    extended = os.path.join(src, sweep_lib.EXTENDED_FILE)
-    if os.path.exists(extended):
-      shutil.copyfile(extended, os.path.join(dst, sweep_lib.EXTENDED_FILE))
+    for kept in (sweep_lib.EXTENDED_FILE, provenance.MARK_FILE):
+      if os.path.exists(os.path.join(src, kept)):
+        shutil.copyfile(os.path.join(src, kept), os.path.join(dst, kept))
     for name in names:
       if not _same_files(os.path.join(src, name), os.path.join(dst, name), _RECORD_FILES):
         shutil.copytree(os.path.join(src, name), os.path.join(dst, name), dirs_exist_ok=True,

@@ -210,7 +210,8 @@ def _trial(root, scheme, seed, lr, accs, status="done", tuned=True, reason=None,
   (d / "summary.json").write_text(json.dumps({
       "config": {"sync": {"scheme": scheme}, "seed": seed}, "status": status,
       "collapse_reason": reason, "final": metrics[-1], "metric": "test_accuracy", "target": 0.98,
-      "totals": {"virtual_time": times[-1], "bytes_pushed": 1}}))
+      "totals": {"virtual_time": times[-1], "bytes_pushed": 1},
+      "environment": {"commit": "0123456789ab", "tree_clean": True}}))   # a clean checkout
   (d / "trial.json").write_text(json.dumps({
       "name": name, "overrides": overrides, "status": status,
       "tuned": list(tuned_keys) if tuned else []}))

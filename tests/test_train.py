@@ -354,3 +354,9 @@ def test_the_commit_is_recorded_from_a_checkout_and_from_a_worktree_of_it(tmp_pa
   (tmp_path / "tree" / "a.py").write_text("x = 2\n")
   assert environment._commit(str(tmp_path / "tree")) == head + "+dirty"
   assert environment._commit(str(tmp_path)) is None   # no checkout
+  # An untracked file among the code makes a tree dirty; one elsewhere (notes) does not.
+  (tmp_path / "repo" / "notes.md").write_text("a note\n")
+  assert environment._commit(str(tmp_path / "repo")) == head
+  (tmp_path / "repo" / "gssp_jax").mkdir()
+  (tmp_path / "repo" / "gssp_jax" / "new.py").write_text("y = 1\n")
+  assert environment._commit(str(tmp_path / "repo")) == head + "+dirty"

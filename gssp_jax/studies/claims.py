@@ -20,6 +20,7 @@ import numpy as np
 from gssp_jax import report
 from gssp_jax import report_figures
 from gssp_jax.studies import evidence
+from gssp_jax.studies import provenance
 
 BSP = ("bsp", "none")
 NAMES = {BSP: "BSP", ("asp", "none"): "ASP", ("ssp", "none"): "SSP",
@@ -106,13 +107,16 @@ def scheme_of(row: dict) -> tuple[str, str]:
 
 def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
   """Per scheme of a study: its reported trials by seed (each at its chosen rate), and what the
-  table shows beside them.
+  table shows beside them. A trial whose provenance the table refuses (``studies.provenance``)
+  takes no part, in the choice of a rate either.
 
   Raises:
     ValueError: nothing finished yet, or two configurations of one scheme reported (the
       table would not know which to judge).
   """
   rows = report.collect(workdir)
+  refused, _ = provenance.check(workdir, [r["trial"] for r in rows])
+  rows = [r for r in rows if r["trial"] not in refused]
   selected, choices = report.select_tuned(rows, report.tune_seeds(workdir),
                                           report.report_seeds(workdir))
   chosen = {scheme_of({"_overrides": c}): c for c in choices}

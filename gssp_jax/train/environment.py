@@ -62,9 +62,15 @@ def cpu_features() -> list[str]:
   return []
 
 
+# Where a file git does not track changes what a run does: an untracked one there makes the
+# tree dirty (elsewhere, notes and outputs do not).
+_CODE_DIRS = ("gssp_jax", "configs", "experiments", "benchmarks")
+
+
 def _commit(root: str | None = None) -> str | None:
-  """The git commit of the code (with ``+dirty`` for uncommitted changes), if it is a checkout
-  or a worktree of one (``root``: the checkout; default, the one this package is in)."""
+  """The git commit of the code (with ``+dirty`` for uncommitted changes to tracked files, or
+  untracked files under :data:`_CODE_DIRS`), if it is a checkout or a worktree of one
+  (``root``: the checkout; default, the one this package is in)."""
   root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if not os.path.exists(os.path.join(root, ".git")):   # a directory, or a worktree's file
     return None
@@ -73,6 +79,9 @@ def _commit(root: str | None = None) -> str | None:
                           capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    dirty = dirty or subprocess.run(
+        ["git", "-C", root, "status", "--porcelain", "--untracked-files=all", "--",
+         *_CODE_DIRS], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return None
   return head + ("+dirty" if dirty else "")
@@ -81,7 +90,9 @@ def _commit(root: str | None = None) -> str | None:
 @functools.lru_cache(maxsize=1)
 def _static() -> dict[str, Any]:
   import gssp_jax  # pylint: disable=g-import-not-at-top
-  return {"gssp_jax": gssp_jax.__version__, "commit": _commit(),
+  commit = _commit()
+  return {"gssp_jax": gssp_jax.__version__, "commit": commit,
+          "tree_clean": None if commit is None else not commit.endswith("+dirty"),
           "python": platform.python_version(), "os": platform.platform(),
           "cpu": cpu_model(), "cpu_features": cpu_features(), "cpu_count": os.cpu_count(),
           "packages": {p: _version(p) for p in PACKAGES}}
