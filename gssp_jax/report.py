@@ -233,6 +233,9 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
         "_named": not trial["from_sweep"],
         "_speeds": (s.get("cluster") or {}).get("speeds"),   # per worker, for the figures
+        "_base_time": (s.get("cluster") or {}).get("base_time"),
+        "_cluster_config": s["config"].get("cluster") or {},   # as the run read it
+        "_pushes": totals.get("pushes"),
         "_tuned": [k for k in trial["tuned"] if k in trial["overrides"]],
     })
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)

@@ -36,6 +36,7 @@ from gssp_jax import report
 from gssp_jax import sweep as sweep_lib
 from gssp_jax.studies import claims as claims_lib
 from gssp_jax.studies import provenance
+from gssp_jax.studies import regimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +52,18 @@ class Study:
       their measured median). The MNIST studies' figures are the medians of their first
       complete run (2026-11-27); ``local_update_long``'s is ``local_update``'s scaled by its
       8 epochs against 3.
-    protocol: ``"authors"`` (the papers' own settings) or ``"tuned"`` (each scheme at its best
-      rate of a declared grid); the claims table has one column of each.
+    protocol: ``"authors"`` (the papers' own settings), ``"tuned"`` (each scheme at its best
+      rate of a declared grid) or ``"fixed"`` (declared rates); the claims table has one
+      column of each claims study.
+    kind: ``"claims"`` (a column of the claims table) or ``"regimes"`` (the regime map,
+      ``studies.regimes``: the schemes over a grid of clusters, beside the table).
   """
   name: str
   sweep: str
   title: str
   minutes_per_trial: float
   protocol: str
+  kind: str = "claims"
 
 
 STUDIES = {s.name: s for s in (
@@ -81,6 +86,10 @@ STUDIES = {s.name: s for s in (
           "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, every rate on "
           "every seed (extended along a ladder past a best at an edge), 3 seeds, 8 epochs, "
           "target 98 %", 6.1, "tuned"),
+    Study("regime_map", "configs/sweeps/regime_map.py",
+          "LeNet-5/MNIST, BSP, SSP, GSSP and DiLoCo at fixed rates on 12 clusters (tier ratio "
+          "1x, 2x, 4x and 2x with jitter; one push = 0.1, 1 or 10 base iterations), 5 seeds, "
+          "3 epochs, target 97 %", 1.3, "fixed", "regimes"),
     Study("tiny", "configs/sweeps/tiny_tune.py",
           "a pipeline check: 2 schemes x 2 rates x 2 seeds on 512 examples (not a result)",
           0.2, "tuned"),
@@ -324,6 +333,8 @@ def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
   finished trial: none)."""
   rows = []
   for study in studies:
+    if study.kind != "claims":
+      continue
     try:
       figs = claims_lib.figures(os.path.join(root, "runs", study.name))
     except ValueError as e:
@@ -411,21 +422,50 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
     writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-  ran = [s for s in studies if any(r["study"] == s.name for r in rows)]
+  columns = [s for s in studies if any(r["study"] == s.name for r in rows)]
+  maps = [(s, m) for s in studies if s.kind == "regimes" for m in [_regime_map(root, s)] if m]
+  ran = [s for s in studies if s in columns or s in [m for m, _ in maps]]   # as asked
   cost = costs(root, ran)
-  paths["png"] = _plot(rows, ran, os.path.join(root, "claims.png"))
+  paths["png"] = _plot(rows, columns, os.path.join(root, "claims.png"))
   pending = [s for s in studies if s not in ran]
   waiting = list(zip(pending, costs(root, pending)))
   partial = {c["study"] for c in cost if c["finished"] < c["trials"]}
   lines = (_head_lines(ran, cost, waiting) + provenance_lines(root, ran)
-           + _table_lines(rows, ran, partial)
+           + _table_lines(rows, columns, partial)
            + ["", "![speedups](claims.png)", "", "Each study's report (the tuning disclosed, "
               "every trial, the figures): "
               + ", ".join(f"[`{s.name}`]({s.name}/report.md)" for s in ran) + "."]
+           + [line for s, m in maps for line in _regime_lines(s, m)]
            + _cost_lines(cost))
+  paths.update({f"{s.name}_{k}": p for s, m in maps for k, p in m["paths"].items()})
   with open(paths["md"], "w") as f:
     f.write("\n".join(lines) + "\n")
   return paths
+
+
+def _regime_map(root: str, study: Study) -> dict | None:
+  """The regime map of ``study`` (``studies.regimes``) written under ``root``: its cells and
+  files; None while none of its cells has both BSP and a scheme finished."""
+  try:
+    found = regimes.cells(os.path.join(root, "runs", study.name))
+  except ValueError as e:
+    if "two trials" in str(e):
+      raise
+    return None
+  if not found:
+    return None
+  return {"cells": found, "paths": regimes.write(os.path.join(root, "runs", study.name),
+                                                  os.path.join(root, study.name))}
+
+
+def _regime_lines(study: Study, found: dict) -> list[str]:
+  """``claims.md``'s section on the regime map: the figure and its table."""
+  return ["", f"## Where each scheme wins (`{study.name}`)", "",
+          f"{study.title}. Each cell: the scheme's median speedup over BSP in that cell, per seed, "
+          "with its 95 % interval (the rule above), and whether it is faster than BSP there "
+          "(holds), not faster (does not hold) or inconclusive; `regime_map.csv` has every "
+          "figure.", "", f"![regime map]({study.name}/regime_map.png)", "",
+          *regimes.table_lines(found["cells"])]
 
 
 def _head_lines(ran: Sequence[Study], cost: list[dict],

@@ -3,6 +3,7 @@ bootstrap interval, the three verdicts, and the claims table's cells on hand-mad
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -75,6 +76,10 @@ def test_three_verdicts_and_too_few_seeds():
   # Lower is better (bytes): the interval's top must be under the bound.
   assert evidence.judge(evidence.median_interval([0.1] * 5), 0.13, False) == evidence.HOLDS
   assert evidence.judge(evidence.median_interval([0.5] * 5), 0.13, False) == evidence.FAILS
+  # On the bound is not past it: as fast is not faster.
+  assert evidence.judge(evidence.median_interval([1.0] * 5), 1.0) == evidence.FAILS
+  assert evidence.judge(evidence.median_interval([1.0, 1.0, 1.1, 1.2, 1.3]), 1.0) == (
+      evidence.UNSURE)
   # Four seeds clearing the bound are not enough; nor is no seed.
   assert evidence.judge(evidence.median_interval([1.5, 1.6, 1.7, 1.8]), 1.0) == evidence.UNSURE
   assert evidence.judge(None, 1.0) == evidence.UNSURE
@@ -178,3 +183,39 @@ def test_the_footer_states_the_rules_the_code_applies():
   assert "InHAD: against ASP" in text and "GSSP + GDTopK: against GSSP" in text
   assert "DSSP: against SSP" in text and "GSSP: against BSP and ASP" in text
   assert math.isclose(evidence.LEVEL, 0.95)
+
+
+def _regime_trial(root, scheme, seed, tiers, bandwidth, speedup):
+  """A trial of one cell of a regime study: BSP pushes 4,000 bytes a push, 10 pushes."""
+  name = _trial(root, scheme, seed, 0.05, [0.9, 0.95, 0.98, 0.99], tuned=False,
+                times=_times(speedup), extra={"cluster.tiers": tiers,
+                                              "cluster.bandwidth": bandwidth})
+  path = root / name / "summary.json"
+  summary = json.loads(path.read_text())
+  summary["config"]["cluster"] = {"jitter": 0.0, "bandwidth": bandwidth, "tiers": tiers}
+  summary["cluster"] = {"base_time": 0.01, "speeds": [tiers[0], tiers[-1]]}
+  summary["totals"].update(pushes=10, bytes_pushed=40_000)
+  path.write_text(json.dumps(summary))
+
+
+def test_the_regime_map_sets_each_scheme_against_bsp_in_its_own_cell(tmp_path):
+  """Two cells: uniform workers with a fast network (GSSP no faster: 1.0 on every seed) and 4x
+  tiers with a slow one (GSSP 1.5-1.9x): each compared with BSP of its own cell, the ratio read
+  from BSP's pushes (4,000 bytes at 4e5 B/s = 0.01 s = 1 base time; at 4e6: 0.1)."""
+  from gssp_jax.studies import regimes  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "runs" / "regime_map"
+  for seed in range(5):
+    for tiers, bandwidth, speedup in (([1.0, 1.0], 4e6, 1.0), ([1.0, 4.0], 4e5, 1.5 + 0.1 * seed)):
+      _regime_trial(root, "bsp", seed, tiers, bandwidth, 1.0)
+      _regime_trial(root, "gssp", seed, tiers, bandwidth, speedup)
+  found = regimes.cells(str(root))
+  assert [(c["scheme"], c["tier_ratio"], c["comm_ratio"], c["verdict"]) for c in found] == [
+      ("GSSP", 1.0, pytest.approx(0.1), evidence.FAILS),   # as fast is not faster
+      ("GSSP", 4.0, pytest.approx(1.0), evidence.HOLDS)]
+  assert found[1]["speedup"].text() == "1.70 [1.50, 1.90]"
+  lines = regimes.table_lines(found)
+  assert lines[2] == "| 1x | 0.1 | 1.00 [1.00, 1.00]x, does not hold |"
+  assert lines[3] == "| 4x | 1 | 1.70 [1.50, 1.90]x, holds |"
+  paths = regimes.write(str(root), str(tmp_path / "out"))
+  assert os.path.getsize(paths["png"]) > 0
+  assert open(paths["csv"]).read().splitlines()[2].startswith("GSSP,4.0,0.0,1.0,1.7,1.5,1.9,5,")

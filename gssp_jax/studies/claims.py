@@ -114,9 +114,7 @@ def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
     ValueError: nothing finished yet, or two configurations of one scheme reported (the
       table would not know which to judge).
   """
-  rows = report.collect(workdir)
-  refused, _ = provenance.check(workdir, [r["trial"] for r in rows])
-  rows = [r for r in rows if r["trial"] not in refused]
+  rows = counted(workdir)
   selected, choices = report.select_tuned(rows, report.tune_seeds(workdir),
                                           report.report_seeds(workdir))
   chosen = {scheme_of({"_overrides": c}): c for c in choices}
@@ -131,13 +129,27 @@ def figures(workdir: str) -> dict[tuple[str, str], dict[str, Any]]:
   out = {}
   for key, trials in by_scheme.items():
     choice = chosen.get(key) or {}
-    out[key] = {"rows": trials, "seeds": {s: _seed(r) for s, r in trials.items()},
-                "n": len(trials), "reached": sum(r["time_to_target"] is not None
-                                                  for r in trials.values()),
-                "unhealthy": sum(r["status"] in report.UNHEALTHY for r in trials.values()),
-                "target": next(iter(trials.values()))["target"],
-                "chosen": choice.get("chosen"), "apart": choice.get("reported_apart")}
+    out[key] = {**of_trials(trials), "chosen": choice.get("chosen"),
+                "apart": choice.get("reported_apart")}
   return out
+
+
+def counted(workdir: str) -> list[dict]:
+  """``report.collect``'s rows of the study, without those whose provenance the table refuses
+  (``studies.provenance``)."""
+  rows = report.collect(workdir)
+  refused, _ = provenance.check(workdir, [r["trial"] for r in rows])
+  return [r for r in rows if r["trial"] not in refused]
+
+
+def of_trials(trials: dict[int, dict]) -> dict[str, Any]:
+  """One scheme's figures from its trials by seed (``report.collect`` rows): what
+  :func:`compare` reads."""
+  return {"rows": trials, "seeds": {s: _seed(r) for s, r in trials.items()},
+          "n": len(trials), "reached": sum(r["time_to_target"] is not None
+                                            for r in trials.values()),
+          "unhealthy": sum(r["status"] in report.UNHEALTHY for r in trials.values()),
+          "target": next(iter(trials.values()))["target"], "chosen": None, "apart": None}
 
 
 def _seed(row: dict) -> evidence.Seed:
@@ -317,8 +329,9 @@ def footer() -> str:
           f"{evidence.LEVEL:.0%} interval: the percentile bootstrap of that median over seeds, "
           f"computed exactly (with 5 seeds, the seeds' range). Speedup: the other's virtual "
           f"time to the target over the scheme's; {evidence.NEVER_REACHED}. A criterion holds "
-          f"when its whole interval clears the claim's bound, does not hold when the whole "
-          f"interval lies on the other side, and is inconclusive otherwise or with fewer than "
+          f"when its whole interval clears the claim's bound strictly (faster, under, less), "
+          f"does not hold when the whole interval lies on the other side or on the bound, and "
+          f"is inconclusive otherwise or with fewer than "
           f"{evidence.MIN_SEEDS} seeds compared; a claim does not hold if one criterion does "
           f"not, holds if every one does, and is inconclusive otherwise. Each claim is judged "
           f"against the scheme its paper names ({named}); its accuracy, gain and traffic "

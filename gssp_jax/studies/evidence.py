@@ -17,8 +17,9 @@ rebuilds byte for byte. With 5 seeds the interval is the seeds' range: a claim h
 every seed clears its bound. More seeds narrow it (10 seeds: the 2nd to the 9th).
 
 A criterion's **verdict** (:func:`judge`) is one of :data:`VERDICTS`: it *holds* when the
-whole interval clears the claim's bound, *does not hold* when the whole interval lies on the
-other side, and is *inconclusive* otherwise, or when fewer than :data:`MIN_SEEDS` seeds were
+whole interval clears the claim's bound (strictly: a claim says "faster", "under", "less"),
+*does not hold* when the whole interval lies on the other side (the bound included), and is
+*inconclusive* otherwise, or when fewer than :data:`MIN_SEEDS` seeds were
 compared (whatever their interval says). A claim's verdict (:func:`combine`) does not hold if
 one criterion does not, holds if every criterion holds, and is inconclusive otherwise.
 """
@@ -144,13 +145,14 @@ def median_interval(values: Iterable[float], level: float = LEVEL) -> Estimate |
 
 def judge(estimate: Estimate | None, bound: float, higher_is_better: bool = True,
           min_seeds: int = MIN_SEEDS) -> str:
-  """One criterion's verdict: :data:`HOLDS` when the interval clears ``bound`` (``lo >= bound``,
-  or ``hi <= bound`` where lower is better), :data:`FAILS` when it lies wholly on the other
-  side, else (or with fewer than ``min_seeds`` seeds, or none) :data:`UNSURE`."""
+  """One criterion's verdict: :data:`HOLDS` when the interval clears ``bound`` strictly
+  (``lo > bound``, or ``hi < bound`` where lower is better: a claim says "faster", "under",
+  "less"), :data:`FAILS` when it lies wholly on the other side (the bound itself included),
+  else (or with fewer than ``min_seeds`` seeds, or none) :data:`UNSURE`."""
   if estimate is None or estimate.n < min_seeds:
     return UNSURE
-  good, bad = ((estimate.lo >= bound, estimate.hi < bound) if higher_is_better
-               else (estimate.hi <= bound, estimate.lo > bound))
+  good, bad = ((estimate.lo > bound, estimate.hi <= bound) if higher_is_better
+               else (estimate.hi < bound, estimate.lo >= bound))
   return HOLDS if good else FAILS if bad else UNSURE
 
 
