@@ -4,14 +4,18 @@
 rerun skips finished trials and resumes the rest from their checkpoints; a tuned key with a
 ladder is extended past a winner at the grid's edge, ``gssp_jax.grid_edge``), writes each one's
 report (``gssp_jax.report``) and then the claims table (:func:`write_claims`): for every claim of
-:data:`CLAIMS`, the figure of each study that has its scheme, the spread over seeds, and one
-sentence, derived from the figures by :func:`verdict`, on whether the claim holds there.
+:data:`CLAIMS` (``gssp_jax.studies.claims``), the figures of each study that has its scheme,
+each a median over the reported seeds with its 95 % interval (``gssp_jax.studies.evidence``),
+and its verdict, one of three, with the reasons; the trials' provenance
+(``gssp_jax.studies.provenance``: a trial of a dirty tree or without a commit is refused
+unless marked); and the regime map of a ``"regimes"`` study (``gssp_jax.studies.regimes``).
 
 Layout of ``--out=DIR``::
 
   DIR/runs/<study>/<trial>/   the sweep's trials (workdirs)
   DIR/<study>/                its report: report.md, report.csv, summary.csv, tuning.csv, figures
   DIR/claims.md, claims.csv, claims.png   the claims table
+  DIR/regime_map/regime_map.png, .csv     the regime map (a "regimes" study)
 
 Nothing here is written by hand: every figure is read from the trials' summaries.
 """
