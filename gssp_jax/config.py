@@ -11,6 +11,7 @@ and this module calls them in order.
 
 from __future__ import annotations
 
+import math
 from typing import Collection
 
 import ml_collections
@@ -83,6 +84,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
   runtime_settings.validate(config)
   cluster.validate(config)
   executors.validate(config)
+  _check_budget(config)
 
 
 def _check_run(config: ml_collections.ConfigDict) -> None:
@@ -101,6 +103,39 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
   if config.train.target_accuracy > 1:
     checks.fail("train.target_accuracy", config.train.target_accuracy,
                 "a fraction in [0, 1] (0 = no target)")
+  budget = config.train.get("virtual_budget", 0.0)
+  if (isinstance(budget, bool) or not isinstance(budget, (int, float))
+      or not 0 <= budget < math.inf):
+    checks.fail("train.virtual_budget", budget,
+                "a finite number of virtual seconds >= 0 (0 = off: the run lasts "
+                "train.num_epochs)")
   if config.data.train_size and config.data.train_size < config.num_workers:
     checks.fail("data.train_size", config.data.train_size,
                 f"0 (all) or at least num_workers={config.num_workers}")
+
+
+def _check_budget(config: ml_collections.ConfigDict) -> None:
+  """A virtual-time budget (``train.virtual_budget`` > 0) needs the simulator's clock and a
+  schedule that virtual time can drive: no warm-up (counted in epochs), and the local-update
+  schemes' inner schedule constant (it runs over each worker's own steps, on the device)."""
+  budget = config.train.get("virtual_budget", 0.0)
+  if not budget:
+    return
+  where = f"with config.train.virtual_budget={budget!r}"
+  name = executors.executor_name(config, backend="cpu")   # fused or dist: no virtual clock
+  if name in ("fused", "dist"):
+    what = ("the real runtime's clock is the wall clock" if name == "dist" else
+            "BSP without a cluster trains in the fused loop, which has no virtual time")
+    raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
+                     f"cannot go {where}: {what}; allowed: a simulated cluster (set "
+                     "cluster.profile, or executor='rounds' or 'levels'), or virtual_budget=0")
+  keys = [("optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  if "local" in config:
+    keys += [("local.optimizer.schedule", "constant", "'constant' (the inner schedule runs "
+              "over each worker's own steps, not virtual time)"),
+             ("local.optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  for key, allowed, why in keys:
+    value = checks.get(config, key)
+    if value != allowed:
+      raise ValueError(f"config.{key}={value!r} cannot go {where}; allowed: {why}, or "
+                       "virtual_budget=0")

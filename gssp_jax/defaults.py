@@ -172,6 +172,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0
   c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
+  # Virtual seconds the run trains for (0 = off: its length is train.num_epochs). > 0: the run
+  # applies every event of the simulated cluster before this time and none at or after it, ends
+  # there with its final evaluation (virtual_time = the budget), and optimizer.schedule follows
+  # virtual time / budget instead of epochs. train.num_epochs then caps the data it may read.
+  # The simulator only (not the fused BSP loop, not the real runtime); no warm-up.
+  c.train.virtual_budget = 0.0
   c.train.target_accuracy = 0.0   # vision: time_to_target interpolates to it (0 = none)
   c.train.target_bleu = 0.0       # translation: likewise for BLEU
   c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)
