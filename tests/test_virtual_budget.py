@@ -81,6 +81,34 @@ def test_the_run_stops_at_the_budget_with_its_final_evaluation_there(tmp_path, d
     assert json.load(f)["train"]["virtual_budget"] == BUDGET
 
 
+def test_a_budget_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path, data_dir):
+  """Stopped between evaluations (``train.stop_after_updates``), resumed: the same metric lines
+  and the same end (the schedule reads only the rounds' times, the stop only the timeline)."""
+  config = _config(data_dir, "gssp", eval_every=0.5)
+  whole = loop.train_and_evaluate(config, str(tmp_path / "whole"), progress=False)
+  config.train.stop_after_updates = 13
+  first = loop.train_and_evaluate(config, str(tmp_path / "split"), progress=False)
+  assert first["status"] == "stopped" and first["virtual_budget"]["reached"] is False
+  config.train.stop_after_updates = 0
+  summary = loop.train_and_evaluate(config, str(tmp_path / "split"), progress=False)
+  assert summary["status"] == "done"
+  assert helpers.metric_lines(tmp_path / "split") == helpers.metric_lines(tmp_path / "whole")
+  assert summary["virtual_budget"] == whole["virtual_budget"]
+  assert summary["totals"]["pushes"] == whole["totals"]["pushes"]
+
+
+def test_the_levels_runner_stops_at_the_budget_with_the_same_rates(tmp_path, data_dir):
+  """The level-batched runner gets each round's rate from the same host code: same rounds, same
+  rates, same end as the per-round runner."""
+  runs = {}
+  for runner in ("rounds", "levels"):
+    config = _config(data_dir, "ssp", executor=runner)
+    runs[runner] = _run_recording_rates(config, str(tmp_path / runner))
+  (rates, sim), (level_rates, level_sim) = runs["rounds"], runs["levels"]
+  assert level_rates == rates and level_sim.engine.now == sim.engine.now == BUDGET
+  assert level_sim.engine.num_pushes == sim.engine.num_pushes
+
+
 def test_no_event_at_or_past_the_budget_runs(tmp_path, data_dir):
   """The timeline stops with its next event at or past the budget and every earlier one run."""
   rates, executor = _run_recording_rates(_config(data_dir, "gssp"), str(tmp_path / "run"))
