@@ -103,32 +103,28 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
   if config.train.target_accuracy > 1:
     checks.fail("train.target_accuracy", config.train.target_accuracy,
                 "a fraction in [0, 1] (0 = no target)")
-  budget = config.train.get("virtual_budget", 0.0)
-  if (isinstance(budget, bool) or not isinstance(budget, (int, float))
-      or not 0 <= budget < math.inf):
-    checks.fail("train.virtual_budget", budget,
-                "a finite number of virtual seconds >= 0 (0 = off: the run lasts "
-                "train.num_epochs)")
+  for key, off in (("virtual_budget", "0 = off: the run lasts train.num_epochs"),
+                   ("eval_every_seconds", "0 = off: evaluations every train.eval_every epochs")):
+    seconds = config.train.get(key, 0.0)
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+        or not 0 <= seconds < math.inf):
+      checks.fail(f"train.{key}", seconds, f"a finite number of virtual seconds >= 0 ({off})")
   if config.data.train_size and config.data.train_size < config.num_workers:
     checks.fail("data.train_size", config.data.train_size,
                 f"0 (all) or at least num_workers={config.num_workers}")
 
 
 def _check_budget(config: ml_collections.ConfigDict) -> None:
-  """A virtual-time budget (``train.virtual_budget`` > 0) needs the simulator's clock and a
-  schedule that virtual time can drive: no warm-up (counted in epochs), and the local-update
-  schemes' inner schedule constant (it runs over each worker's own steps, on the device)."""
+  """Virtual seconds (``train.virtual_budget``, ``train.eval_every_seconds`` > 0) need the
+  simulator's clock; a budget also needs a schedule that virtual time can drive: no warm-up
+  (counted in epochs), and the local-update schemes' inner schedule constant (it runs over each
+  worker's own steps, on the device)."""
+  for key in ("virtual_budget", "eval_every_seconds"):
+    _check_virtual_clock(config, key)
   budget = config.train.get("virtual_budget", 0.0)
   if not budget:
     return
   where = f"with config.train.virtual_budget={budget!r}"
-  name = executors.executor_name(config, backend="cpu")   # fused or dist: no virtual clock
-  if name in ("fused", "dist"):
-    what = ("the real runtime's clock is the wall clock" if name == "dist" else
-            "BSP without a cluster trains in the fused loop, which has no virtual time")
-    raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
-                     f"cannot go {where}: {what}; allowed: a simulated cluster (set "
-                     "cluster.profile, or executor='rounds' or 'levels'), or virtual_budget=0")
   keys = [("optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
   if "local" in config:
     keys += [("local.optimizer.schedule", "constant", "'constant' (the inner schedule runs "
@@ -139,3 +135,16 @@ def _check_budget(config: ml_collections.ConfigDict) -> None:
     if value != allowed:
       raise ValueError(f"config.{key}={value!r} cannot go {where}; allowed: {why}, or "
                        "virtual_budget=0")
+
+
+def _check_virtual_clock(config: ml_collections.ConfigDict, key: str) -> None:
+  """``train.{key}`` > 0 counts virtual seconds: the fused loop and the real runtime have none."""
+  seconds = config.train.get(key, 0.0)
+  name = executors.executor_name(config, backend="cpu")   # the backend picks only among sims
+  if seconds and name in ("fused", "dist"):
+    what = ("the real runtime's clock is the wall clock" if name == "dist" else
+            "BSP without a cluster trains in the fused loop, which has no virtual time")
+    raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
+                     f"cannot go with config.train.{key}={seconds!r}: {what}; allowed: a "
+                     "simulated cluster (set cluster.profile, or executor='rounds' or "
+                     f"'levels'), or {key}=0")

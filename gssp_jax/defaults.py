@@ -172,6 +172,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0
   c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
+  # Also evaluate at every multiple of this many virtual seconds (0 = off), stamped there
+  # exactly (every event before it has run): curves of several schemes at equal virtual times.
+  # The simulator only.
+  c.train.eval_every_seconds = 0.0
   # Virtual seconds the run trains for (0 = off: its length is train.num_epochs). > 0: the run
   # applies every event of the simulated cluster before this time and none at or after it, ends
   # there with its final evaluation (virtual_time = the budget), and optimizer.schedule follows

@@ -84,7 +84,7 @@ def test_the_run_stops_at_the_budget_with_its_final_evaluation_there(tmp_path, d
 def test_a_budget_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path, data_dir):
   """Stopped between evaluations (``train.stop_after_updates``), resumed: the same metric lines
   and the same end (the schedule reads only the rounds' times, the stop only the timeline)."""
-  config = _config(data_dir, "gssp", eval_every=0.5)
+  config = _config(data_dir, "gssp", eval_every=0.5, **{"train.eval_every_seconds": 0.07})
   whole = loop.train_and_evaluate(config, str(tmp_path / "whole"), progress=False)
   config.train.stop_after_updates = 13
   first = loop.train_and_evaluate(config, str(tmp_path / "split"), progress=False)
@@ -95,6 +95,21 @@ def test_a_budget_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path,
   assert helpers.metric_lines(tmp_path / "split") == helpers.metric_lines(tmp_path / "whole")
   assert summary["virtual_budget"] == whole["virtual_budget"]
   assert summary["totals"]["pushes"] == whole["totals"]["pushes"]
+
+
+def test_evaluations_every_n_virtual_seconds_are_stamped_there(tmp_path, data_dir):
+  """``train.eval_every_seconds``: an evaluation at every multiple of it (every event before it
+  run), beside the epochs' ones, and the final one at the budget."""
+  workdir = str(tmp_path / "run")
+  config = _config(data_dir, eval_every=8.0, **{"train.eval_every_seconds": 0.1})
+  loop.train_and_evaluate(config, workdir, progress=False)
+  times = [m["virtual_time"] for m in helpers.metric_lines(workdir)]
+  assert times == [0.1, 0.2, 0.30000000000000004, BUDGET]   # k * 0.1, never a running sum
+  config = _config(data_dir, eval_every=0.5, **{"train.eval_every_seconds": 0.15})
+  loop.train_and_evaluate(config, str(tmp_path / "both"), progress=False)
+  lines = helpers.metric_lines(tmp_path / "both")
+  assert {0.15, 0.3, BUDGET} <= {m["virtual_time"] for m in lines}
+  assert {0.5, 1.0} <= {m["epoch"] for m in lines}   # the epochs' points still come
 
 
 def test_the_levels_runner_stops_at_the_budget_with_the_same_rates(tmp_path, data_dir):
@@ -128,13 +143,14 @@ def test_without_a_budget_the_schedule_still_follows_epochs(tmp_path, data_dir):
   assert executor.summary_fields([], None)["virtual_budget"] is None
 
 
-@pytest.mark.parametrize("budget", [-1.0, math.nan, math.inf, "600"])
-def test_a_bad_budget_is_refused(budget):
-  """(ml_collections makes a bool a float on this float key, as it does an int.)"""
+@pytest.mark.parametrize("key", ["virtual_budget", "eval_every_seconds"])
+@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf, "600"])
+def test_bad_virtual_seconds_are_refused(key, seconds):
+  """(ml_collections makes a bool a float on these float keys, as it does an int.)"""
   config = helpers.cluster_config("ssp")
   with config.ignore_type():
-    config.train.virtual_budget = budget
-  with pytest.raises(ValueError, match=r"config.train.virtual_budget=.* is invalid; allowed: a "
+    config.train[key] = seconds
+  with pytest.raises(ValueError, match=rf"config.train.{key}=.* is invalid; allowed: a "
                      r"finite number of virtual seconds >= 0 \(0 = off"):
     config_lib.validate_config(config)
 
@@ -145,6 +161,9 @@ def test_a_bad_budget_is_refused(budget):
     ({"executor": "dist", "sync.scheme": "ssp"},
      r"config.executor='dist' \(runs as 'dist'\) cannot go with config.train.virtual_budget=600.0:"
      r" the real runtime's clock is the wall clock"),
+    ({"train.virtual_budget": 0.0, "train.eval_every_seconds": 5.0},
+     r"config.executor='auto' \(runs as 'fused'\) cannot go with "
+     r"config.train.eval_every_seconds=5.0: BSP without a cluster"),
     ({"sync.scheme": "ssp", "optimizer.warmup_epochs": 0.5},
      r"config.optimizer.warmup_epochs=0.5 cannot go with config.train.virtual_budget=600.0; "
      r"allowed: 0 \(a warm-up is counted in epochs\), or virtual_budget=0"),
@@ -168,7 +187,7 @@ def test_a_budget_is_refused_before_anything_is_built(tmp_path):
 def test_a_run_recorded_before_the_budget_still_resumes_and_counts_as_unchanged(tmp_path):
   config = config_lib.default_config()
   recorded = json.loads(config.to_json())
-  del recorded["train"]["virtual_budget"]
+  del recorded["train"]["virtual_budget"], recorded["train"]["eval_every_seconds"]
   assert workdir_lib.config_changes(recorded, config) == []
   path = tmp_path / "config.json"
   path.write_text(json.dumps(recorded))

@@ -296,6 +296,8 @@ class Simulation:
     self._stop_after = self.config.train.stop_after_updates
     # train.virtual_budget: virtual seconds (0: none); the run ends at it, the schedule follows it.
     self.budget = float(self.config.train.get("virtual_budget", 0.0))
+    # train.eval_every_seconds: evaluations at every multiple of it in virtual time (0: none).
+    self.eval_seconds = float(self.config.train.get("eval_every_seconds", 0.0))
 
   def _build_model(self) -> None:
     """The cluster, the scheme, the learning rates, the model's initial weights and sizes."""
@@ -378,6 +380,7 @@ class Simulation:
                                            push_iterations=self.steps)
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
+                 "time_evals": 0,   # evaluations at multiples of train.eval_every_seconds
                  "iterations": 0, "layout": "tree",
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -489,8 +492,9 @@ class Simulation:
   def advance(self) -> bool:
     _refuse_abstract(self, "run")
     host, apply_round, iterations = self.host, self._apply_round, self._iterations
+    next_eval_time = self._next_eval_time()
     while not self.finished():
-      for rnd in self._next_rounds():
+      for rnd in self._next_rounds(min(self.budget or math.inf, next_eval_time)):
         apply_round(rnd)
       done = iterations()
       if done >= host["next_epoch_end"]:
@@ -502,18 +506,23 @@ class Simulation:
       if self._budget_spent():
         self.engine.wait_until(self.budget)   # the final evaluation is stamped at the budget
         return True
+      if self.engine.next_time() >= next_eval_time:
+        self.engine.wait_until(next_eval_time)   # stamped there: every event before it ran
+        return True
       if done >= host["next_eval"] or done >= self.total_pushes:
         return True
       if interrupt.requested():
         return False   # between events: host and planned device steps are consistent
     return False
 
-  def _next_rounds(self) -> list:
+  def _next_rounds(self, limit: float) -> list:
     """Runs the events up to the next that pushes or emits rounds (only those change what
-    :meth:`advance` checks), none at or past the budget; returns their rounds."""
-    engine, pushes, limit = self.engine, self.engine.num_pushes, self.budget or math.inf
-    rounds = engine.step()
-    while not rounds and engine.num_pushes == pushes and engine.next_time() < limit:
+    :meth:`advance` checks), none at or past ``limit`` (virtual seconds: the budget or the
+    next evaluation time); returns their rounds."""
+    engine, pushes, rounds = self.engine, self.engine.num_pushes, []
+    # An empty queue steps too: the engine names the deadlock.
+    while (not rounds and engine.num_pushes == pushes
+           and (engine.next_time() < limit or not engine.queue)):
       rounds = engine.step()
     return rounds
 
@@ -539,6 +548,8 @@ class Simulation:
         blocked=blocked, acct=self.acct, iterations=self._iterations())
     while host["next_eval"] <= self._iterations():   # a local-update push spans H iterations
       host["next_eval"] += self.eval_pushes
+    while self._next_eval_time() <= engine.now:
+      host["time_evals"] += 1
     host["num_evals"] += 1
     return record
 
@@ -614,6 +625,13 @@ class Simulation:
     pulled = rnd.pulls.nonzero()[0]
     self.feed.add(rnd, learning_rate, pulled, self._dispatch(pulled) if pulled.size else pulled)
     self.state = self.feed.run_ready(self.state, self.arrays)
+
+  def _next_eval_time(self) -> float:
+    """The virtual time of the next evaluation by ``train.eval_every_seconds`` (``inf``: none);
+    a multiple of it, never a running sum (no drift)."""
+    if not self.eval_seconds:
+      return math.inf
+    return (self.host.get("time_evals", 0) + 1) * self.eval_seconds
 
   def _round_rate(self, rnd) -> np.float32:
     """The round's learning rate: the schedule at its virtual time over the budget
