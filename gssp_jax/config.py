@@ -115,12 +115,12 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_budget(config: ml_collections.ConfigDict) -> None:
-  """Virtual seconds (``train.virtual_budget``, ``train.eval_every_seconds`` > 0) need the
-  simulator's clock; a budget also needs a schedule that virtual time can drive: no warm-up
-  (counted in epochs), and the local-update schemes' inner schedule constant (it runs over each
-  worker's own steps, on the device)."""
-  for key in ("virtual_budget", "eval_every_seconds"):
-    _check_virtual_clock(config, key)
+  """Seconds of a run's clock need one: ``train.virtual_budget`` the simulator's or the real
+  runtime's (its wall clock), ``train.eval_every_seconds`` the simulator's. A budget also needs
+  a schedule that its clock can drive: no warm-up (counted in epochs), and the local-update
+  schemes' inner schedule constant (it runs over each worker's own steps, on the device)."""
+  _check_virtual_clock(config, "virtual_budget", ("fused",))
+  _check_virtual_clock(config, "eval_every_seconds", ("fused", "dist"))
   budget = config.train.get("virtual_budget", 0.0)
   if not budget:
     return
@@ -137,13 +137,13 @@ def _check_budget(config: ml_collections.ConfigDict) -> None:
                        "virtual_budget=0")
 
 
-def _check_virtual_clock(config: ml_collections.ConfigDict, key: str) -> None:
-  """``train.{key}`` > 0 counts virtual seconds: the fused loop and the real runtime have none."""
+def _check_virtual_clock(config: ml_collections.ConfigDict, key: str, refused) -> None:
+  """``train.{key}`` > 0 counts seconds of a clock the executors ``refused`` lack or ignore."""
   seconds = config.train.get(key, 0.0)
   name = executors.executor_name(config, backend="cpu")   # the backend picks only among sims
-  if seconds and name in ("fused", "dist"):
-    what = ("the real runtime's clock is the wall clock" if name == "dist" else
-            "BSP without a cluster trains in the fused loop, which has no virtual time")
+  if seconds and name in refused:
+    what = ("the real runtime evaluates at pushes, not at seconds of its clock" if name == "dist"
+            else "BSP without a cluster trains in the fused loop, which has no virtual time")
     raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
                      f"cannot go with config.train.{key}={seconds!r}: {what}; allowed: a "
                      "simulated cluster (set cluster.profile, or executor='rounds' or "

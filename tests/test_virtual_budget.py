@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+import dist_replay
 import helpers
 from gssp_jax import config as config_lib
 from gssp_jax.train import loop
@@ -124,6 +125,33 @@ def test_the_levels_runner_stops_at_the_budget_with_the_same_rates(tmp_path, dat
   assert level_sim.engine.num_pushes == sim.engine.num_pushes
 
 
+def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the_budget(
+    tmp_path, data_dir):
+  """The real runtime's control plane and shard, driven by the simulator's events (its clock the
+  events' virtual times, ``dist_replay``): the same learning rates (the same weights and optimizer
+  state, bit for bit); the next push, at the budget, is not applied, the run ends, and its final
+  evaluation is stamped at the budget."""
+  config = _config(data_dir, "ssp")   # cosine: every round's rate differs
+  sim = dist_replay.simulate_events(config, str(tmp_path / "sim"))
+  assert sim.engine.now == BUDGET and sim.engine.num_pushes >= 16
+  run = dist_replay.RealRun(config, str(tmp_path / "real"), 1)
+  try:
+    run.replay(sim.engine.events)
+    srv = run.srv
+    want = dist_replay.expected_shard_state(sim.state, srv.treedefs[0], srv.treedefs[1],
+                                            srv.layout, 0)
+    assert not dist_replay.differences(run.cores()[0].state, want)
+    assert srv.host["pushes"] == sim.engine.num_pushes and not srv.core.done
+    run.clock.now = BUDGET
+    run.push(next(w for w, grad in enumerate(run.pending) if grad is not None), expect_stop=True)
+    assert srv.core.done and srv.host["pushes"] == sim.engine.num_pushes
+    assert srv.evaluate()["virtual_time"] == BUDGET and srv.finished() and srv.completed()
+    assert srv.summary_fields([], None)["virtual_budget"] == {
+        "seconds": BUDGET, "ended_at": BUDGET, "reached": True}
+  finally:
+    run.close()
+
+
 def test_no_event_at_or_past_the_budget_runs(tmp_path, data_dir):
   """The timeline stops with its next event at or past the budget and every earlier one run."""
   rates, executor = _run_recording_rates(_config(data_dir, "gssp"), str(tmp_path / "run"))
@@ -158,9 +186,9 @@ def test_bad_virtual_seconds_are_refused(key, seconds):
 @pytest.mark.parametrize("changes, match", [
     ({}, r"config.executor='auto' \(runs as 'fused'\) cannot go with config.train.virtual_budget"
          r"=600.0: BSP without a cluster .* allowed: a simulated cluster"),
-    ({"executor": "dist", "sync.scheme": "ssp"},
-     r"config.executor='dist' \(runs as 'dist'\) cannot go with config.train.virtual_budget=600.0:"
-     r" the real runtime's clock is the wall clock"),
+    ({"executor": "dist", "sync.scheme": "ssp", "train.eval_every_seconds": 5.0},
+     r"config.executor='dist' \(runs as 'dist'\) cannot go with "
+     r"config.train.eval_every_seconds=5.0: the real runtime evaluates at pushes"),
     ({"train.virtual_budget": 0.0, "train.eval_every_seconds": 5.0},
      r"config.executor='auto' \(runs as 'fused'\) cannot go with "
      r"config.train.eval_every_seconds=5.0: BSP without a cluster"),

@@ -211,6 +211,24 @@ def at_end(iterations: int, pushes: int, total_pushes: int, stop_after: int) -> 
   return iterations >= total_pushes or bool(stop_after and pushes >= stop_after)
 
 
+def learning_rates(config: ml_collections.ConfigDict, steps_per_epoch: int, total_pushes: int):
+  """The outer learning rates of ``config``, for the simulator and the real runtime alike:
+  ``optim.VirtualTimeSchedule`` under ``train.virtual_budget``, else the epochs' table
+  (``optim.LearningRateTable``). :func:`round_learning_rate` reads a round's rate from it."""
+  outer, budget = local_lib.outer_config(config), config.train.get("virtual_budget", 0.0)
+  if budget:
+    return optim.VirtualTimeSchedule(outer, budget)
+  return optim.learning_rate_table(outer, steps_per_epoch,
+                                   round(total_pushes / config.num_workers))
+
+
+def round_learning_rate(schedule, budget: float, rnd, iterations: int, num_workers: int):
+  """A round's learning rate (the simulator's and the real runtime's): the schedule at the
+  round's virtual time over the budget (``train.virtual_budget``), else at the data iterations
+  done, in steps of W."""
+  return schedule(rnd.time) if budget else schedule(iterations // num_workers)
+
+
 def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
                ) -> tuple[np.ndarray, executor.LocalJob | None]:
   """``([W] inner steps per job, LocalJob)`` of a local-update scheme; ``(ones, None)`` else.
@@ -305,9 +323,7 @@ class Simulation:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.speeds = self.cluster.mean_times
     self.scheme = sync.scheme_from_config(config, worker_times=self.speeds)
-    outer = local_lib.outer_config(config)
-    self.schedule = (optim.VirtualTimeSchedule(outer, self.budget) if self.budget else
-                     optim.learning_rate_table(outer, self.spe, round(self.total_pushes / self.W)))
+    self.schedule = learning_rates(config, self.spe, self.total_pushes)
     # Inner steps per job (data iterations per push) and the local-update job (None for others).
     self.steps, self.local = local_plan(config, self.speeds, self.spe)
     self.compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
@@ -634,11 +650,8 @@ class Simulation:
     return (self.host.get("time_evals", 0) + 1) * self.eval_seconds
 
   def _round_rate(self, rnd) -> np.float32:
-    """The round's learning rate: the schedule at its virtual time over the budget
-    (``train.virtual_budget``), else at the data iterations done, in steps of W."""
-    if self.budget:
-      return self.schedule(rnd.time)
-    return self.schedule(self._iterations() // self.W)
+    """The round's learning rate (:func:`round_learning_rate`)."""
+    return round_learning_rate(self.schedule, self.budget, rnd, self._iterations(), self.W)
 
   def _work(self) -> float:
     """What the ETA counts: virtual seconds under a budget, else data iterations."""
