@@ -125,12 +125,14 @@ def test_the_levels_runner_stops_at_the_budget_with_the_same_rates(tmp_path, dat
   assert level_sim.engine.num_pushes == sim.engine.num_pushes
 
 
+@pytest.mark.parametrize("ending", ["push", "clock"])
 def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the_budget(
-    tmp_path, data_dir):
+    tmp_path, data_dir, ending):
   """The real runtime's control plane and shard, driven by the simulator's events (its clock the
   events' virtual times, ``dist_replay``): the same learning rates (the same weights and optimizer
-  state, bit for bit); the next push, at the budget, is not applied, the run ends, and its final
-  evaluation is stamped at the budget."""
+  state, bit for bit). Then the run ends at the budget, by the next push (at the budget: not
+  applied, answered stop) or by its clock passing the budget with no event (the server's wait
+  loop); its final evaluation is stamped at the budget."""
   config = _config(data_dir, "ssp")   # cosine: every round's rate differs
   sim = dist_replay.simulate_events(config, str(tmp_path / "sim"))
   assert sim.engine.now == BUDGET and sim.engine.num_pushes >= 16
@@ -142,8 +144,15 @@ def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the
                                             srv.layout, 0)
     assert not dist_replay.differences(run.cores()[0].state, want)
     assert srv.host["pushes"] == sim.engine.num_pushes and not srv.core.done
-    run.clock.now = BUDGET
-    run.push(next(w for w, grad in enumerate(run.pending) if grad is not None), expect_stop=True)
+    if ending == "push":
+      run.clock.now = BUDGET
+      run.push(next(w for w, grad in enumerate(run.pending) if grad is not None),
+               expect_stop=True)
+    else:
+      srv.evaluate()   # an evaluation before the budget (moves the next evaluation point on)
+      assert not srv.finished()
+      run.clock.now = BUDGET + 0.01
+      assert srv.advance()
     assert srv.core.done and srv.host["pushes"] == sim.engine.num_pushes
     assert srv.evaluate()["virtual_time"] == BUDGET and srv.finished() and srv.completed()
     assert srv.summary_fields([], None)["virtual_budget"] == {
