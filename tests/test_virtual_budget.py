@@ -154,7 +154,9 @@ def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the
       run.clock.now = BUDGET + 0.01
       assert srv.advance()
     assert srv.core.done and srv.host["pushes"] == sim.engine.num_pushes
-    assert srv.evaluate()["virtual_time"] == BUDGET and srv.finished() and srv.completed()
+    record = srv.evaluate()
+    assert record["virtual_time"] == BUDGET and srv.finished() and srv.completed()
+    assert srv.progress(record).endswith("| ETA 0m00s")   # the budget's end, not the epochs'
     assert srv.summary_fields([], None)["virtual_budget"] == {
         "seconds": BUDGET, "ended_at": BUDGET, "reached": True}
   finally:

@@ -378,6 +378,8 @@ class DistServer:
     if self.local:   # the end is in data iterations: H_w per push
       done = round(record["epoch"] * self.W * self.spe)
       eta = max(self.total_pushes - done, 0) / max(rate * float(self.steps.mean()), 1e-9)
+    if self.budget:   # its clock is the wall clock: the budget's end comes first, or the epochs'
+      eta = min(eta, max(self.budget - record["virtual_time"], 0.0))
     return (f"{self.scheme.name} (real, {self.W} meshes, {self.S} shard"
             f"{'s' if self.S > 1 else ''}) epoch {record['epoch']:.2f} | wall"
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
