@@ -1,6 +1,8 @@
 """A run's length and learning-rate schedule in virtual seconds (``train.virtual_budget``): every
 event before the budget runs and none at or after it, the final evaluation is stamped at the
-budget, and each round's rate is the schedule at its virtual time over the budget."""
+budget, and each round's rate is the schedule at its virtual time over the budget; in the
+simulator (both runners) and in the real runtime fed the simulator's events. Evaluations at
+multiples of ``train.eval_every_seconds``. Bad values and settings refused before anything runs."""
 
 import json
 import math
@@ -214,6 +216,12 @@ def test_a_budget_with_a_setting_it_cannot_go_with_is_refused(changes, match):
   config = helpers.mnist_smoke(None, **{"train.virtual_budget": 600.0, **changes})
   with pytest.raises(ValueError, match=match):
     config_lib.validate_config(config)
+
+
+def test_a_budget_goes_with_the_simulator_and_the_real_runtime():
+  for executor in ("rounds", "levels", "dist"):
+    config_lib.validate_config(helpers.mnist_smoke(
+        None, **{"train.virtual_budget": 600.0, "executor": executor, "sync.scheme": "ssp"}))
 
 
 def test_a_budget_is_refused_before_anything_is_built(tmp_path):
