@@ -69,14 +69,16 @@ def learning_rate_table(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
 
 
 class VirtualTimeSchedule:
-  """``cfg.schedule`` over virtual time: the rate at ``t`` is the schedule at progress ``t / budget``.
+  """``cfg.schedule`` over virtual time: the rate at ``t`` is the schedule at progress ``t / B``.
 
-  What a run with ``train.virtual_budget`` > 0 reads each round's learning rate
-  from, in place of :class:`LearningRateTable`'s epochs of data: ``constant``
-  is ``cfg.learning_rate``; ``cosine`` is optax's cosine decay with the
-  progress fraction as ``count / decay_steps``, ``peak (1 + cos(pi p)) / 2``,
-  float32. Warm-up is counted in epochs, so a budget refuses it
-  (``config.py``). Past the budget the rate stays at its end value.
+  ``B`` is ``train.virtual_budget`` (> 0): a run with one reads each round's
+  learning rate from this, at the round's time, in place of
+  :class:`LearningRateTable`'s epochs of data (the simulator and the real
+  runtime alike). ``constant`` is ``cfg.learning_rate``; ``cosine`` is optax's
+  cosine decay with the progress fraction as ``count / decay_steps``,
+  ``peak (1 + cos(pi p)) / 2``, float32. Warm-up is counted in epochs, so a
+  budget refuses it (``config.py``). Past the budget the rate stays at its end
+  value.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, budget: float):
