@@ -11,6 +11,7 @@ and this module calls them in order.
 
 from __future__ import annotations
 
+import math
 from typing import Collection
 
 import ml_collections
@@ -83,6 +84,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
   runtime_settings.validate(config)
   cluster.validate(config)
   executors.validate(config)
+  _check_budget(config)
 
 
 def _check_run(config: ml_collections.ConfigDict) -> None:
@@ -101,6 +103,48 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
   if config.train.target_accuracy > 1:
     checks.fail("train.target_accuracy", config.train.target_accuracy,
                 "a fraction in [0, 1] (0 = no target)")
+  for key, off in (("virtual_budget", "0 = off: the run lasts train.num_epochs"),
+                   ("eval_every_seconds", "0 = off: evaluations every train.eval_every epochs")):
+    seconds = config.train.get(key, 0.0)
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+        or not 0 <= seconds < math.inf):
+      checks.fail(f"train.{key}", seconds, f"a finite number of virtual seconds >= 0 ({off})")
   if config.data.train_size and config.data.train_size < config.num_workers:
     checks.fail("data.train_size", config.data.train_size,
                 f"0 (all) or at least num_workers={config.num_workers}")
+
+
+def _check_budget(config: ml_collections.ConfigDict) -> None:
+  """Seconds of a run's clock need one: ``train.virtual_budget`` the simulator's or the real
+  runtime's (its wall clock), ``train.eval_every_seconds`` the simulator's. A budget also needs
+  a schedule that its clock can drive: no warm-up (counted in epochs), and the local-update
+  schemes' inner schedule constant (it runs over each worker's own steps, on the device)."""
+  _check_virtual_clock(config, "virtual_budget", ("fused",))
+  _check_virtual_clock(config, "eval_every_seconds", ("fused", "dist"))
+  budget = config.train.get("virtual_budget", 0.0)
+  if not budget:
+    return
+  where = f"with config.train.virtual_budget={budget!r}"
+  keys = [("optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  if "local" in config:
+    keys += [("local.optimizer.schedule", "constant", "'constant' (the inner schedule runs "
+              "over each worker's own steps, not virtual time)"),
+             ("local.optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  for key, allowed, why in keys:
+    value = checks.get(config, key)
+    if value != allowed:
+      raise ValueError(f"config.{key}={value!r} cannot go {where}; allowed: {why}, or "
+                       "virtual_budget=0")
+
+
+def _check_virtual_clock(config: ml_collections.ConfigDict, key: str, refused) -> None:
+  """``train.{key}`` > 0 counts seconds of a clock the executors ``refused`` lack or ignore."""
+  seconds = config.train.get(key, 0.0)
+  name = executors.executor_name(config, backend="cpu")   # the backend picks only among sims
+  if seconds and name in refused:
+    what = ("the real runtime evaluates at pushes, not at seconds of its clock" if name == "dist"
+            else "BSP without a cluster trains in the fused loop, which has no virtual time")
+    raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
+                     f"cannot go with config.train.{key}={seconds!r}: {what}; allowed: a "
+                     "simulated cluster (set cluster.profile, or executor='rounds' or "
+                     f"'levels'), or {key}=0")

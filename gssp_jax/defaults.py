@@ -172,6 +172,17 @@ def default_config() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0
   c.train.eval_every = 1.0        # epochs between evaluations (fractions allowed)
+  # Also evaluate at every multiple of this many virtual seconds (0 = off), stamped there
+  # exactly (every event before it has run): curves of several schemes at equal virtual times.
+  # The simulator only (the real runtime evaluates at pushes).
+  c.train.eval_every_seconds = 0.0
+  # Seconds of the run's clock it trains for (0 = off: its length is train.num_epochs). > 0: the
+  # run applies every event before this time and none at or after it, ends there with its final
+  # evaluation (virtual_time = the budget), and optimizer.schedule follows time / budget instead
+  # of epochs. train.num_epochs then caps the data it may read. The clock: the simulated
+  # cluster's, or the real runtime's wall clock since its start (not the fused BSP loop, which
+  # has none); no warm-up.
+  c.train.virtual_budget = 0.0
   c.train.target_accuracy = 0.0   # vision: time_to_target interpolates to it (0 = none)
   c.train.target_bleu = 0.0       # translation: likewise for BLEU
   c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)

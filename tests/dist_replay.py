@@ -118,8 +118,9 @@ class RealRun:
         self.pending[w] = None
         self.start(w)
 
-  def push(self, w: int) -> None:
-    """Mesh ``w``'s push reaches the server: slices to the shards, receipts, then the push."""
+  def push(self, w: int, expect_stop: bool = False) -> None:
+    """Mesh ``w``'s push reaches the server: slices to the shards, receipts, then the push
+    (``expect_stop``: the server answers stop at once, e.g. past ``train.virtual_budget``)."""
     mesh, job = self.meshes[w], self.jobs[w]
     loss, grad, model_state, nbytes = self.pending[w]
     sparse = self.config.compress.name != "none"
@@ -138,7 +139,7 @@ class RealRun:
               "receipts": receipts,
               "digests": [wire.digest(bodies[s][0]) for s in range(1, len(bodies))]}
     _, _, immediate = self.srv.accept_push(header, bodies[0][0])
-    assert immediate is None, immediate
+    assert immediate == ({"stop": True} if expect_stop else None), immediate
 
   def replay(self, events) -> None:
     for kind, time, payload in events:

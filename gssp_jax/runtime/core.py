@@ -87,7 +87,9 @@ class ProtocolCore:
     scheme: the run's ``sync`` scheme.
     steps: ``[W]`` each mesh's inner steps per job (``simulate.local_plan``).
     local: a local-update scheme (its pushes count ``H_w`` iterations).
-    schedule: the outer learning rate per server step (``optim.LearningRateTable``).
+    schedule: the outer learning rates (``simulate.learning_rates``).
+    budget: ``train.virtual_budget`` (0: none): no event at or past it is applied; the first
+      one ends the run (``end_at_budget``), as the simulator's timeline does.
     ratio_of: the compression ratios (``simulate.Ratios``).
     links: the scheme's ``traffic.Traffic`` (bytes per link, emulated delays).
     emulated: the cluster's link delays are emulated (else messages land at once).
@@ -102,8 +104,10 @@ class ProtocolCore:
   def __init__(self, *, scheme, steps: np.ndarray, local: bool, schedule, ratio_of, links,
                emulated: bool, pull_bytes: int, emit: Callable[[dict], None],
                watermark: Callable[[], int], lock, changed,
-               clock: Callable[[], float] | None = None, manual_messages: bool = False):
+               clock: Callable[[], float] | None = None, manual_messages: bool = False,
+               budget: float = 0.0):
     W = scheme.num_workers
+    self.budget = float(budget)
     self.W, self.scheme, self.steps, self.local = W, scheme, steps, local
     self.schedule, self.ratio_of, self.links = schedule, ratio_of, links
     self.emulated, self.pull_bytes = emulated, pull_bytes
@@ -151,10 +155,11 @@ class ProtocolCore:
   # -- events (under the lock) ------------------------------------------------------------------
 
   def accept(self, w: int, seq: int, loss: float, nbytes: int, wire_bytes: int,
-             digests: tuple = ()) -> None:
+             digests: tuple = (), now: float | None = None) -> None:
     """Mesh ``w``'s new push ``seq`` (checked, its slices staged): counted, ``put``, the
     protocol's reaction. ``digests``: its slices' on shards 1..S-1, which the ``put`` names
-    (shard 0's, staged here, under ``b""``)."""
+    (shard 0's, staged here, under ``b""``). ``now``: its time, if the caller read it (the
+    budget's check did), else the clock's."""
     self.lock.check("ProtocolCore.accept")
     host = self.host
     host["seq"][w] = seq
@@ -164,7 +169,7 @@ class ProtocolCore:
     host["pushes"] += 1
     host["pushes_per_worker"][w] += 1
     host["wire_pushed_per_worker"][w] += wire_bytes
-    now = self.now()
+    now = self.now() if now is None else now
     self.blocked_since[w] = now
     self.waiting[w] = True
     self.react(self.protocol.on_push(w, now), now)
@@ -172,6 +177,9 @@ class ProtocolCore:
   def lose(self, w: int, now: float, why: str) -> None:
     """Drops mesh ``w`` from the protocol: nobody waits for it any more; what it applied stays."""
     self.lock.check("ProtocolCore.lose")
+    if self.past_budget(now):   # the run ended before it: nothing changes
+      self.end_at_budget()
+      return
     self.host["lost"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"]),
                               "why": why})
     logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why,
@@ -184,13 +192,18 @@ class ProtocolCore:
   def react(self, reaction, now: float) -> None:
     """Emits a reaction's rounds, releases its meshes, schedules its messages."""
     self.lock.check("ProtocolCore.react")
+    if self.past_budget(now):   # a rejoin past the budget (the other events check before)
+      self.end_at_budget()
+      return
     for rnd in reaction.rounds:
       if self.local:   # as the simulator's _apply_round: before the round's learning rate
         self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
+      rate = simulate.round_learning_rate(self.schedule, self.budget, rnd, self.iterations(),
+                                          self.W)
       args = records.account_round(
           rnd, host=self.host, acct=self.acct, protocol=self.protocol, links=self.links,
-          iteration=self.host["pushes_per_worker"],
-          learning_rate=self.schedule(self.iterations() // self.W), pull_bytes=self.pull_bytes)
+          iteration=self.host["pushes_per_worker"], learning_rate=rate,
+          pull_bytes=self.pull_bytes)
       lr = args.pop("learning_rate")
       self._emit({"k": "round", "args": args, "lr": float(lr)})
     for w in reaction.release:
@@ -211,14 +224,20 @@ class ProtocolCore:
     with self.lock:
       if not self.done:
         now = self.now()
-        self.react(self.protocol.on_message(message, now), now)
+        if self.past_budget(now):
+          self.end_at_budget()
+        else:
+          self.react(self.protocol.on_message(message, now), now)
 
   def deliver(self, message, now: float | None = None) -> None:
     """Delivers a held server-to-server message now (``manual_messages`` runs: tests)."""
     with self.lock:
       held = self.messages.take(message)
       now = self.now() if now is None else now
-      self.react(self.protocol.on_message(held, now), now)
+      if self.past_budget(now):
+        self.end_at_budget()
+      else:
+        self.react(self.protocol.on_message(held, now), now)
 
   def _message_delay(self, message) -> float:
     """An emulated server-to-server link's delay, as the simulator charges it (0 without a
@@ -233,6 +252,16 @@ class ProtocolCore:
     if not self.done:
       self.done = True
       self.changed.notify_all()
+
+  def past_budget(self, now: float) -> bool:
+    """Whether an event at ``now`` is at or past ``train.virtual_budget`` (never without one)."""
+    return bool(self.budget) and now >= self.budget
+
+  def end_at_budget(self) -> None:
+    """The run reached its budget: every event before it applied, none after; meshes stop."""
+    self.lock.check("ProtocolCore.end_at_budget")
+    self.host["budget_reached"] = True
+    self.finish()
 
   def next_job(self, w: int) -> dict:
     """Mesh ``w``'s next job (counted as dispatched)."""

@@ -122,6 +122,10 @@ class MeshCalls:
                            f"mesh {w} is held by another process; this one must rejoin")
       if core.done:
         return w, seq, self.members.stop(w)
+      now = core.now()
+      if core.past_budget(now):   # train.virtual_budget: not applied; the run ends before it
+        core.end_at_budget()
+        return w, seq, self.members.stop(w)
       if seq == core.host["seq"][w]:
         core.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
         return w, seq, None
@@ -129,7 +133,7 @@ class MeshCalls:
                                  credentials=self.credentials(), session=self.links.session)
       self.core0.stage(w, seq, grads, stats)
       self.members.last_seen[w] = time.monotonic()
-      core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests)
+      core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests, now=now)
       if self.at_end(core.iterations(), core.host["pushes"]):
         core.finish()
       if core.iterations() >= core.host["next_eval"] or core.done:

@@ -100,7 +100,6 @@ from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import local as local_lib
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import interrupt
-from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import workdir as workdir_lib
@@ -148,6 +147,8 @@ class DistServer:
     plan = simulate.plan_pushes(config, task.num_train)
     self.spe, self.total_pushes, self.eval_pushes, self.end_pushes = (
         plan.spe, plan.total_pushes, plan.eval_pushes, plan.end_pushes)
+    # train.virtual_budget: the run's clock (wall time since its start) ends it, as the simulator's
+    self.budget = float(config.train.get("virtual_budget", 0.0))
     self._build_model(num_servers)
     self._build_parts(clock, manual_messages)
 
@@ -166,10 +167,9 @@ class DistServer:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulated = cluster_lib.cluster_is_set(config)
     self.scheme, _ = shard_lib.build_chain(config)
-    # A local-update scheme's outer optimizer's learning rates (the simulator's table, computed
-    # now, not under the lock while meshes wait), and each mesh's H_w (as the simulator).
-    self.schedule = optim.learning_rate_table(local_lib.outer_config(config), self.spe,
-                                              round(self.total_pushes / self.W))
+    # The outer optimizer's learning rates (the simulator's, computed now, not under the lock
+    # while meshes wait), and each mesh's H_w (as the simulator).
+    self.schedule = simulate.learning_rates(config, self.spe, self.total_pushes)
     self.local = local_lib.is_local(config.sync.scheme)
     self.steps, _ = simulate.local_plan(config, self.cluster.mean_times, self.spe)
     # The simulator's initialisation (``run.init_model``); every shard and mesh starts from these.
@@ -205,7 +205,7 @@ class DistServer:
         ratio_of=self.ratio_of, links=self.links, emulated=self.emulated,
         pull_bytes=self.pull_bytes, emit=self.shard_links.emit,
         watermark=lambda: self.shard_links.ops, lock=self.lock, changed=self.changed,
-        clock=clock, manual_messages=manual_messages)
+        clock=clock, manual_messages=manual_messages, budget=self.budget)
     self.core.host["next_eval"] = self.eval_pushes
     self.membership = membership_lib.Membership(self.W, self.config.dist, self.core,
                                                 self.shard_links.all_ready, self.changed)
@@ -289,10 +289,11 @@ class DistServer:
     return self.layout.assemble(bodies, self.treedefs)
 
   def finished(self) -> bool:
-    return self._at_end(self.host["evaluated_iterations"], self.host["evaluated"])
+    return (self._at_end(self.host["evaluated_iterations"], self.host["evaluated"])
+            or self.host.get("evaluated_budget", False))
 
   def completed(self) -> bool:
-    return self.core.iterations() >= self.total_pushes
+    return self.core.iterations() >= self.total_pushes or self.host.get("budget_reached", False)
 
   def _at_end(self, iterations: int, pushes: int) -> bool:
     """The run's end, as the simulator's (``simulate.at_end``)."""
@@ -311,6 +312,9 @@ class DistServer:
         self._raise_if_stopped()
         if interrupt.requested():
           return False   # save() snapshots under the lock; close() stops the meshes
+        if core.clock_started and core.past_budget(core.now()):   # no event came after it
+          core.end_at_budget()
+          break
         self.changed.wait(timeout=0.5)
       self._raise_if_stopped()
       return True   # an evaluation point, or the end
@@ -334,6 +338,7 @@ class DistServer:
       wall = core.wall_time()
       done = core.iterations()
       core.host["evaluated"], core.host["evaluated_iterations"] = host["pushes"], done
+      core.host["evaluated_budget"] = host.get("budget_reached", False)
       while core.host["next_eval"] <= done:
         core.host["next_eval"] += self.eval_pushes
       core.host["num_evals"] += 1
@@ -349,7 +354,7 @@ class DistServer:
     return {
         **records.evaluation_record(
             pushes=host["pushes"], num_workers=self.W, spe=self.spe, updates=host["updates"],
-            virtual_time=wall, wall_time=wall, loss_sum=sums["loss_sum"],
+            virtual_time=self._ended_at(host, wall), wall_time=wall, loss_sum=sums["loss_sum"],
             loss_count=sums["loss_count"], results=results, host=host,
             pull_bytes=self.pull_bytes, blocked=blocked, acct=acct, iterations=done),
         **_wire_fields(host),
@@ -357,6 +362,11 @@ class DistServer:
         "meshes_lost": len(host["lost"]),
         "refused_pushes": dict(host["refused"]),
     }
+
+  def _ended_at(self, host: dict, wall: float) -> float:
+    """The run's clock at a cut: the budget once reached (everything before it applied, nothing
+    after, as the simulator stamps it), else the wall time."""
+    return self.budget if host.get("budget_reached") else wall
 
   @property
   def evaluations(self) -> int:
@@ -368,6 +378,8 @@ class DistServer:
     if self.local:   # the end is in data iterations: H_w per push
       done = round(record["epoch"] * self.W * self.spe)
       eta = max(self.total_pushes - done, 0) / max(rate * float(self.steps.mean()), 1e-9)
+    if self.budget:   # its clock is the wall clock: the budget's end comes first, or the epochs'
+      eta = min(eta, max(self.budget - record["virtual_time"], 0.0))
     return (f"{self.scheme.name} (real, {self.W} meshes, {self.S} shard"
             f"{'s' if self.S > 1 else ''}) epoch {record['epoch']:.2f} | wall"
             f" {record['wall_time']:.1f} s | loss {record['train_loss']:.4f} |"
@@ -430,7 +442,8 @@ class DistServer:
           history=history, reached=reached, metric=self.metric_name, target=self.target,
           scheme=self.scheme, groups=self.scheme.groups.tolist(),
           cluster={**self.cluster.describe(), "emulated": self.emulated},
-          pushes=host["pushes"], batch_size=self.B, virtual_time=wall, wall_time=wall,
+          pushes=host["pushes"], batch_size=self.B, virtual_time=self._ended_at(host, wall),
+          wall_time=wall,
           host=host, pull_bytes=self.pull_bytes, blocked=core.blocked_so_far(), acct=core.acct,
           iterations=core.iterations())
     if self.local:
@@ -441,6 +454,9 @@ class DistServer:
     fields["servers"] = {"num": self.S, "shard_bytes": self.layout.shard_bytes(),
                          "addresses": self.shard_links.addresses()}
     fields["refused_pushes"] = dict(host["refused"])
+    fields["virtual_budget"] = ({"seconds": self.budget, "ended_at": self._ended_at(host, wall),
+                                 "reached": bool(host.get("budget_reached"))}
+                                if self.budget else None)
     wire_fields = _wire_fields(host)
     fields["totals"].update(wire_bytes_pushed=wire_fields["wire_bytes_pushed"],
                             wire_bytes_pulled=wire_fields["wire_bytes_pulled"],

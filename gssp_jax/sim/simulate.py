@@ -21,6 +21,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -210,6 +211,24 @@ def at_end(iterations: int, pushes: int, total_pushes: int, stop_after: int) -> 
   return iterations >= total_pushes or bool(stop_after and pushes >= stop_after)
 
 
+def learning_rates(config: ml_collections.ConfigDict, steps_per_epoch: int, total_pushes: int):
+  """The outer learning rates of ``config``, for the simulator and the real runtime alike:
+  ``optim.VirtualTimeSchedule`` under ``train.virtual_budget``, else the epochs' table
+  (``optim.LearningRateTable``). :func:`round_learning_rate` reads a round's rate from it."""
+  outer, budget = local_lib.outer_config(config), config.train.get("virtual_budget", 0.0)
+  if budget:
+    return optim.VirtualTimeSchedule(outer, budget)
+  return optim.learning_rate_table(outer, steps_per_epoch,
+                                   round(total_pushes / config.num_workers))
+
+
+def round_learning_rate(schedule, budget: float, rnd, iterations: int, num_workers: int):
+  """A round's learning rate (the simulator's and the real runtime's): the schedule at the
+  round's virtual time over the budget (``train.virtual_budget``), else at the data iterations
+  done, in steps of W."""
+  return schedule(rnd.time) if budget else schedule(iterations // num_workers)
+
+
 def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
                ) -> tuple[np.ndarray, executor.LocalJob | None]:
   """``([W] inner steps per job, LocalJob)`` of a local-update scheme; ``(ones, None)`` else.
@@ -293,6 +312,10 @@ class Simulation:
     self.total_pushes, self.eval_pushes, self.end_pushes = (plan.total_pushes, plan.eval_pushes,
                                                             plan.end_pushes)
     self._stop_after = self.config.train.stop_after_updates
+    # train.virtual_budget: virtual seconds (0: none); the run ends at it, the schedule follows it.
+    self.budget = float(self.config.train.get("virtual_budget", 0.0))
+    # train.eval_every_seconds: evaluations at every multiple of it in virtual time (0: none).
+    self.eval_seconds = float(self.config.train.get("eval_every_seconds", 0.0))
 
   def _build_model(self) -> None:
     """The cluster, the scheme, the learning rates, the model's initial weights and sizes."""
@@ -300,8 +323,7 @@ class Simulation:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.speeds = self.cluster.mean_times
     self.scheme = sync.scheme_from_config(config, worker_times=self.speeds)
-    self.schedule = optim.learning_rate_table(local_lib.outer_config(config), self.spe,
-                                              round(self.total_pushes / self.W))
+    self.schedule = learning_rates(config, self.spe, self.total_pushes)
     # Inner steps per job (data iterations per push) and the local-update job (None for others).
     self.steps, self.local = local_plan(config, self.speeds, self.spe)
     self.compressor = run_lib.make_compressor(one_worker_config(config))   # None for "none"
@@ -374,6 +396,7 @@ class Simulation:
                                            push_iterations=self.steps)
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
+                 "time_evals": 0,   # evaluations at multiples of train.eval_every_seconds
                  "iterations": 0, "layout": "tree",
                  "groups": [scheme.groups.tolist()]}
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -463,7 +486,7 @@ class Simulation:
       self.feed.add(None, 0.0, first, self._dispatch(first))
     self._session_start = time.perf_counter()
     self._wall_base = self.host["wall_time"]
-    self._eta = workdir_lib.Eta(self._iterations(), (self._iterations(), self._wall_base))
+    self._eta = workdir_lib.Eta(self._work(), (self._work(), self._wall_base))
     return int(self.engine.num_pushes)
 
   @property
@@ -471,36 +494,53 @@ class Simulation:
     return int(self.engine.num_pushes)
 
   def finished(self) -> bool:   # train.stop_after_updates counts pushes for every scheme
-    return at_end(self._iterations(), self.engine.num_pushes, self.total_pushes,
-                  self._stop_after)
+    return (at_end(self._iterations(), self.engine.num_pushes, self.total_pushes,
+                   self._stop_after) or self._budget_spent())
 
   def completed(self) -> bool:
-    return self._iterations() >= self.total_pushes
+    return self._iterations() >= self.total_pushes or self._budget_spent()
+
+  def _budget_spent(self) -> bool:
+    """Whether the run reached ``train.virtual_budget``: its next event is at or past it (every
+    event before it has run; none at or after it runs)."""
+    return bool(self.budget) and self.engine.next_time() >= self.budget
 
   def advance(self) -> bool:
     _refuse_abstract(self, "run")
-    engine, host = self.engine, self.host
-    step, apply_round, iterations = engine.step, self._apply_round, self._iterations
+    host, apply_round, iterations = self.host, self._apply_round, self._iterations
+    next_eval_time = self._next_eval_time()
     while not self.finished():
-      # Events up to the next that pushes or emits rounds: only those change what is checked.
-      pushes = engine.num_pushes
-      rounds = step()
-      while not rounds and engine.num_pushes == pushes:
-        rounds = step()
-      for rnd in rounds:
+      for rnd in self._next_rounds(min(self.budget or math.inf, next_eval_time)):
         apply_round(rnd)
       done = iterations()
       if done >= host["next_epoch_end"]:
         while host["next_epoch_end"] <= done:
           host["next_epoch_end"] += self.W * self.spe
-        measured = engine.measured_times()
+        measured = self.engine.measured_times()
         if self.config.sync.regroup_every_epoch and not self.finished():
           self._regroup(measured)
+      if self._budget_spent():
+        self.engine.wait_until(self.budget)   # the final evaluation is stamped at the budget
+        return True
+      if self.engine.next_time() >= next_eval_time:
+        self.engine.wait_until(next_eval_time)   # stamped there: every event before it ran
+        return True
       if done >= host["next_eval"] or done >= self.total_pushes:
         return True
       if interrupt.requested():
         return False   # between events: host and planned device steps are consistent
     return False
+
+  def _next_rounds(self, limit: float) -> list:
+    """Runs the events up to the next that pushes or emits rounds (only those change what
+    :meth:`advance` checks), none at or past ``limit`` (virtual seconds: the budget or the
+    next evaluation time); returns their rounds."""
+    engine, pushes, rounds = self.engine, self.engine.num_pushes, []
+    # An empty queue steps too: the engine names the deadlock.
+    while (not rounds and engine.num_pushes == pushes
+           and (engine.next_time() < limit or not engine.queue)):
+      rounds = engine.step()
+    return rounds
 
   def evaluate(self) -> dict[str, Any]:
     _refuse_abstract(self, "evaluate")
@@ -524,6 +564,8 @@ class Simulation:
         blocked=blocked, acct=self.acct, iterations=self._iterations())
     while host["next_eval"] <= self._iterations():   # a local-update push spans H iterations
       host["next_eval"] += self.eval_pushes
+    while self._next_eval_time() <= engine.now:
+      host["time_evals"] += 1
     host["num_evals"] += 1
     return record
 
@@ -533,7 +575,8 @@ class Simulation:
 
   def progress(self, record: dict[str, Any]) -> str:
     end = self.end_pushes if self.local is None else self.total_pushes
-    eta = self._eta.seconds_left(self._iterations(), end)   # a local round may pass the end
+    # A local round may pass the end; a budget's end is virtual seconds.
+    eta = self._eta.seconds_left(self._work(), self.budget or end)
     return (f"{self.scheme.name} epoch {record['epoch']:.2f} | virtual"
             f" {record['virtual_time']:.1f} s | loss {record['train_loss']:.4f} |"
             f" {run_lib.metrics_text(record, self.metric_name)} | blocked"
@@ -571,6 +614,9 @@ class Simulation:
     if self.local is not None:
       fields["scheme"]["local_steps"] = self.steps.tolist()
     fields["scheme"]["groups_history"] = host["groups"]
+    # train.virtual_budget: the budget and where the run ended (the totals' virtual_time too).
+    fields["virtual_budget"] = ({"seconds": self.budget, "ended_at": float(engine.now),
+                                 "reached": self._budget_spent()} if self.budget else None)
     return fields
 
   # -- the steps of a round -------------------------------------------------------------------
@@ -585,7 +631,7 @@ class Simulation:
     engine = self.engine
     if self.local is not None:
       self.host["iterations"] += int(self.steps[rnd.arrived].sum())
-    learning_rate = self.schedule(self._iterations() // self.W)
+    learning_rate = self._round_rate(rnd)
     if self._counts_per_round:
       self.links.count_round(engine.protocol, rnd, engine.iteration, self.host)
     self._unaccounted.append(rnd)
@@ -595,6 +641,21 @@ class Simulation:
     pulled = rnd.pulls.nonzero()[0]
     self.feed.add(rnd, learning_rate, pulled, self._dispatch(pulled) if pulled.size else pulled)
     self.state = self.feed.run_ready(self.state, self.arrays)
+
+  def _next_eval_time(self) -> float:
+    """The virtual time of the next evaluation by ``train.eval_every_seconds`` (``inf``: none);
+    a multiple of it, never a running sum (no drift)."""
+    if not self.eval_seconds:
+      return math.inf
+    return (self.host.get("time_evals", 0) + 1) * self.eval_seconds
+
+  def _round_rate(self, rnd) -> np.float32:
+    """The round's learning rate (:func:`round_learning_rate`)."""
+    return round_learning_rate(self.schedule, self.budget, rnd, self._iterations(), self.W)
+
+  def _work(self) -> float:
+    """What the ETA counts: virtual seconds under a budget, else data iterations."""
+    return self.engine.now if self.budget else self._iterations()
 
   def _account(self) -> None:
     """Accounts for the rounds since the last call (``records.account_rounds``)."""

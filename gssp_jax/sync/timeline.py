@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Callable
 
 import numpy as np
@@ -216,6 +217,17 @@ class TimelineEngine:
     if kind == "rejoin":
       return self._rejoin(payload)
     return self._react(self.protocol.on_message(payload, self.now), self.now)
+
+  def next_time(self) -> float:
+    """The virtual time of the next event (``inf`` when none is pending)."""
+    return self.queue[0][0] if self.queue else math.inf
+
+  def wait_until(self, time: float) -> None:
+    """Moves the clock to ``time``, with no event before it (a run that ends at a budget:
+    its waits count up to there)."""
+    if self.next_time() < time:
+      raise ValueError(f"wait_until({time}): an event is due at {self.next_time()}, before it")
+    self.now = max(self.now, float(time))
 
   def blocked_time_so_far(self) -> np.ndarray:
     """``[W]`` blocked time up to ``now``, counting waits still in progress; changes nothing.

@@ -129,8 +129,9 @@ def learning_warnings(history: Sequence[dict], *, metric: str, num_classes: int 
   out = []
   if updates is not None and updates < MIN_UPDATES:
     out.append(f"only {updates} server update{'s' if updates != 1 else ''} (fewer than "
-               f"{MIN_UPDATES}): too few to learn; train longer (train.num_epochs), on more data "
-               "(data.train_size) or with fewer local steps (local.steps)")
+               f"{MIN_UPDATES}): too few to learn; train longer (train.num_epochs, or "
+               "train.virtual_budget under a budget), on more data (data.train_size) or with "
+               "fewer local steps (local.steps)")
   final = history[-1].get(metric) if history else None
   if (num_classes is not None and metric == "test_accuracy" and final is not None
       and final <= CHANCE_FACTOR / num_classes):

@@ -68,6 +68,32 @@ def learning_rate_table(cfg: ml_collections.ConfigDict, steps_per_epoch: int,
   return LearningRateTable(np.asarray(jax.jit(jax.vmap(schedule))(steps), np.float32))
 
 
+class VirtualTimeSchedule:
+  """``cfg.schedule`` over virtual time: the rate at ``t`` is the schedule at progress ``t / B``.
+
+  ``B`` is ``train.virtual_budget`` (> 0): a run with one reads each round's
+  learning rate from this, at the round's time, in place of
+  :class:`LearningRateTable`'s epochs of data (the simulator and the real
+  runtime alike). ``constant`` is ``cfg.learning_rate``; ``cosine`` is optax's
+  cosine decay with the progress fraction as ``count / decay_steps``,
+  ``peak (1 + cos(pi p)) / 2``, float32. Warm-up is counted in epochs, so a
+  budget refuses it (``config.py``). Past the budget the rate stays at its end
+  value.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, budget: float):
+    if cfg.schedule not in defaults.SCHEDULES:
+      raise ValueError(f"optimizer.schedule={cfg.schedule!r}; allowed: "
+                       f"{', '.join(defaults.SCHEDULES)}")
+    self.peak, self.kind, self.budget = float(cfg.learning_rate), cfg.schedule, float(budget)
+
+  def __call__(self, time: float) -> np.float32:
+    if self.kind == "constant":
+      return np.float32(self.peak)
+    progress = min(max(float(time) / self.budget, 0.0), 1.0)
+    return np.float32(self.peak * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def check_grad_clip(value) -> float:
   """``optimizer.grad_clip`` as a float, checked: a finite number >= 0 (0 = off).
 
