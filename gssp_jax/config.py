@@ -122,19 +122,39 @@ def _check_budget(config: ml_collections.ConfigDict) -> None:
   _check_virtual_clock(config, "virtual_budget", ("fused",))
   _check_virtual_clock(config, "eval_every_seconds", ("fused", "dist"))
   budget = config.train.get("virtual_budget", 0.0)
+  _check_warmup_seconds(config.optimizer.get("warmup_seconds", 0.0), budget)
   if not budget:
     return
   where = f"with config.train.virtual_budget={budget!r}"
-  keys = [("optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  keys = [("optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs; "
+             "optimizer.warmup_seconds counts virtual seconds)")]
   if "local" in config:
     keys += [("local.optimizer.schedule", "constant", "'constant' (the inner schedule runs "
               "over each worker's own steps, not virtual time)"),
              ("local.optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
+  if config.sync.scheme == "local_sgd" and config.optimizer.get("warmup_seconds", 0.0):
+    raise ValueError(f"config.optimizer.warmup_seconds={config.optimizer.warmup_seconds!r} "
+                     "cannot go with sync.scheme='local_sgd' (its optimizer.* is the workers' "
+                     "own, over their steps; its server averages); allowed: 0")
   for key, allowed, why in keys:
     value = checks.get(config, key)
     if value != allowed:
       raise ValueError(f"config.{key}={value!r} cannot go {where}; allowed: {why}, or "
                        "virtual_budget=0")
+
+
+def _check_warmup_seconds(seconds, budget: float) -> None:
+  """``optimizer.warmup_seconds``: a number in ``[0, budget)``, and 0 without a budget."""
+  if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+      or not 0 <= seconds < math.inf):
+    checks.fail("optimizer.warmup_seconds", seconds, "a finite number of virtual seconds >= 0")
+  if seconds and not budget:
+    raise ValueError(f"config.optimizer.warmup_seconds={seconds!r} needs "
+                     "train.virtual_budget > 0 (it is a warm-up in virtual seconds); allowed: 0, "
+                     "or optimizer.warmup_epochs for a run measured in epochs")
+  if seconds and seconds >= budget:
+    raise ValueError(f"config.optimizer.warmup_seconds={seconds!r} is invalid with "
+                     f"train.virtual_budget={budget!r}; allowed: fewer seconds than the budget")
 
 
 def _check_virtual_clock(config: ml_collections.ConfigDict, key: str, refused) -> None:

@@ -86,6 +86,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay_mode = "progress"
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_epochs = 0.0
+  # Under train.virtual_budget: a linear warm-up over this many virtual seconds (warmup_epochs
+  # counts epochs of data, which a budget does not follow).
+  c.optimizer.warmup_seconds = 0.0
   # Global-norm clip of each worker's gradient (0 = off), in every executor: before its
   # compressor and before any server scales it (1/W per push, K/W per GSSP delivery), so it
   # bounds the same quantity for every scheme. BSP's step is the mean of the clipped worker

@@ -63,6 +63,24 @@ def test_the_schedule_follows_virtual_time_over_the_budget(tmp_path, data_dir):
   assert half(0.0) == np.float32(peak)
 
 
+def test_a_warm_up_in_virtual_seconds_then_the_schedule_over_the_rest(tmp_path, data_dir):
+  """``optimizer.warmup_seconds = w``: linear from 0 to the peak over ``[0, w)``, then cosine
+  over ``(t - w) / (B - w)``, as the epochs' warm-up is followed by cosine over the other steps."""
+  peak, w = 0.05, 0.1
+  config = _config(data_dir, **{"optimizer.schedule": "cosine", "optimizer.learning_rate": peak,
+                                "optimizer.warmup_seconds": w})
+  rates, _ = _run_recording_rates(config, str(tmp_path / "run"))
+  times = np.array([t for t, _ in rates])
+  got = np.array([lr for _, lr in rates], np.float64)
+  expected = np.where(times < w, peak * times / w,
+                      peak * 0.5 * (1 + np.cos(np.pi * (times - w) / (BUDGET - w))))
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert (times < w).sum() >= 2 and (times >= w).sum() >= 4
+  schedule = optim.VirtualTimeSchedule(config.optimizer, BUDGET)
+  assert schedule(w / 2) == np.float32(peak / 2) and schedule(w) == np.float32(peak)
+  assert schedule((w + BUDGET) / 2) == np.float32(peak / 2)
+
+
 def test_a_constant_schedule_under_a_budget_is_the_rate_itself(tmp_path, data_dir):
   config = _config(data_dir, "asp", **{"optimizer.schedule": "constant"})
   rates, _ = _run_recording_rates(config, str(tmp_path / "run"))
@@ -207,7 +225,17 @@ def test_bad_virtual_seconds_are_refused(key, seconds):
      r"config.train.eval_every_seconds=5.0: BSP without a cluster"),
     ({"sync.scheme": "ssp", "optimizer.warmup_epochs": 0.5},
      r"config.optimizer.warmup_epochs=0.5 cannot go with config.train.virtual_budget=600.0; "
-     r"allowed: 0 \(a warm-up is counted in epochs\), or virtual_budget=0"),
+     r"allowed: 0 \(a warm-up is counted in epochs; optimizer.warmup_seconds counts virtual "
+     r"seconds\), or virtual_budget=0"),
+    ({"sync.scheme": "ssp", "train.virtual_budget": 0.0, "optimizer.warmup_seconds": 5.0},
+     r"config.optimizer.warmup_seconds=5.0 needs train.virtual_budget > 0"),
+    ({"sync.scheme": "ssp", "optimizer.warmup_seconds": 600.0},
+     r"config.optimizer.warmup_seconds=600.0 is invalid with train.virtual_budget=600.0; "
+     r"allowed: fewer seconds than the budget"),
+    ({"sync.scheme": "ssp", "optimizer.warmup_seconds": -1.0},
+     r"config.optimizer.warmup_seconds=-1.0 is invalid; allowed: a finite number"),
+    ({"sync.scheme": "local_sgd", "optimizer.warmup_seconds": 5.0},
+     r"warmup_seconds=5.0 cannot go with sync.scheme='local_sgd'"),
     ({"sync.scheme": "diloco", "local.optimizer.schedule": "cosine"},
      r"config.local.optimizer.schedule='cosine' cannot go with config.train.virtual_budget=600.0;"
      r" allowed: 'constant'"),
@@ -235,6 +263,7 @@ def test_a_run_recorded_before_the_budget_still_resumes_and_counts_as_unchanged(
   config = config_lib.default_config()
   recorded = json.loads(config.to_json())
   del recorded["train"]["virtual_budget"], recorded["train"]["eval_every_seconds"]
+  del recorded["optimizer"]["warmup_seconds"]
   assert workdir_lib.config_changes(recorded, config) == []
   path = tmp_path / "config.json"
   path.write_text(json.dumps(recorded))

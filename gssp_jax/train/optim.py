@@ -74,11 +74,11 @@ class VirtualTimeSchedule:
   ``B`` is ``train.virtual_budget`` (> 0): a run with one reads each round's
   learning rate from this, at the round's time, in place of
   :class:`LearningRateTable`'s epochs of data (the simulator and the real
-  runtime alike). ``constant`` is ``cfg.learning_rate``; ``cosine`` is optax's
-  cosine decay with the progress fraction as ``count / decay_steps``,
-  ``peak (1 + cos(pi p)) / 2``, float32. Warm-up is counted in epochs, so a
-  budget refuses it (``config.py``). Past the budget the rate stays at its end
-  value.
+  runtime alike). After a linear warm-up from 0 over ``cfg.warmup_seconds``
+  (``w``; 0: none), ``constant`` is ``cfg.learning_rate`` and ``cosine`` is
+  optax's cosine decay over the rest, ``peak (1 + cos(pi p)) / 2`` with
+  ``p = (t - w) / (B - w)``, float32: the epochs' schedule with seconds for
+  steps. Past the budget the rate stays at its end value.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, budget: float):
@@ -86,11 +86,15 @@ class VirtualTimeSchedule:
       raise ValueError(f"optimizer.schedule={cfg.schedule!r}; allowed: "
                        f"{', '.join(defaults.SCHEDULES)}")
     self.peak, self.kind, self.budget = float(cfg.learning_rate), cfg.schedule, float(budget)
+    self.warmup = float(cfg.get("warmup_seconds", 0.0))
 
   def __call__(self, time: float) -> np.float32:
+    t = float(time)
+    if t < self.warmup:
+      return np.float32(self.peak * t / self.warmup)
     if self.kind == "constant":
       return np.float32(self.peak)
-    progress = min(max(float(time) / self.budget, 0.0), 1.0)
+    progress = min(max((t - self.warmup) / (self.budget - self.warmup), 0.0), 1.0)
     return np.float32(self.peak * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
