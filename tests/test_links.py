@@ -136,7 +136,7 @@ def _cluster_engine(scheme_name, shared, num_workers=4, **kw):
   cluster = cluster_lib.Cluster(speeds=np.ones([num_workers]), base_time=1.0,
                                 bandwidth=MB, latency=0.0, server_bandwidth=MB)
   scheme = sync.build_scheme(scheme_name, num_workers, worker_times=[1.0] * num_workers, **kw)
-  links = traffic.Traffic(scheme_name, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
   return links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
 
 
@@ -211,6 +211,6 @@ def test_the_simulator_uses_equal_share_links_only_when_every_worker_link_is_the
   for bandwidth, kind in ((MB, links_lib.EqualShareLinks),
                           ([MB, MB, 2 * MB], links_lib.SharedLinks)):
     cluster = cluster_lib.Cluster(speeds=np.ones([3]), base_time=1.0, bandwidth=bandwidth)
-    engine = traffic.Traffic("asp", cluster, lambda w, k: MB, MB, MB, shared=True).engine(
+    engine = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=True).engine(
         scheme.make_protocol(), cluster.compute_time)
     assert type(engine.links) is kind

@@ -12,6 +12,7 @@ from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.sync import grouping
 from gssp_jax.sync import halos as halos_lib
+from gssp_jax.sync import legs as legs_lib
 from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.casp import CASPProtocol
@@ -65,6 +66,9 @@ class Scheme:
     own_optimizer: the transform applies its servers' optimizers itself
       (HALoS: a Delayed Nesterov per local server and one at the global
       server), so its updates are final and nothing is chained after it.
+    legs: its legs class (``sync.legs``): the delays and the bytes per class
+      of its pushes, pulls and messages; the default, ``ServerLegs``, sends
+      every push and pull over the worker's own link to its server.
   """
   name: str
   transform: optax.GradientTransformationExtraArgs
@@ -73,6 +77,7 @@ class Scheme:
   num_replicas: int
   groups: np.ndarray
   own_optimizer: bool = False
+  legs: type = legs_lib.ServerLegs
 
   def chain(self, optimizer: optax.GradientTransformation | None,
             compressor: optax.GradientTransformationExtraArgs | None = None
@@ -182,7 +187,8 @@ def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scal
   nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
   tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
   InHADProtocol(W, nodes, inhad_threshold)   # validates
-  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes)
+  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes,
+                legs=legs_lib.NodeLegs)
 
 
 def _dssync(W, *, group_size, seed, **_):
@@ -194,7 +200,7 @@ def _dssync(W, *, group_size, seed, **_):
 def _casp(W, *, casp, scale, **_):
   CASPProtocol(W, **casp)                  # validates
   return Scheme("casp", transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **casp), W, 1,
-                _zeros(W))
+                _zeros(W), legs=legs_lib.CommunityLegs)
 
 
 # Name -> (W, **settings) -> Scheme, in the order the papers' table lists them.

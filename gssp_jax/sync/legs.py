@@ -1,0 +1,244 @@
+"""Each scheme's legs: who sends what to whom, over which link, and in which class of traffic.
+
+A scheme names its legs class (``Scheme.legs``, default :class:`ServerLegs`);
+the simulator and the real runtime build one per run (``sim.traffic.Traffic``)
+and ask it for the delay of every push, pull and server-to-server message and
+for the bytes every round moves, counted per class (:data:`CLASSES`):
+
+* ``worker_to_server``: pushes, worker -> its server (``pushed_per_worker``).
+* ``server_to_worker``: pulls, server -> worker (``pulls_per_worker`` times
+  the pull's bytes).
+* ``server_to_server``: forwards, deliveries, adoptions between servers
+  (``Protocol.server_payloads``; counted by ``sim.records``, not here).
+* ``worker_to_node``: a worker's gradient to its node's aggregator (InHAD).
+* ``node_to_server``: the node aggregates the server pulls (InHAD).
+* ``member_leader``: inside a CASP community, each member's gradient to the
+  leader and the leader's copy of the reply to each member.
+* ``ring_allreduce``: the bytes every worker sends in a ring all-reduce.
+
+The classes but the first three are counted in ``host["class_bytes"]``.
+
+The built-in legs:
+
+* :class:`ServerLegs` (every scheme but these): a push crosses the worker's
+  link into its server, a pull comes back over it, a message between servers
+  crosses the server link.
+* :class:`NodeLegs` (InHAD): a worker's gradient goes to its node's
+  aggregator over the node's local link (``node_time``), then only its
+  iteration number (:data:`IN_BYTES`) goes to the server over the worker's
+  link. The server's pull of the N node aggregates (``Message("aggregate")``)
+  is N dense payloads over the server link. Workers pull over their own link.
+* :class:`CommunityLegs` (CASP): a community of one pushes and pulls over its
+  own link. In a larger one each member's gradient goes to the leader over the
+  member's link (the leader's own costs nothing), the leader sends one payload
+  to the server (``Message("community")``) and gets one reply over its link,
+  then forwards it to every member over the member's link.
+
+A scheme a researcher registers gets :class:`ServerLegs` unless its ``Scheme``
+names another class; a subclass overrides the methods of the legs it changes.
+Host-only (no JAX); ``cluster`` is a ``sim.cluster.Cluster`` (``link_time``,
+``server_time``, ``node_time``, ``bandwidth``, ``latency``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+IN_BYTES = 8   # an iteration number (int64)
+
+CLASSES = ("worker_to_server", "server_to_worker", "server_to_server", "worker_to_node",
+           "node_to_server", "member_leader", "ring_allreduce")
+
+
+def traffic_fields(by_class: dict[str, int]) -> dict:
+  """The byte fields of a metrics line and of ``summary.json``'s totals, from bytes per class.
+
+  ``bytes_pushed``: into the servers (workers' pushes, InHAD's node
+  aggregates); ``bytes_pulled``: out of them to the workers;
+  ``bytes_between_servers``; ``bytes_local``: inside a node or a community;
+  ``bytes_total``: every class; ``bytes_by_class``: each class (every one of
+  :data:`CLASSES`, 0 where the scheme has no such leg).
+  """
+  unknown = set(by_class) - set(CLASSES)
+  if unknown:
+    raise ValueError(f"traffic classes {sorted(unknown)!r} are invalid; allowed: "
+                     f"{', '.join(CLASSES)}")
+  full = {name: int(by_class.get(name, 0)) for name in CLASSES}
+  return {"bytes_pushed": full["worker_to_server"] + full["node_to_server"],
+          "bytes_pulled": full["server_to_worker"],
+          "bytes_between_servers": full["server_to_server"],
+          "bytes_local": full["worker_to_node"] + full["member_leader"],
+          "bytes_total": sum(full.values()),
+          "bytes_by_class": full}
+
+
+def traffic_line(fields: dict) -> str:
+  """One line of a run's traffic (``fields``: :func:`traffic_fields`' keys): the total, then
+  each class that moved bytes."""
+  parts = [f"{name} {_megabytes(n)}" for name, n in fields["bytes_by_class"].items() if n]
+  return f"traffic {_megabytes(fields['bytes_total'])} in all" + (
+      f": {', '.join(parts)}" if parts else "")
+
+
+def _megabytes(num_bytes: int) -> str:
+  return f"{num_bytes / 1e6:.6g} MB"
+
+
+def add(host: dict, name: str, num_bytes: int) -> None:
+  """Adds ``num_bytes`` of class ``name`` to ``host["class_bytes"]``."""
+  class_bytes = host["class_bytes"]
+  class_bytes[name] = class_bytes.get(name, 0) + int(num_bytes)
+
+
+class ServerLegs:
+  """A push crosses the worker's link into its server; a pull comes back; servers talk directly.
+
+  Args:
+    cluster: the run's ``sim.cluster.Cluster``.
+    push_payload: ``(worker, iteration) -> bytes`` of a worker's push.
+    dense_payload: bytes of a dense gradient (what a sum of gradients costs: a
+      sum of sparse gradients is not sparse).
+    pull_bytes: bytes of the weights a worker pulls.
+
+  Class attributes:
+    counts_per_round: a round's bytes depend on the protocol's state then, so
+      rounds are counted as they happen (:meth:`count_round`); else they may
+      be counted later, many at once (:meth:`count_rounds`).
+    counts_device_pushes: the device's per-worker push bytes reached a server
+      (``worker_to_server``); else this class counts the pushes.
+    has_server: pushes and pulls go through a parameter server (the real
+      runtime runs only such schemes).
+    dense_only: the legs move dense gradients only (a compressor cannot apply).
+    local_class: the class that a checkpoint's ``local_bytes`` counter (before
+      the classes existed) held, or None.
+  """
+
+  counts_per_round = False
+  counts_device_pushes = True
+  has_server = True
+  dense_only = False
+  local_class: str | None = None
+
+  def __init__(self, cluster, push_payload: Callable[[int, int], int], dense_payload: int,
+               pull_bytes: int):
+    self.cluster = cluster
+    self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
+
+  # -- time -------------------------------------------------------------------------------------
+
+  def push_delay(self, protocol, worker: int, iteration: int) -> float:
+    """End of compute -> the push event (arrival at the server, or where the scheme says)."""
+    del protocol
+    return self.cluster.link_time(worker, self.push_payload(worker, iteration))
+
+  def pull_delay(self, protocol, worker: int) -> float:
+    """Release -> the start of the worker's next iteration."""
+    del protocol
+    return self.cluster.link_time(worker, self.pull_bytes)
+
+  def message_delay(self, protocol, message, iteration: np.ndarray) -> float:
+    """A server-to-server message's delay (``iteration``: pushes per worker so far)."""
+    del protocol, message, iteration
+    return self.cluster.server_time(self.pull_bytes)
+
+  def to_server(self, protocol, kind: str, worker: int) -> bool:
+    """Whether a push (``kind`` "push") or pull ("pull") crosses its server's interface
+    (contended there with ``cluster.shared_server_links``)."""
+    del protocol, kind, worker
+    return True
+
+  # -- bytes ------------------------------------------------------------------------------------
+
+  def count_round(self, protocol, rnd, iteration: np.ndarray, host: dict) -> None:
+    """Adds ``rnd``'s bytes to ``host``'s counters (pushes: the device's, at evaluations)."""
+    del protocol, iteration
+    host["pulls_per_worker"][rnd.pulls.nonzero()[0]] += 1
+
+  def count_rounds(self, stacked: dict, host: dict) -> None:
+    """:meth:`count_round` of many rounds (their ``arrived`` and ``pulls``, ``[n, W]``), for
+    legs without ``counts_per_round``."""
+    host["pulls_per_worker"] += stacked["pulls"].sum(0)
+
+
+class NodeLegs(ServerLegs):
+  """InHAD: gradients to the node's aggregator, iteration numbers to the server (module doc)."""
+
+  counts_per_round = True
+  counts_device_pushes = False
+  local_class = "worker_to_node"
+
+  def push_delay(self, protocol, worker, iteration):
+    del protocol
+    c = self.cluster
+    return c.node_time(self.push_payload(worker, iteration)) + c.link_time(worker, IN_BYTES)
+
+  def message_delay(self, protocol, message, iteration):
+    if message.kind == "aggregate":
+      return self.cluster.server_time(protocol.num_nodes * self.dense_payload)
+    return super().message_delay(protocol, message, iteration)
+
+  def to_server(self, protocol, kind, worker):
+    del protocol, worker
+    return kind != "push"   # a push goes to the node's aggregator
+
+  def count_round(self, protocol, rnd, iteration, host):
+    for w in rnd.arrived.nonzero()[0]:
+      host["pushed_per_worker"][w] += IN_BYTES
+      add(host, "worker_to_node", self.push_payload(int(w), int(iteration[w]) - 1))
+    if rnd.aggregate:
+      add(host, "node_to_server", protocol.num_nodes * self.dense_payload)
+    host["pulls_per_worker"][rnd.pulls.nonzero()[0]] += 1
+
+
+class CommunityLegs(ServerLegs):
+  """CASP: a community's members talk to its leader, the leader to the server (module doc)."""
+
+  counts_per_round = True
+  counts_device_pushes = False
+  local_class = "member_leader"
+
+  def push_delay(self, protocol, worker, iteration):
+    if protocol.members(worker).size > 1 and protocol.leader(worker) == worker:
+      return 0.0   # the leader's own gradient is already there
+    return super().push_delay(protocol, worker, iteration)
+
+  def pull_delay(self, protocol, worker):
+    if protocol.members(worker).size == 1:
+      return super().pull_delay(protocol, worker)
+    c, leader = self.cluster, protocol.leader(worker)
+    local = 0.0 if leader == worker else c.link_time(worker, self.pull_bytes)
+    return c.link_time(leader, self.pull_bytes) + local
+
+  def message_delay(self, protocol, message, iteration):
+    if message.kind != "community":
+      return super().message_delay(protocol, message, iteration)
+    members = np.flatnonzero(protocol.communities == message.group)
+    return self.cluster.link_time(int(members[0]), self.community_bytes(members, iteration))
+
+  def to_server(self, protocol, kind, worker):
+    del kind
+    return protocol.members(worker).size == 1   # else through the community's leader
+
+  def community_bytes(self, members: np.ndarray, iteration: np.ndarray) -> int:
+    """One community push: the sum of its members' last pushes, at most dense."""
+    return int(min(self.dense_payload,
+                   sum(self.push_payload(int(w), int(iteration[w]) - 1) for w in members)))
+
+  def count_round(self, protocol, rnd, iteration, host):
+    arrived = rnd.arrived.nonzero()[0]
+    if arrived.size == 1:
+      w = int(arrived[0])
+      host["pushed_per_worker"][w] += self.push_payload(w, int(iteration[w]) - 1)
+    elif arrived.size:
+      leader = int(arrived[0])
+      host["pushed_per_worker"][leader] += self.community_bytes(arrived, iteration)
+      add(host, "member_leader", sum(self.push_payload(int(w), int(iteration[w]) - 1)
+                                     for w in arrived[1:]))
+    for w in rnd.pulls.nonzero()[0]:   # the server replies to leaders; they forward the reply
+      if protocol.leader(int(w)) == w:
+        host["pulls_per_worker"][w] += 1
+      else:
+        add(host, "member_leader", self.pull_bytes)
+
