@@ -254,7 +254,8 @@ def test_host_accounting_matches_device_staleness(name):
                              inter_group="global" if name == "gssp" else "peer")
   tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: speeds[w], max_pushes=40,
                          message_delay=lambda m: 0.45)
-  acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=name == "inhad")
+  protocol = scheme.make_protocol()
+  acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=protocol.aggregating)
   tx = scheme.chain(None if scheme.own_optimizer else optax.sgd(0.01))
   checked = []
   before = {"clock": np.zeros([4], np.int64), "total": np.zeros([4], np.int64)}
@@ -281,7 +282,7 @@ def test_host_accounting_matches_device_staleness(name):
   replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
                 num_replicas=scheme.num_replicas, num_workers=4, on_round=check)
   assert sum(checked) >= 30
-  if name not in ("bsp", "dssync", "local_sgd", "diloco"):   # the synchronous ones
+  if name not in ("bsp", "bsp_allreduce", "dssync", "local_sgd", "diloco"):   # synchronous
     assert acct.staleness_max > 0 or name == "casp"
 
 

@@ -6,17 +6,20 @@ order is that of the compute. A push is ``P`` bytes, a dense gradient ``D``,
 a pull ``Q``. Each run stops once 6 pushes have reached their destination.
 """
 
+import jax
 import numpy as np
 import pytest
 
 import helpers
 from gssp_jax import config as config_lib
+from gssp_jax.runtime import settings
 from gssp_jax import sync
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic
 from gssp_jax.sync import legs as legs_lib
 from gssp_jax.train import loop
+from gssp_jax.train import trained
 
 P, D, Q = 1000, 1000, 3000
 
@@ -90,6 +93,9 @@ EXPECTED = {
     # leader's copy of the server's reply to member 1.
     "casp": (dict(casp_max_communities=1), dict(worker_to_server=2 * D, server_to_worker=2 * Q,
                                                 member_leader=2 * (P + Q))),
+    # No server: 3 barriers, each a ring all-reduce of 2 (W - 1) = 2 steps in which each of the
+    # 2 workers sends a D / 2 chunk: 2 D bytes each.
+    "bsp_allreduce": ({}, dict(ring_allreduce=3 * 2 * D)),
 }
 
 
@@ -183,3 +189,74 @@ def test_summary_and_metrics_show_total_bytes_and_bytes_per_class(tmp_path, data
   log = (tmp_path / "log.txt").read_text()
   assert f"traffic {summary['totals']['bytes_total'] / 1e6:.6g} MB in all" in log
 
+
+# -- BSP over a ring all-reduce (bsp_allreduce) ------------------------------------------------
+
+
+def test_ring_allreduce_bytes_and_time_on_a_hand_computed_case():
+  # W = 4, a 4 MB model (1 MB chunks), links of 100, 100, 50, 100 MB/s, 1 ms latency, 1 s of
+  # compute. The hops 1 -> 2 and 2 -> 3 run at 50 MB/s: a step takes 1e6 / 50e6 + 1e-3 =
+  # 0.021 s, the ring 2 (W - 1) = 6 steps: 0.126 s. Each worker sends 6 chunks (6 MB =
+  # 2 (W - 1) / W of the model), 24 MB in all per all-reduce; nothing reaches a server.
+  model = 4_000_000
+  cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, latency=1e-3,
+                                bandwidth=np.array([100e6, 100e6, 50e6, 100e6]))
+  assert legs_lib.ring_time(cluster, model) == pytest.approx(0.126, abs=1e-12)
+  scheme = sync.build_scheme("bsp_allreduce", 4)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: model, model, model, shared=True)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time)
+  host, acct, times = records.new_counters(4), sync.accounting.Accounting(4, 1), []
+  while engine.num_pushes < 12:
+    for rnd in engine.step():
+      assert rnd.arrived.all() and rnd.pulls.all() and rnd.applies.all()
+      times.append(rnd.time)
+      records.account_round(rnd, host=host, acct=acct, protocol=engine.protocol, links=links,
+                            iteration=engine.iteration, learning_rate=0.1, pull_bytes=model)
+  # The barrier when the last worker's compute ends (its push costs nothing), then the ring.
+  assert times == pytest.approx([1.0, 2.126, 3.252], abs=1e-9)
+  fields = records.traffic(host, model)
+  assert _classes(fields) == {"ring_allreduce": 3 * 4 * 6 * 1_000_000}
+  assert fields["bytes_pushed"] == fields["bytes_pulled"] == 0
+  one = cluster_lib.Cluster(speeds=np.ones([1]), base_time=1.0)
+  assert legs_lib.ring_time(one, model) == 0.0   # one worker: nothing to reduce
+
+
+def _ring_config(scheme, data_dir, **changes):
+  config = helpers.cluster_config(scheme, train_size=512, num_epochs=1.0,
+                                  **{"model": "helpers:TinyCNN", **changes})
+  config.data_dir = data_dir
+  return config
+
+
+@pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
+@pytest.mark.parametrize("executor", ["rounds", "levels"])
+def test_bsp_allreduce_trains_the_same_parameters_as_bsp_bit_for_bit(tmp_path, data_dir,
+                                                                     executor):
+  summaries, params = {}, {}
+  for scheme in ("bsp", "bsp_allreduce"):
+    summaries[scheme] = loop.train_and_evaluate(
+        _ring_config(scheme, data_dir, executor=executor), str(tmp_path / scheme))
+    params[scheme] = trained.load_trained(str(tmp_path / scheme)).params
+  for a, b in zip(*(jax.tree.leaves(params[s]) for s in ("bsp", "bsp_allreduce"))):
+    np.testing.assert_array_equal(a, b)
+  bsp, ring = summaries["bsp"]["totals"], summaries["bsp_allreduce"]["totals"]
+  assert ring["updates"] == bsp["updates"] and ring["pushes"] == bsp["pushes"]
+  assert ring["bytes_pushed"] == ring["bytes_pulled"] == 0
+  # Each update: 2 (W - 1) = 6 dense gradients over the ring in all; BSP: W pushes and W pulls.
+  dense = bsp["bytes_pushed"] // bsp["pushes"]
+  assert ring["bytes_by_class"]["ring_allreduce"] == ring["updates"] * 6 * dense
+  assert ring["bytes_total"] == ring["bytes_by_class"]["ring_allreduce"]
+
+
+def test_bsp_allreduce_refuses_a_compressor_and_the_real_runtime():
+  config = config_lib.default_config()
+  config.sync.scheme, config.num_workers = "bsp_allreduce", 4
+  config_lib.validate_config(config)
+  config.compress.name = "topk"
+  with pytest.raises(ValueError, match=r"config.compress.name='topk' is invalid; allowed: 'none' "
+                                       r"with sync.scheme='bsp_allreduce'"):
+    config_lib.validate_config(config)
+  config.compress.name = "none"
+  with pytest.raises(ValueError, match=r"'bsp_allreduce' cannot run on the real runtime: its "
+                                       r"workers exchange gradients without a server"):
+    settings.check_real_run(config)

@@ -744,6 +744,8 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
   # measured figure").
   bound = f"staleness bound {s.staleness} clocks ahead"
   knobs = {"bsp": "", "asp": "", "ssp": f", {bound}",
+           "bsp_allreduce": ", gradients averaged by a ring all-reduce (the replica: every"
+                            " worker's copy)",
            "dssp": f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
            "gssp": f", {bound} (in its group), inter-group {s.inter_group}"}.get(scheme.name, "")
   compress_name = config.compress.name

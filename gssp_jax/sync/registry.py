@@ -28,6 +28,7 @@ from gssp_jax.sync.protocols.ssp import SSPProtocol
 # The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``), registered with it.
 _BUILT_IN_KEYS = {
     "bsp": (),
+    "bsp_allreduce": (),
     "asp": (),
     "ssp": ("staleness",),
     "dssp": ("staleness_range",),
@@ -146,6 +147,16 @@ def _bsp(name):   # bsp, and local_sgd and diloco: they push pseudo-gradients
   return build
 
 
+def _bsp_allreduce(W, *, scale, **_):
+  """BSP's transform and protocol (the same parameters, bit for bit) with its gradients averaged
+  by a ring all-reduce instead of a server (``legs.RingLegs``). A scheme of its own rather than a
+  key such as ``sync.collective``: a scheme already ties together what runs on the device, who
+  waits, and which legs the bytes take; a key would apply to one scheme and be an error for all
+  others, and every recorded config would need it."""
+  return Scheme("bsp_allreduce", transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1,
+                _zeros(W), legs=legs_lib.RingLegs)
+
+
 def _asp(name):   # asp, and async_local_sgd
   def build(W, *, scale, **_):
     return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, _zeros(W))
@@ -207,7 +218,8 @@ def _casp(W, *, casp, scale, **_):
 _BUILT_IN: dict[str, Callable[..., Scheme]] = {
     "bsp": _bsp("bsp"), "asp": _asp("asp"), "ssp": _ssp, "dssp": _dssp, "gssp": _gssp,
     "inhad": _inhad, "dssync": _dssync, "casp": _casp, "local_sgd": _bsp("local_sgd"),
-    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos}
+    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos,
+    "bsp_allreduce": _bsp_allreduce}
 
 
 def register_scheme(name: str, builder: Callable[..., Scheme],
@@ -333,9 +345,13 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
                 "True only with sync.scheme='gssp' (False otherwise)")
   check_unread_sync_keys(config, allow_unread)
   try:
-    scheme_from_config(config)
+    scheme = scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+  if scheme.legs.dense_only and config.compress.name != "none":
+    checks.fail("compress.name", config.compress.name,
+                f"'none' with sync.scheme={config.sync.scheme!r} (its legs move dense gradients "
+                "only: a ring all-reduce sums dense chunks)")
 
 
 def _check_staleness_range(key, value):
