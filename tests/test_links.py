@@ -1,5 +1,7 @@
 """A server's link shared by the transfers that overlap on it, against hand timelines."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -112,7 +114,6 @@ def test_a_dropped_worker_leaves_the_link_to_the_others():
 
 
 def test_a_resumed_engine_continues_its_transfers_exactly():
-  import pickle  # pylint: disable=g-import-not-at-top
   make = lambda: sync.TimelineEngine(sync.ASPProtocol(3), lambda w, k: [1.0, 1.2, 1.7][w],
                                      route=_route(lambda kind: MB), link_bandwidth=MB)
   whole = make()
@@ -153,13 +154,60 @@ def test_the_simulators_bsp_pays_for_its_incast_only_on_a_shared_link(shared, pu
 
 
 def test_inhads_gradients_stay_on_their_node_and_only_its_pulls_share_the_server():
-  # The gradients go to the node aggregators (not routed); the iteration numbers cost 8 B.
+  # The gradients go to the node aggregators over the node's own link (25 GB/s by default,
+  # shared by the node's workers); the iteration numbers cost 8 B.
   engine = _cluster_engine("inhad", True, num_nodes=2)
   while engine.num_pushes < 4:
     engine.step()
   assert engine.now < 1.01   # no 1 MB push crossed a 1 MB/s link
-  assert engine.route("push", 0, 0) is None
+  node = engine.protocol.route[0]
+  assert engine.route("push", 0, 0)[0] == ("node", node)
+  assert engine.route("push", 0, 0)[4] == 2.5e10
   assert engine.route("pull", 0, 0)[0] == (0, "pull")
+
+
+@pytest.mark.parametrize("shared,arrival", [(True, 3.0), (False, 2.0)])
+def test_an_inhad_nodes_workers_share_its_link_to_the_aggregator(shared, arrival):
+  # 2 workers on one node, 1 s of compute, 1 MB gradients over a 1 MB/s node link: pushed at
+  # once, each gets 0.5 MB/s on a shared link (2 s), 1 MB/s alone (1 s); then the 8-byte
+  # iteration number over the worker's 1 MB/s link.
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([2]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, node_bandwidth=MB, node_latency=0.0)
+  scheme = sync.build_scheme("inhad", 2, num_nodes=1)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  while engine.num_pushes < 2:
+    engine.step()
+  assert [t for t, _, _ in engine.pushes] == pytest.approx([arrival + 8 / MB] * 2, abs=1e-9)
+
+
+@pytest.mark.parametrize("shared,push_at,start_at", [(True, 4.0, (6.0, 9.0)),
+                                                     (False, 2.0, (4.0, 5.0))])
+def test_a_casp_communitys_members_share_their_leaders_links(shared, push_at, start_at):
+  # One community of 4 (leader 0), 1 s of compute, 1 MB each way, every link 1 MB/s, no
+  # latency. Shared: members 1-3 push to the leader at once over its 1 MB/s link (1/3 MB/s
+  # each: at 4 s; the leader's own push costs nothing), it uploads the 1 MB sum (1 s, fixed)
+  # and all are released at 5 s; the leader's reply from the server takes 1 s (it starts at
+  # 6 s), and its forwards to the 3 members share its link (3 s) after that reply's 1 s: they
+  # start at 9 s. Alone: every member's push 1 s (at 2 s), the upload 1 s, the reply 1 s (the
+  # leader starts at 4 s) and each forward 1 s more (5 s).
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  scheme = sync.build_scheme("casp", 4, casp_max_communities=1)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  while len(engine.starts) < 8:
+    engine.step()
+  assert engine.pushes[:4] == [(1.0, 0, 0)] + [(pytest.approx(push_at), w, 0) for w in (1, 2, 3)]
+  assert [t for t, _, _ in engine.starts[4:]] == pytest.approx([start_at[0]] + [start_at[1]] * 3)
+  assert links.legs.route(engine.protocol, "push", 1, 0)[0] == ("leader", 0, "push")
+  assert links.legs.route(engine.protocol, "push", 0, 0) is None   # the leader's own
+  # The leader waits for its members' pushes (blocked); the upload is everyone's push time.
+  assert engine.blocked_time.tolist() == pytest.approx([push_at - 1.0, 0.0, 0.0, 0.0])
 
 
 
@@ -214,3 +262,26 @@ def test_the_simulator_uses_equal_share_links_only_when_every_worker_link_is_the
     engine = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=True).engine(
         scheme.make_protocol(), cluster.compute_time)
     assert type(engine.links) is kind
+
+
+@pytest.mark.parametrize("kind", [links_lib.SharedLinks, links_lib.EqualShareLinks])
+def test_a_link_may_have_its_own_capacity_and_old_checkpoints_keep_the_shared_one(kind):
+  # Two 1 MB transfers (caps 2 MB/s) on a link of its own 2 MB/s capacity: 1 MB/s each, done at
+  # 1 s; on a link of the links' 1 MB/s: 0.5 MB/s each, done at 2 s.
+  links = kind(MB)
+  for key, capacity in (("own", 2 * MB), ("shared", None)):
+    for tag in (0, 1):
+      links.start(key, 0.0, (key, tag), MB, 2 * MB, *([capacity] if capacity else []))
+  assert links.next_end("own") == pytest.approx(1.0)
+  assert links.next_end("shared") == pytest.approx(2.0)
+  # A checkpoint pickled before per-link capacities: every link at the links' capacity.
+  state = pickle.loads(pickle.dumps(links))
+  if kind is links_lib.SharedLinks:
+    del state.__dict__["capacities"]
+    state = pickle.loads(pickle.dumps(state))
+    assert state.capacities == {}
+  else:
+    del state.links["own"].__dict__["capacity"]
+    assert state.links["own"].capacity is None
+  state.start("own", 0.0, ("own", 2), MB, 2 * MB)
+  assert state.next_end("own") == pytest.approx(3.0)   # 3 MB over 1 MB/s

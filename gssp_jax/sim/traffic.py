@@ -6,17 +6,18 @@ count in; ``sync.legs`` lists the classes and the built-in legs).
 :class:`Traffic` builds the run's legs from the cluster and the payload sizes
 and gives the timeline engine their delays.
 
-Contention (``route``, with ``cluster.shared_server_links``): a push into a
+Contention (``route``, with ``cluster.shared_server_links``): a push or pull
+crosses the shared link its legs name (``legs.route``), shared max-min fairly
+by the transfers in progress on it (``sync.links``), each transfer capped by
+its sender's own bandwidth, its latency added after. By default a push into a
 server (the worker's replica's: its GSSP group server, else the one server)
 and a pull out of it cross the server's interface, ``(server, "push")`` in and
-``(server, "pull")`` out, each shared max-min fairly by the transfers in
-progress on it (``sync.links``), each transfer capped by its worker's own
-bandwidth, its latency added after. BSP's W simultaneous pushes of the whole
-model therefore take W times one push's transfer at a server as fast as a
-worker. Only the legs that end at a server's interface (``legs.to_server``)
-are routed; the others keep their fixed delays: InHAD's push to its node's
-aggregator, a CASP community's member <-> leader legs and upload, and messages
-between servers.
+``(server, "pull")`` out; BSP's W simultaneous pushes of the whole model
+therefore take W times one push's transfer at a server as fast as a worker.
+InHAD's push crosses its node's local link, a CASP member's push and pull its
+leader's link (``sync.legs``). Fixed delays still: messages between servers
+(InHAD's pull of the aggregates and a CASP community's upload among them), and
+every leg without ``shared``.
 
 Byte counters (``host`` keys, ``sim.records.new_counters``):
 ``pushed_per_worker`` (to a server, by the worker), ``pulls_per_worker``
@@ -53,8 +54,6 @@ class Traffic:
     self.legs = legs(cluster, push_payload, dense_payload, pull_bytes)
     self.cluster, self.shared = cluster, bool(shared)
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
-    # Per worker, as Python floats: a routed transfer reads them at every push and pull.
-    self._caps, self._latencies = cluster.bandwidth.tolist(), cluster.latency.tolist()
     self.push_delay, self.pull_delay = self.legs.push_delay, self.legs.pull_delay
     self.message_delay, self.count_round = self.legs.message_delay, self.legs.count_round
     self.count_rounds = self.legs.count_rounds
@@ -84,13 +83,7 @@ class Traffic:
     return engine
 
   def route(self, protocol, kind: str, worker: int, iteration: int):
-    """The shared link a push or pull crosses: ``(link, bytes, cap, latency)``, or None.
-
-    None: the transfer takes ``push_delay`` / ``pull_delay`` alone (without
-    ``shared``, or a leg that does not end at a server's interface).
-    """
-    if not self.shared or not self.legs.to_server(protocol, kind, worker):
-      return None
-    num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
-    return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
-            self._latencies[worker])
+    """The shared link a push or pull crosses (``legs.route``), or None: the transfer takes
+    ``push_delay`` / ``pull_delay`` alone (without ``shared``, or a leg the legs leave
+    unrouted)."""
+    return self.legs.route(protocol, kind, worker, iteration) if self.shared else None

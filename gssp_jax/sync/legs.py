@@ -45,6 +45,12 @@ The built-in legs:
   gradient applied); their pushes cost nothing (the gradient stays on the
   worker until the barrier).
 
+With ``cluster.shared_server_links`` a push or pull crosses the shared link
+that :meth:`ServerLegs.route` names: the server's interface by default, the
+node's local link for InHAD's pushes, the leader's link (in for pushes, out
+for the reply's forward) for a CASP member. Messages between servers keep
+their fixed delays (:meth:`ServerLegs.message_delay`).
+
 A scheme a researcher registers gets :class:`ServerLegs` unless its ``Scheme``
 names another class; a subclass overrides the methods of the legs it changes.
 Host-only (no JAX); ``cluster`` is a ``sim.cluster.Cluster`` (``link_time``,
@@ -149,6 +155,8 @@ class ServerLegs:
                pull_bytes: int):
     self.cluster = cluster
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
+    # Per worker, as Python floats: a routed transfer reads them at every push and pull.
+    self._caps, self._latencies = cluster.bandwidth.tolist(), cluster.latency.tolist()
 
   # -- time -------------------------------------------------------------------------------------
 
@@ -167,11 +175,17 @@ class ServerLegs:
     del protocol, message, iteration
     return self.cluster.server_time(self.pull_bytes)
 
-  def to_server(self, protocol, kind: str, worker: int) -> bool:
-    """Whether a push (``kind`` "push") or pull ("pull") crosses its server's interface
-    (contended there with ``cluster.shared_server_links``)."""
-    del protocol, kind, worker
-    return True
+  def route(self, protocol, kind: str, worker: int, iteration: int):
+    """The shared link a push (``kind`` "push") or pull ("pull") crosses, with
+    ``cluster.shared_server_links``: ``(link, bytes, cap, latency[, capacity])`` (see
+    ``sync.TimelineEngine``), or None: it takes :meth:`push_delay` / :meth:`pull_delay` alone.
+
+    Here: the worker's server's interface, ``(server, kind)`` (the server's bandwidth),
+    at most the worker's bandwidth, then its latency.
+    """
+    num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
+    return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
+            self._latencies[worker])
 
   # -- bytes ------------------------------------------------------------------------------------
 
@@ -203,9 +217,14 @@ class NodeLegs(ServerLegs):
       return self.cluster.server_time(protocol.num_nodes * self.dense_payload)
     return super().message_delay(protocol, message, iteration)
 
-  def to_server(self, protocol, kind, worker):
-    del protocol, worker
-    return kind != "push"   # a push goes to the node's aggregator
+  def route(self, protocol, kind, worker, iteration):
+    """A pull: the server's interface. A push: the node's local link (``("node", n)``, shared by
+    the node's workers, ``node_bandwidth``), then its iteration number's link time."""
+    if kind != "push":
+      return super().route(protocol, kind, worker, iteration)
+    c = self.cluster
+    return (("node", protocol.route.item(worker)), self.push_payload(worker, iteration),
+            c.node_bandwidth, c.node_latency + c.link_time(worker, IN_BYTES), c.node_bandwidth)
 
   def count_round(self, protocol, rnd, iteration, host):
     for w in rnd.arrived.nonzero()[0]:
@@ -241,9 +260,26 @@ class CommunityLegs(ServerLegs):
     members = np.flatnonzero(protocol.communities == message.group)
     return self.cluster.link_time(int(members[0]), self.community_bytes(members, iteration))
 
-  def to_server(self, protocol, kind, worker):
-    del kind
-    return protocol.members(worker).size == 1   # else through the community's leader
+  def route(self, protocol, kind, worker, iteration):
+    """A community of one: the server's interface. In a larger one a member's push crosses its
+    leader's incoming link (``("leader", l, "push")``, the leader's bandwidth) and its pull the
+    leader's outgoing one (``("leader", l, "pull")``), after the reply's fixed trip from the
+    server to the leader (added to its latency: every member of a community is released at
+    the same instant, so the forwards' shares are the same either way). The leader's own push
+    and pull are not routed (:meth:`push_delay`, :meth:`pull_delay`)."""
+    if protocol.members(worker).size == 1:
+      return super().route(protocol, kind, worker, iteration)
+    leader = protocol.leader(worker)
+    if leader == worker:
+      return None
+    latency = self._latencies[worker]
+    if kind == "push":
+      num_bytes = self.push_payload(worker, iteration)
+    else:
+      num_bytes, latency = self.pull_bytes, latency + self.cluster.link_time(leader,
+                                                                            self.pull_bytes)
+    return (("leader", leader, kind), num_bytes, self._caps[worker], latency,
+            self._caps[leader])
 
   def community_bytes(self, members: np.ndarray, iteration: np.ndarray) -> int:
     """One community push: the sum of its members' last pushes, at most dense."""
@@ -292,9 +328,9 @@ class RingLegs(ServerLegs):
     del protocol, worker
     return self.allreduce_time
 
-  def to_server(self, protocol, kind, worker):
-    del protocol, kind, worker
-    return False
+  def route(self, protocol, kind, worker, iteration):
+    del protocol, kind, worker, iteration
+    return None   # no server; the ring's hops are each used by one transfer at a time
 
   def count_round(self, protocol, rnd, iteration, host):
     del protocol, iteration

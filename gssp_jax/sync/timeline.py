@@ -57,11 +57,12 @@ class TimelineEngine:
     pull_delay: ``worker -> seconds`` from release to the next start (weights' transfer).
     message_delay: ``message -> seconds`` for server-to-server messages.
     record: keep ``starts``/``pushes``/``events`` lists (tests, small runs).
-    route: ``(kind, worker, iteration) -> (link, bytes, cap, latency) | None``:
-      with it, a push (kind "push", at the end of compute) or a pull ("pull",
-      at the release) that is routed crosses ``link``, shared with the other
-      transfers on it (``links.SharedLinks``): ``bytes`` at most ``cap``
-      bytes/s, then ``latency`` seconds. A transfer routed None (and every
+    route: ``(kind, worker, iteration) -> (link, bytes, cap, latency[, capacity])
+      | None``: with it, a push (kind "push", at the end of compute) or a pull
+      ("pull", at the release) that is routed crosses ``link``, shared with
+      the other transfers on it (``links.SharedLinks``): ``bytes`` at most
+      ``cap`` bytes/s, then ``latency`` seconds; ``capacity``: the link's
+      bytes/s, if not ``link_bandwidth``. A transfer routed None (and every
       one without ``route``) takes ``push_delay`` / ``pull_delay`` alone.
     link_bandwidth: bytes/s of every shared link (with ``route``).
     equal_caps: every routed transfer has the same cap (every worker's link the
@@ -118,8 +119,8 @@ class TimelineEngine:
 
   def _transfer(self, time: float, path, then) -> None:
     """Starts a transfer on a shared link; ``then`` = (event kind, worker) follows its end."""
-    link, num_bytes, cap, latency = path
-    version = self.links.start(link, time, (then, float(latency)), num_bytes, cap)
+    link, num_bytes, cap, latency, *capacity = path
+    version = self.links.start(link, time, (then, float(latency)), num_bytes, cap, *capacity)
     self._schedule(self.links.next_end(link), "link", (link, version))
 
   def _link_event(self, link, version) -> None:
