@@ -42,7 +42,7 @@ def upgrade_counters(host: dict, links) -> dict:
   node, local = int(host.pop("node_push_bytes", 0)), int(host.pop("local_bytes", 0))
   if node:
     class_bytes["node_to_server"] = node
-  if local:
+  if local and links.legs.local_class:   # only legs with a local class ever counted them
     class_bytes[links.legs.local_class] = local
   return host
 
