@@ -159,8 +159,8 @@ def default_config() -> ml_collections.ConfigDict:
   #                                    (shared, below), and messages between servers
   c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
   #                                    (max-min fair), and so do pulls, InHAD's pushes on a
-  #                                    node's link and a CASP community's on its leader's
-  #                                    (sync/legs.py); False: each alone
+  #                                    node's link, a CASP community's legs on its leader's,
+  #                                    its uploads at the server (sync/legs.py); False: alone
   c.cluster.server_latency = 1e-4
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6

@@ -285,3 +285,32 @@ def test_a_link_may_have_its_own_capacity_and_old_checkpoints_keep_the_shared_on
     assert state.links["own"].capacity is None
   state.start("own", 0.0, ("own", 2), MB, 2 * MB)
   assert state.next_end("own") == pytest.approx(3.0)   # 3 MB over 1 MB/s
+
+
+@pytest.mark.parametrize("shared,applied_at", [(True, 4.0), (False, 3.0)])
+def test_casp_communities_uploading_at_once_share_the_servers_link(shared, applied_at):
+  # Two communities of 2 (leaders 0 and 2), 1 s of compute, 1 MB each way, every link 1 MB/s,
+  # the server's too, no latency: the members' pushes reach their leaders at 2 s (each alone on
+  # its leader's link), and both leaders upload their 1 MB sums at once: 0.5 MB/s each on the
+  # server's shared link (2 s: applied at 4 s), 1 s each alone (3 s). Then the leaders' replies
+  # (1 s) and the forwards to the members (1 s more).
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  protocol = sync.CASPProtocol(4, max_communities=2, initial_communities=2,
+                               reconfigure_every=10_000)
+  links = traffic.Traffic(sync.legs.CommunityLegs, cluster, lambda w, k: MB, MB, MB,
+                          shared=shared)
+  engine = links.engine(protocol, cluster.compute_time, record=True)
+  rounds = []
+  while len(engine.starts) < 8:
+    rounds += engine.step()
+  assert [(r.time, np.flatnonzero(r.arrived).tolist()) for r in rounds] == [
+      (pytest.approx(applied_at), [0, 1]), (pytest.approx(applied_at), [2, 3])]
+  starts = sorted((w, t) for t, w, k in engine.starts if k == 1)
+  assert starts == [(0, pytest.approx(applied_at + 1)), (1, pytest.approx(applied_at + 2)),
+                    (2, pytest.approx(applied_at + 1)), (3, pytest.approx(applied_at + 2))]
+  # The upload is the members' push time, not blocked time: the leaders wait 1 s for their
+  # members, nobody waits for the upload.
+  assert engine.blocked_time.tolist() == pytest.approx([1.0, 0.0, 1.0, 0.0])

@@ -15,9 +15,10 @@ and a pull out of it cross the server's interface, ``(server, "push")`` in and
 ``(server, "pull")`` out; BSP's W simultaneous pushes of the whole model
 therefore take W times one push's transfer at a server as fast as a worker.
 InHAD's push crosses its node's local link, a CASP member's push and pull its
-leader's link (``sync.legs``). Fixed delays still: messages between servers
-(InHAD's pull of the aggregates and a CASP community's upload among them), and
-every leg without ``shared``.
+leader's link, a CASP community's upload (a message) the server's interface
+(``sync.legs``: ``route``, ``message_route``). Fixed delays still: messages
+between servers (GSSP's, HALoS's), InHAD's pull of the aggregates, and every
+leg without ``shared``.
 
 Byte counters (``host`` keys, ``sim.records.new_counters``):
 ``pushed_per_worker`` (to a server, by the worker), ``pulls_per_worker``
@@ -79,6 +80,8 @@ class Traffic:
         record=record, link_bandwidth=self.cluster.server_bandwidth,
         route=((lambda kind, w, k: self.route(engine.protocol, kind, w, k))
                if self.shared else None),
+        message_route=((lambda m: self.legs.message_route(engine.protocol, m, engine.iteration))
+                       if self.shared else None),
         equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])))
     return engine
 

@@ -48,8 +48,10 @@ The built-in legs:
 With ``cluster.shared_server_links`` a push or pull crosses the shared link
 that :meth:`ServerLegs.route` names: the server's interface by default, the
 node's local link for InHAD's pushes, the leader's link (in for pushes, out
-for the reply's forward) for a CASP member. Messages between servers keep
-their fixed delays (:meth:`ServerLegs.message_delay`).
+for the reply's forward) for a CASP member; and a message the one that
+:meth:`ServerLegs.message_route` names: a CASP community's upload, the
+server's interface. Messages between servers (GSSP's, HALoS's) and InHAD's
+pull of the aggregates keep their fixed delays (:meth:`ServerLegs.message_delay`).
 
 A scheme a researcher registers gets :class:`ServerLegs` unless its ``Scheme``
 names another class; a subclass overrides the methods of the legs it changes.
@@ -187,6 +189,13 @@ class ServerLegs:
     return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
             self._latencies[worker])
 
+  def message_route(self, protocol, message, iteration: np.ndarray):
+    """The shared link a message crosses, with ``cluster.shared_server_links`` (as
+    :meth:`route`), or None: it takes :meth:`message_delay` alone. Here None: messages
+    between servers keep their fixed delays."""
+    del protocol, message, iteration
+    return None
+
   # -- bytes ------------------------------------------------------------------------------------
 
   def count_round(self, protocol, rnd, iteration: np.ndarray, host: dict) -> None:
@@ -280,6 +289,16 @@ class CommunityLegs(ServerLegs):
                                                                             self.pull_bytes)
     return (("leader", leader, kind), num_bytes, self._caps[worker], latency,
             self._caps[leader])
+
+  def message_route(self, protocol, message, iteration):
+    """A community's upload crosses the server's interface, ``(0, "push")``, as a community of
+    one's push does: at most the leader's bandwidth, then its latency."""
+    if message.kind != "community":
+      return super().message_route(protocol, message, iteration)
+    members = np.flatnonzero(protocol.communities == message.group)
+    leader = int(members[0])
+    return ((0, "push"), self.community_bytes(members, iteration), self._caps[leader],
+            self._latencies[leader])
 
   def community_bytes(self, members: np.ndarray, iteration: np.ndarray) -> int:
     """One community push: the sum of its members' last pushes, at most dense."""
