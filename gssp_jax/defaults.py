@@ -160,7 +160,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
   #                                    (max-min fair), and so do pulls, InHAD's pushes on a
   #                                    node's link, a CASP community's legs on its leader's,
-  #                                    its uploads at the server (sync/legs.py); False: alone
+  #                                    its uploads at the server, exchanges with a global
+  #                                    server at its interface (sync/legs.py); False: alone
   c.cluster.server_latency = 1e-4
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6

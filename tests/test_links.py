@@ -314,3 +314,31 @@ def test_casp_communities_uploading_at_once_share_the_servers_link(shared, appli
   # The upload is the members' push time, not blocked time: the leaders wait 1 s for their
   # members, nobody waits for the upload.
   assert engine.blocked_time.tolist() == pytest.approx([1.0, 0.0, 1.0, 0.0])
+
+
+@pytest.mark.parametrize("shared,starts_at", [(True, 7.0), (False, 3.0 + 2e-6)])
+def test_gssp_global_exchanges_share_the_global_servers_link(shared, starts_at):
+  # 2 workers in 2 groups of one, 1 s of compute, 1 MB each way; worker links 1 TB/s, every
+  # server's interface 1 MB/s, no latency. Shared: each push takes 1 s into its group server
+  # (at 2 s), both groups deliver at once into the global server (2 MB at 1 MB/s: at 4 s), its
+  # two replies leave at once (at 6 s), then each pull 1 s: the second iterations start at 7 s.
+  # Alone: pushes and pulls 1 us, each exchange 1 s.
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([2]), base_time=1.0, bandwidth=1e12, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  scheme = sync.build_scheme("gssp", 2, num_groups=2, inter_group="global")
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  rounds = []
+  while len(engine.starts) < 4:
+    rounds += engine.step()
+  step = 1.0 if shared else 1e-6
+  delivered, adopted = (4.0, 6.0) if shared else (2.0 + 1e-6, 3.0 + 1e-6)
+  assert [r.time for r in rounds] == pytest.approx([1.0 + step] * 2 + [delivered] * 2
+                                                   + [adopted] * 2)
+  assert [t for t, _, k in engine.starts if k == 1] == pytest.approx([starts_at] * 2)
+  assert links.legs.message_route(engine.protocol, sync.Message("deliver", 0), None)[0] == (
+      "servers", 2, "push")
+  peer = sync.build_scheme("gssp", 2, num_groups=2)
+  assert links.legs.message_route(peer.make_protocol(), sync.Message("deliver", 0), None) is None

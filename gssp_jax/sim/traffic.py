@@ -15,10 +15,12 @@ and a pull out of it cross the server's interface, ``(server, "push")`` in and
 ``(server, "pull")`` out; BSP's W simultaneous pushes of the whole model
 therefore take W times one push's transfer at a server as fast as a worker.
 InHAD's push crosses its node's local link, a CASP member's push and pull its
-leader's link, a CASP community's upload (a message) the server's interface
-(``sync.legs``: ``route``, ``message_route``). Fixed delays still: messages
-between servers (GSSP's, HALoS's), InHAD's pull of the aggregates, and every
-leg without ``shared``.
+leader's link, a CASP community's upload (a message) the server's interface,
+a group server's exchange with a global server (GSSP ``global``, HALoS) the
+global server's interface to the other servers (``sync.legs``: ``route``,
+``message_route``). Fixed delays still: GSSP ``peer`` deliveries, InHAD's pull
+of the aggregates, the server's reply to a CASP leader, and every leg without
+``shared``.
 
 Byte counters (``host`` keys, ``sim.records.new_counters``):
 ``pushed_per_worker`` (to a server, by the worker), ``pulls_per_worker``

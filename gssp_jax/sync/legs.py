@@ -23,6 +23,8 @@ The built-in legs:
 * :class:`ServerLegs` (every scheme but these): a push crosses the worker's
   link into its server, a pull comes back over it, a message between servers
   crosses the server link.
+* :class:`GroupLegs` (GSSP, HALoS): the default's legs; the exchanges with a
+  global server are routed (below).
 * :class:`NodeLegs` (InHAD): a worker's gradient goes to its node's
   aggregator over the node's local link (``node_time``), then only its
   iteration number (:data:`IN_BYTES`) goes to the server over the worker's
@@ -50,8 +52,11 @@ that :meth:`ServerLegs.route` names: the server's interface by default, the
 node's local link for InHAD's pushes, the leader's link (in for pushes, out
 for the reply's forward) for a CASP member; and a message the one that
 :meth:`ServerLegs.message_route` names: a CASP community's upload, the
-server's interface. Messages between servers (GSSP's, HALoS's) and InHAD's
-pull of the aggregates keep their fixed delays (:meth:`ServerLegs.message_delay`).
+server's interface; a group server's exchange with a global server
+(:class:`GroupLegs`: GSSP ``global``, HALoS), the global server's interface to
+the other servers. GSSP ``peer`` deliveries, InHAD's pull of the aggregates and
+the server's reply to a CASP leader keep their fixed delays
+(:meth:`ServerLegs.message_delay`).
 
 A scheme a researcher registers gets :class:`ServerLegs` unless its ``Scheme``
 names another class; a subclass overrides the methods of the legs it changes.
@@ -242,6 +247,28 @@ class NodeLegs(ServerLegs):
     if rnd.aggregate:
       add(host, "node_to_server", protocol.num_nodes * self.dense_payload)
     host["pulls_per_worker"][rnd.pulls.nonzero()[0]] += 1
+
+
+
+class GroupLegs(ServerLegs):
+  """GSSP, HALoS: a worker's legs go to its group server (the default's); with a global server,
+  the group servers' exchanges with it cross its interface.
+
+  With ``cluster.shared_server_links``, a group's delivery to the global server (replica
+  ``G``) crosses ``("servers", G, "push")`` and the global server's reply (``adopt``)
+  ``("servers", G, "pull")``: its interface to the other servers, ``server_bandwidth`` each
+  way, shared by the groups' exchanges in progress. Peer deliveries keep their fixed delay: a
+  group has one forward in flight at a time, so its own link has nothing to share with, and
+  a message is one transfer (its G - 1 receivers' links are not modelled).
+  """
+
+  def message_route(self, protocol, message, iteration):
+    kind = {"deliver": "push", "adopt": "pull"}.get(message.kind)
+    G = protocol.num_groups
+    if kind is None or protocol.num_replicas == G:   # peer: no global server
+      return super().message_route(protocol, message, iteration)
+    c = self.cluster
+    return (("servers", G, kind), self.pull_bytes, c.server_bandwidth, c.server_latency)
 
 
 class CommunityLegs(ServerLegs):

@@ -181,7 +181,7 @@ def _gssp(W, *, grouping_method, num_groups, worker_times, staleness, inter_grou
   s = transforms.check_int("gssp", "staleness", staleness, 0)
   tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
   make = lambda: GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
-  return Scheme("gssp", tx, make, W, make().num_replicas, groups)
+  return Scheme("gssp", tx, make, W, make().num_replicas, groups, legs=legs_lib.GroupLegs)
 
 
 def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos, **_):
@@ -191,7 +191,8 @@ def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos
   make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
   probe = make()   # validates
   tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
-  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True)
+  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True,
+                legs=legs_lib.GroupLegs)
 
 
 def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scale, **_):
