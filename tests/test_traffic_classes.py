@@ -158,6 +158,9 @@ def test_an_unknown_traffic_class_is_refused_naming_it():
   with pytest.raises(ValueError, match=r"traffic classes \['sideways'\] are invalid; allowed: "
                                        r"worker_to_server, server_to_worker"):
     legs_lib.traffic_fields({"sideways": 1})
+  with pytest.raises(ValueError, match=r"traffic class 'sideways' is invalid; allowed: "
+                                       r"worker_to_server"):
+    legs_lib.add(records.new_counters(2), "sideways", 1)
 
 
 def test_a_checkpoints_counters_from_before_the_classes_are_upgraded():

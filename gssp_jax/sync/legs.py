@@ -124,7 +124,9 @@ def ring_time(cluster, num_bytes: int) -> float:
 
 
 def add(host: dict, name: str, num_bytes: int) -> None:
-  """Adds ``num_bytes`` of class ``name`` to ``host["class_bytes"]``."""
+  """Adds ``num_bytes`` of class ``name`` (one of :data:`CLASSES`) to ``host["class_bytes"]``."""
+  if name not in CLASSES:
+    raise ValueError(f"traffic class {name!r} is invalid; allowed: {', '.join(CLASSES)}")
   class_bytes = host["class_bytes"]
   class_bytes[name] = class_bytes.get(name, 0) + int(num_bytes)
 
