@@ -42,7 +42,7 @@ def run(scheme_name: str, shared: bool) -> float:
                                 server_bandwidth=_SERVER.value)
   scheme = sync.build_scheme(scheme_name, W, worker_times=speeds, num_nodes=4, num_groups=4)
   payload = int(_PAYLOAD.value * 1e6)
-  links = traffic.Traffic(scheme_name, cluster, lambda w, k: payload, payload, payload,
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: payload, payload, payload,
                           shared=shared)
   engine = links.engine(scheme.make_protocol(), cluster.compute_time)
   while engine.num_pushes < _PUSHES.value:

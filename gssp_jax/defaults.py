@@ -161,7 +161,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.server_bandwidth = 1.25e9  # each server's interface: its pushes in, its pulls out
   #                                    (shared, below), and messages between servers
   c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
-  #                                    (max-min fair), and so do pulls; False: each alone
+  #                                    (max-min fair), and so do pulls, InHAD's pushes on a
+  #                                    node's link, a CASP community's legs on its leader's,
+  #                                    its uploads at the server, exchanges with a global
+  #                                    server at its interface (sync/legs.py); False: alone
   c.cluster.server_latency = 1e-4
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6

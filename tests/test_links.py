@@ -1,5 +1,7 @@
 """A server's link shared by the transfers that overlap on it, against hand timelines."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -112,7 +114,6 @@ def test_a_dropped_worker_leaves_the_link_to_the_others():
 
 
 def test_a_resumed_engine_continues_its_transfers_exactly():
-  import pickle  # pylint: disable=g-import-not-at-top
   make = lambda: sync.TimelineEngine(sync.ASPProtocol(3), lambda w, k: [1.0, 1.2, 1.7][w],
                                      route=_route(lambda kind: MB), link_bandwidth=MB)
   whole = make()
@@ -136,7 +137,7 @@ def _cluster_engine(scheme_name, shared, num_workers=4, **kw):
   cluster = cluster_lib.Cluster(speeds=np.ones([num_workers]), base_time=1.0,
                                 bandwidth=MB, latency=0.0, server_bandwidth=MB)
   scheme = sync.build_scheme(scheme_name, num_workers, worker_times=[1.0] * num_workers, **kw)
-  links = traffic.Traffic(scheme_name, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
   return links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
 
 
@@ -153,13 +154,60 @@ def test_the_simulators_bsp_pays_for_its_incast_only_on_a_shared_link(shared, pu
 
 
 def test_inhads_gradients_stay_on_their_node_and_only_its_pulls_share_the_server():
-  # The gradients go to the node aggregators (not routed); the iteration numbers cost 8 B.
+  # The gradients go to the node aggregators over the node's own link (25 GB/s by default,
+  # shared by the node's workers); the iteration numbers cost 8 B.
   engine = _cluster_engine("inhad", True, num_nodes=2)
   while engine.num_pushes < 4:
     engine.step()
   assert engine.now < 1.01   # no 1 MB push crossed a 1 MB/s link
-  assert engine.route("push", 0, 0) is None
+  node = engine.protocol.route[0]
+  assert engine.route("push", 0, 0)[0] == ("node", node)
+  assert engine.route("push", 0, 0)[4] == 2.5e10
   assert engine.route("pull", 0, 0)[0] == (0, "pull")
+
+
+@pytest.mark.parametrize("shared,arrival", [(True, 3.0), (False, 2.0)])
+def test_an_inhad_nodes_workers_share_its_link_to_the_aggregator(shared, arrival):
+  # 2 workers on one node, 1 s of compute, 1 MB gradients over a 1 MB/s node link: pushed at
+  # once, each gets 0.5 MB/s on a shared link (2 s), 1 MB/s alone (1 s); then the 8-byte
+  # iteration number over the worker's 1 MB/s link.
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([2]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, node_bandwidth=MB, node_latency=0.0)
+  scheme = sync.build_scheme("inhad", 2, num_nodes=1)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  while engine.num_pushes < 2:
+    engine.step()
+  assert [t for t, _, _ in engine.pushes] == pytest.approx([arrival + 8 / MB] * 2, abs=1e-9)
+
+
+@pytest.mark.parametrize("shared,push_at,start_at", [(True, 4.0, (6.0, 9.0)),
+                                                     (False, 2.0, (4.0, 5.0))])
+def test_a_casp_communitys_members_share_their_leaders_links(shared, push_at, start_at):
+  # One community of 4 (leader 0), 1 s of compute, 1 MB each way, every link 1 MB/s, no
+  # latency. Shared: members 1-3 push to the leader at once over its 1 MB/s link (1/3 MB/s
+  # each: at 4 s; the leader's own push costs nothing), it uploads the 1 MB sum (1 s, fixed)
+  # and all are released at 5 s; the leader's reply from the server takes 1 s (it starts at
+  # 6 s), and its forwards to the 3 members share its link (3 s) after that reply's 1 s: they
+  # start at 9 s. Alone: every member's push 1 s (at 2 s), the upload 1 s, the reply 1 s (the
+  # leader starts at 4 s) and each forward 1 s more (5 s).
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  scheme = sync.build_scheme("casp", 4, casp_max_communities=1)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  while len(engine.starts) < 8:
+    engine.step()
+  assert engine.pushes[:4] == [(1.0, 0, 0)] + [(pytest.approx(push_at), w, 0) for w in (1, 2, 3)]
+  assert [t for t, _, _ in engine.starts[4:]] == pytest.approx([start_at[0]] + [start_at[1]] * 3)
+  assert links.legs.route(engine.protocol, "push", 1, 0)[0] == ("leader", 0, "push")
+  assert links.legs.route(engine.protocol, "push", 0, 0) is None   # the leader's own
+  # The leader waits for its members' pushes (blocked); the upload is everyone's push time.
+  assert engine.blocked_time.tolist() == pytest.approx([push_at - 1.0, 0.0, 0.0, 0.0])
 
 
 
@@ -211,6 +259,86 @@ def test_the_simulator_uses_equal_share_links_only_when_every_worker_link_is_the
   for bandwidth, kind in ((MB, links_lib.EqualShareLinks),
                           ([MB, MB, 2 * MB], links_lib.SharedLinks)):
     cluster = cluster_lib.Cluster(speeds=np.ones([3]), base_time=1.0, bandwidth=bandwidth)
-    engine = traffic.Traffic("asp", cluster, lambda w, k: MB, MB, MB, shared=True).engine(
+    engine = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=True).engine(
         scheme.make_protocol(), cluster.compute_time)
     assert type(engine.links) is kind
+
+
+@pytest.mark.parametrize("kind", [links_lib.SharedLinks, links_lib.EqualShareLinks])
+def test_a_link_may_have_its_own_capacity_and_old_checkpoints_keep_the_shared_one(kind):
+  # Two 1 MB transfers (caps 2 MB/s) on a link of its own 2 MB/s capacity: 1 MB/s each, done at
+  # 1 s; on a link of the links' 1 MB/s: 0.5 MB/s each, done at 2 s.
+  links = kind(MB)
+  for key, capacity in (("own", 2 * MB), ("shared", None)):
+    for tag in (0, 1):
+      links.start(key, 0.0, (key, tag), MB, 2 * MB, *([capacity] if capacity else []))
+  assert links.next_end("own") == pytest.approx(1.0)
+  assert links.next_end("shared") == pytest.approx(2.0)
+  # A checkpoint pickled before per-link capacities: every link at the links' capacity.
+  state = pickle.loads(pickle.dumps(links))
+  if kind is links_lib.SharedLinks:
+    del state.__dict__["capacities"]
+    state = pickle.loads(pickle.dumps(state))
+    assert state.capacities == {}
+  else:
+    del state.links["own"].__dict__["capacity"]
+    assert state.links["own"].capacity is None
+  state.start("own", 0.0, ("own", 2), MB, 2 * MB)
+  assert state.next_end("own") == pytest.approx(3.0)   # 3 MB over 1 MB/s
+
+
+@pytest.mark.parametrize("shared,applied_at", [(True, 4.0), (False, 3.0)])
+def test_casp_communities_uploading_at_once_share_the_servers_link(shared, applied_at):
+  # Two communities of 2 (leaders 0 and 2), 1 s of compute, 1 MB each way, every link 1 MB/s,
+  # the server's too, no latency: the members' pushes reach their leaders at 2 s (each alone on
+  # its leader's link), and both leaders upload their 1 MB sums at once: 0.5 MB/s each on the
+  # server's shared link (2 s: applied at 4 s), 1 s each alone (3 s). Then the leaders' replies
+  # (1 s) and the forwards to the members (1 s more).
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, bandwidth=MB, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  protocol = sync.CASPProtocol(4, max_communities=2, initial_communities=2,
+                               reconfigure_every=10_000)
+  links = traffic.Traffic(sync.legs.CommunityLegs, cluster, lambda w, k: MB, MB, MB,
+                          shared=shared)
+  engine = links.engine(protocol, cluster.compute_time, record=True)
+  rounds = []
+  while len(engine.starts) < 8:
+    rounds += engine.step()
+  assert [(r.time, np.flatnonzero(r.arrived).tolist()) for r in rounds] == [
+      (pytest.approx(applied_at), [0, 1]), (pytest.approx(applied_at), [2, 3])]
+  starts = sorted((w, t) for t, w, k in engine.starts if k == 1)
+  assert starts == [(0, pytest.approx(applied_at + 1)), (1, pytest.approx(applied_at + 2)),
+                    (2, pytest.approx(applied_at + 1)), (3, pytest.approx(applied_at + 2))]
+  # The upload is the members' push time, not blocked time: the leaders wait 1 s for their
+  # members, nobody waits for the upload.
+  assert engine.blocked_time.tolist() == pytest.approx([1.0, 0.0, 1.0, 0.0])
+
+
+@pytest.mark.parametrize("shared,starts_at", [(True, 7.0), (False, 3.0 + 2e-6)])
+def test_gssp_global_exchanges_share_the_global_servers_link(shared, starts_at):
+  # 2 workers in 2 groups of one, 1 s of compute, 1 MB each way; worker links 1 TB/s, every
+  # server's interface 1 MB/s, no latency. Shared: each push takes 1 s into its group server
+  # (at 2 s), both groups deliver at once into the global server (2 MB at 1 MB/s: at 4 s), its
+  # two replies leave at once (at 6 s), then each pull 1 s: the second iterations start at 7 s.
+  # Alone: pushes and pulls 1 us, each exchange 1 s.
+  from gssp_jax.sim import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sim import traffic  # pylint: disable=g-import-not-at-top
+  cluster = cluster_lib.Cluster(speeds=np.ones([2]), base_time=1.0, bandwidth=1e12, latency=0.0,
+                                server_bandwidth=MB, server_latency=0.0)
+  scheme = sync.build_scheme("gssp", 2, num_groups=2, inter_group="global")
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: MB, MB, MB, shared=shared)
+  engine = links.engine(scheme.make_protocol(), cluster.compute_time, record=True)
+  rounds = []
+  while len(engine.starts) < 4:
+    rounds += engine.step()
+  step = 1.0 if shared else 1e-6
+  delivered, adopted = (4.0, 6.0) if shared else (2.0 + 1e-6, 3.0 + 1e-6)
+  assert [r.time for r in rounds] == pytest.approx([1.0 + step] * 2 + [delivered] * 2
+                                                   + [adopted] * 2)
+  assert [t for t, _, k in engine.starts if k == 1] == pytest.approx([starts_at] * 2)
+  assert links.legs.message_route(engine.protocol, sync.Message("deliver", 0), None)[0] == (
+      "servers", 2, "push")
+  peer = sync.build_scheme("gssp", 2, num_groups=2)
+  assert links.legs.message_route(peer.make_protocol(), sync.Message("deliver", 0), None) is None

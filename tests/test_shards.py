@@ -163,7 +163,7 @@ def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path, fl
       # The control plane counts what the simulator counts, exactly.
       assert srv.acct.summary() == sim.acct.summary()
       assert srv.acct.version.tolist() == sim.acct.version.tolist()
-      for key in ("rounds", "updates", "server_bytes", "local_bytes", "node_push_bytes"):
+      for key in ("rounds", "updates", "server_bytes", "class_bytes"):
         assert srv.host[key] == sim.host[key], key
       np.testing.assert_array_equal(srv.host["pulls_per_worker"], sim.host["pulls_per_worker"])
       if not srv.links.counts_device_pushes:   # InHAD: counted per round, as the simulator does

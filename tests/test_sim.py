@@ -13,6 +13,7 @@ from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
+from gssp_jax.sim import records
 from gssp_jax.sim import traffic
 from gssp_jax.sync import replay
 from gssp_jax.train import loop
@@ -147,14 +148,13 @@ def _traffic_run(name, pushes, bandwidth, payload=1_000_000, **kw):
                       "cluster.speeds": tuple(speeds), "cluster.bandwidth": bandwidth})
   cluster = cluster_lib.cluster_from_config(config)
   scheme = sync.build_scheme(name, 8, worker_times=speeds, num_nodes=2, **kw)
-  links = traffic.Traffic(name, cluster, lambda w, k: payload, payload, payload)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: payload, payload, payload)
   engine = sync.TimelineEngine(
       scheme.make_protocol(), cluster.compute_time,
       push_delay=lambda w, k: links.push_delay(engine.protocol, w, k),
       pull_delay=lambda w: links.pull_delay(engine.protocol, w),
       message_delay=lambda m: links.message_delay(engine.protocol, m, engine.iteration))
-  host = {"pushed_per_worker": np.zeros([8], np.int64), "pulls_per_worker": np.zeros([8], np.int64),
-          "local_bytes": 0, "node_push_bytes": 0}
+  host = records.new_counters(8)
   rounds = []
   while engine.num_pushes < pushes:
     for rnd in engine.step():
@@ -169,10 +169,11 @@ def test_inhad_pushes_iteration_numbers_and_node_aggregates_not_gradients():
   inhad, rounds, host = _traffic_run("inhad", 800, 1e7)
   updates = sum(bool(r.aggregate) for r in rounds)
   assert 90 <= updates <= 100   # about one per 8 iteration numbers (fewer: pulls take time)
-  to_server = host["pushed_per_worker"].sum() + host["node_push_bytes"]
+  node_to_server = host["class_bytes"]["node_to_server"]
+  to_server = host["pushed_per_worker"].sum() + node_to_server
   assert host["pushed_per_worker"].sum() == 8 * inhad.num_pushes          # the INs
-  assert host["node_push_bytes"] == updates * 2 * 1_000_000               # 2 aggregates each
-  assert host["local_bytes"] == inhad.num_pushes * 1_000_000              # gradients stay local
+  assert node_to_server == updates * 2 * 1_000_000                        # 2 aggregates each
+  assert host["class_bytes"]["worker_to_node"] == inhad.num_pushes * 1_000_000   # stay local
   assert to_server < 0.3 * asp.num_pushes * 1_000_000   # ASP: every push a dense gradient
   # Same pulls, but no gradient crosses a slow worker link: the 800 pushes take less time.
   assert inhad.now < 0.85 * asp.now
@@ -188,7 +189,8 @@ def test_casp_sends_one_payload_per_community_round():
   assert all(r.arrived.sum() == 8 for r in community_rounds)
   # One payload per community round reaches the server (from the leader), 7 go to it.
   assert host["pushed_per_worker"].tolist() == [len(community_rounds) * 1_000_000] + [0] * 7
-  assert host["local_bytes"] == len(community_rounds) * 7 * 1_000_000 * 2  # reduce + broadcast
+  assert host["class_bytes"]["member_leader"] == (len(community_rounds) * 7 * 1_000_000
+                                                 * 2)   # reduce + broadcast
   assert host["pulls_per_worker"].tolist() == [len(community_rounds)] + [0] * 7
   # Each round: the slowest member's compute, its 0.01 s push to the leader, the leader's
   # 0.01 s push to the server, then the reply to the leader and on to the members.
@@ -204,7 +206,8 @@ def test_casp_with_two_communities_pushes_two_payloads_per_round_of_both():
   config = _config(**{"num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1,
                       "cluster.speeds": tuple(speeds), "cluster.bandwidth": 1e8})
   cluster = cluster_lib.cluster_from_config(config)
-  links = traffic.Traffic("casp", cluster, lambda w, k: 1_000_000, 1_000_000, 1_000_000)
+  links = traffic.Traffic(sync.legs.CommunityLegs, cluster, lambda w, k: 1_000_000, 1_000_000,
+                          1_000_000)
   protocol = sync.CASPProtocol(8, max_communities=2, initial_communities=2,
                                reconfigure_every=10_000)
   engine = sync.TimelineEngine(
@@ -212,8 +215,7 @@ def test_casp_with_two_communities_pushes_two_payloads_per_round_of_both():
       push_delay=lambda w, k: links.push_delay(protocol, w, k),
       pull_delay=lambda w: links.pull_delay(protocol, w),
       message_delay=lambda m: links.message_delay(protocol, m, engine.iteration))
-  host = {"pushed_per_worker": np.zeros([8], np.int64), "pulls_per_worker": np.zeros([8], np.int64),
-          "local_bytes": 0, "node_push_bytes": 0}
+  host = records.new_counters(8)
   applied = []
   while engine.num_pushes < 400:
     for rnd in engine.step():
@@ -252,7 +254,8 @@ def test_host_accounting_matches_device_staleness(name):
                              inter_group="global" if name == "gssp" else "peer")
   tl = sync.run_timeline(scheme.make_protocol(), lambda w, k: speeds[w], max_pushes=40,
                          message_delay=lambda m: 0.45)
-  acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=name == "inhad")
+  protocol = scheme.make_protocol()
+  acct = sync.accounting.Accounting(4, scheme.num_replicas, aggregating=protocol.aggregating)
   tx = scheme.chain(None if scheme.own_optimizer else optax.sgd(0.01))
   checked = []
   before = {"clock": np.zeros([4], np.int64), "total": np.zeros([4], np.int64)}
@@ -279,7 +282,7 @@ def test_host_accounting_matches_device_staleness(name):
   replay.replay(tx, {"x": jnp.zeros([2])}, tl.rounds, lambda wp, i: {"x": wp["x"] - 1.0},
                 num_replicas=scheme.num_replicas, num_workers=4, on_round=check)
   assert sum(checked) >= 30
-  if name not in ("bsp", "dssync", "local_sgd", "diloco"):   # the synchronous ones
+  if name not in ("bsp", "bsp_allreduce", "dssync", "local_sgd", "diloco"):   # synchronous
     assert acct.staleness_max > 0 or name == "casp"
 
 

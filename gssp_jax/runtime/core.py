@@ -115,7 +115,7 @@ class ProtocolCore:
     self.lock, self.changed = lock, changed
     self.protocol = scheme.make_protocol()
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
-                                           aggregating=scheme.name == "inhad",
+                                           aggregating=self.protocol.aggregating,
                                            push_iterations=steps)
     self.host = {**records.new_counters(W), "format": HOST_FORMAT,
                  "jobs": np.zeros([W], np.int64), "seq": np.zeros([W], np.int64),
@@ -147,7 +147,8 @@ class ProtocolCore:
 
   def load(self, saved: dict) -> None:
     """The protocol, counters and accounting of a checkpoint's host state."""
-    self.protocol, self.host = saved["protocol"], saved["host"]
+    self.protocol = saved["protocol"]
+    self.host = records.upgrade_counters(saved["host"], self.links)
     for key, old in (("iterations", "pushes"), ("evaluated_iterations", "evaluated")):
       self.host.setdefault(key, self.host[old])   # a checkpoint from before local updates
     self.acct.load_state_dict(saved["acct"])

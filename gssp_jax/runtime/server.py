@@ -187,7 +187,7 @@ class DistServer:
         shard_lib.checkpoint_dir(self.workdir, 0))
     self.core0.warm_up()   # nothing compiles under the lock once meshes push
     self.ratio_of = simulate.Ratios(config, self.scheme, self.cluster.speeds, self.spe)
-    self.links = traffic_lib.Traffic(self.scheme.name, self.cluster,
+    self.links = traffic_lib.Traffic(self.scheme.legs, self.cluster,
                                      lambda w, k: self.core.push_payload(w, k),
                                      self.pull_bytes, self.pull_bytes)
 

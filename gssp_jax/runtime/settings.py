@@ -72,6 +72,12 @@ def check_real_run(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming what of ``config`` the real runtime cannot run, and why."""
   scheme = registry.scheme_from_config(config, worker_times=None)
   protocol = scheme.make_protocol()
+  if not scheme.legs.has_server:
+    raise ValueError(
+        f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime: its workers "
+        "exchange gradients without a server (its legs: sync.legs), and the real runtime moves "
+        "every gradient through parameter servers. Simulate it with python -m experiments.main "
+        "instead")
   if not getattr(protocol, "supports_membership", False):
     raise ValueError(
         f"config.sync.scheme={config.sync.scheme!r} cannot run on the real runtime: its protocol"

@@ -24,8 +24,8 @@ with its own error-feedback memory. With a cluster
 description (``cluster.*``) and ``dist.emulate_cluster``, each iteration is
 stretched by sleeping to the cluster model's ``compute_time(w, k)``, each
 push waits its link time and each pull its transfer time, as the simulator
-charges them (``sim/traffic.Traffic``; InHAD: the node link plus an 8-byte
-iteration number).
+charges them (the scheme's legs, ``sync.legs``; InHAD: the node link plus an
+8-byte iteration number).
 
 A local-update scheme's job (``local_sgd``, ``diloco``, ``async_local_sgd``)
 is the simulator's too: ``H_w`` inner optimizer steps (the job's ``steps``,
@@ -66,6 +66,7 @@ from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
+from gssp_jax.sync import registry
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
 from gssp_jax.train import tasks
@@ -174,7 +175,7 @@ class MeshWorker:
     self.stats_bytes = step_lib.tree_bytes(model_state)
     pull_bytes = step_lib.tree_bytes(params) + self.stats_bytes
     self._push_bytes = 0
-    self.links = traffic_lib.Traffic(config.sync.scheme, self.cluster,
+    self.links = traffic_lib.Traffic(registry.scheme_from_config(config).legs, self.cluster,
                                      lambda w, k: self._push_bytes, pull_bytes, pull_bytes)
     self.mesh = Mesh(np.array(jax.devices()), ("data",)) if self.P > 1 else None
     compressor = run_lib.make_compressor(simulate.one_worker_config(config))

@@ -8,7 +8,8 @@ functions, so a simulated and a real run of the same events report the same
 staleness, updates, bytes per link and records.
 
 ``host`` is the executor's counters dict: ``rounds``, ``updates``,
-``server_bytes``, ``local_bytes``, ``node_push_bytes``, and the ``[W]``
+``server_bytes``, ``class_bytes`` (bytes of the traffic classes that are not
+pushes, pulls or between servers, by name: ``sync.legs``), and the ``[W]``
 arrays ``pushed_per_worker`` and ``pulls_per_worker``.
 """
 
@@ -24,9 +25,26 @@ from gssp_jax.train import health
 
 def new_counters(num_workers: int) -> dict[str, Any]:
   """The byte and round counters :func:`account_round` and :func:`traffic` read and write."""
-  return {"rounds": 0, "updates": 0, "server_bytes": 0, "local_bytes": 0, "node_push_bytes": 0,
+  return {"rounds": 0, "updates": 0, "server_bytes": 0, "class_bytes": {},
           "pushed_per_worker": np.zeros([num_workers], np.int64),
           "pulls_per_worker": np.zeros([num_workers], np.int64)}
+
+
+def upgrade_counters(host: dict, links) -> dict:
+  """``host`` of a checkpoint written before the traffic classes, in today's form (in place).
+
+  Its ``node_push_bytes`` (InHAD's aggregates) become ``node_to_server``, its
+  ``local_bytes`` the class the legs count there (``legs.local_class``).
+  """
+  if "class_bytes" in host:
+    return host
+  class_bytes = host["class_bytes"] = {}
+  node, local = int(host.pop("node_push_bytes", 0)), int(host.pop("local_bytes", 0))
+  if node:
+    class_bytes["node_to_server"] = node
+  if local and links.legs.local_class:   # only legs with a local class ever counted them
+    class_bytes[links.legs.local_class] = local
+  return host
 
 
 def account_round(rnd, *, host: dict, acct, protocol, links, iteration: np.ndarray,
@@ -60,7 +78,8 @@ def account_rounds(rounds, *, host: dict, acct, protocol, links, pull_bytes: int
   checkpoint) and does it here, vectorised (``Accounting.apply_many``): a few
   microseconds per round. What depends on the protocol's state when a round
   happens (InHAD's and CASP's traffic, ``links.counts_per_round``) is counted
-  then, by ``links.count_round``; the rest here gives the same counters.
+  then, by ``links.count_round``; the rest here gives the same counters
+  (``links.count_rounds``).
   """
   rounds = list(rounds)
   if not rounds:
@@ -75,7 +94,7 @@ def account_rounds(rounds, *, host: dict, acct, protocol, links, pull_bytes: int
     payloads = protocol.server_payloads_of(stacked["deliver"], stacked["adopt"])
   host["server_bytes"] += payloads * pull_bytes
   if not links.counts_per_round:
-    links.count_pulls(stacked["pulls"], host)
+    links.count_rounds(stacked, host)
 
 
 def check_finite_loss(loss_sum, *, pushes: int, learning_rate, when: str = "") -> None:
@@ -87,12 +106,15 @@ def check_finite_loss(loss_sum, *, pushes: int, learning_rate, when: str = "") -
         f"optimizer.learning_rate ({learning_rate}) or set optimizer.grad_clip")
 
 
-def traffic(host: dict, pull_bytes: int) -> dict[str, int]:
-  """Bytes so far, by link: to the servers, from them, between them, inside nodes."""
-  return {"bytes_pushed": int(host["pushed_per_worker"].sum()) + int(host["node_push_bytes"]),
-          "bytes_pulled": int(host["pulls_per_worker"].sum()) * pull_bytes,
-          "bytes_between_servers": int(host["server_bytes"]),
-          "bytes_local": int(host["local_bytes"])}
+def traffic(host: dict, pull_bytes: int) -> dict:
+  """Bytes so far: in total, per class, and by the links the keys before the classes named
+  (``sync.legs.traffic_fields``)."""
+  by_class = dict(host["class_bytes"])
+  for name, num_bytes in (("worker_to_server", int(host["pushed_per_worker"].sum())),
+                          ("server_to_worker", int(host["pulls_per_worker"].sum()) * pull_bytes),
+                          ("server_to_server", int(host["server_bytes"]))):
+    by_class[name] = by_class.get(name, 0) + num_bytes
+  return sync.legs.traffic_fields(by_class)
 
 
 def evaluation_record(*, pushes: int, num_workers: int, spe: int, updates: int,

@@ -386,13 +386,13 @@ class Simulation:
     self._sent_counts = np.zeros([W], np.int64)   # DGC: job_bytes as last read
     self._unaccounted: list = []                  # rounds not yet accounted (_account)
     self._sparse_bytes: dict = {}                 # top-k and GDTopK: bytes of a push by ratio
-    self.links = links = traffic_lib.Traffic(scheme.name, self.cluster, self._push_payload,
+    self.links = links = traffic_lib.Traffic(scheme.legs, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                              shared=bool(config.cluster.shared_server_links))
     self._counts_per_round = links.counts_per_round   # read at every round
     self.engine = links.engine(scheme.make_protocol(), self._compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
-                                           aggregating=scheme.name == "inhad",
+                                           aggregating=self.engine.protocol.aggregating,
                                            push_iterations=self.steps)
     self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
                  "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
@@ -438,7 +438,7 @@ class Simulation:
   def _opening(self) -> tuple[list, float]:
     """The rounds of the run's first pushes from a fresh timeline (dense pushes), and rounds
     per push: what ``levels.choose_shape`` sizes the pieces by. Touches nothing of the run."""
-    traffic = traffic_lib.Traffic(self.scheme.name, self.cluster,
+    traffic = traffic_lib.Traffic(self.scheme.legs, self.cluster,
                                   lambda w, k: self.dense_bytes + self.stats_bytes,
                                   self.dense_bytes + self.stats_bytes, self.pull_bytes,
                                   shared=bool(self.config.cluster.shared_server_links))
@@ -475,7 +475,7 @@ class Simulation:
       self.state = jax.device_put(state)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
-      self.host = {"local_bytes": 0, "node_push_bytes": 0, "iterations": 0, **saved["host"]}
+      self.host = records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links)
       # What was planned but not run (a checkpoint from before the feed: its steps).
       self.feed.load_state_dict(saved.get("feed", {"steps": saved.get("steps", [])}))
       logging.info("resumed from the checkpoint at %d pushes", latest)
@@ -553,7 +553,7 @@ class Simulation:
     records.check_finite_loss(loss_sum, pushes=engine.num_pushes,
                               learning_rate=self.config.optimizer.learning_rate,
                               when=f" (virtual time {engine.now:.1f} s)")
-    if self.links.counts_device_pushes:   # InHAD's and CASP's are counted per round (traffic.py)
+    if self.links.counts_device_pushes:   # else the legs count them (InHAD's, CASP's: sync.legs)
       host["pushed_per_worker"] += executor.push_bytes_total(pushed)
     blocked = engine.blocked_time_so_far()
     results = self.task.evaluate(params_eval, ms_eval)
@@ -805,6 +805,8 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
   # measured figure").
   bound = f"staleness bound {s.staleness} clocks ahead"
   knobs = {"bsp": "", "asp": "", "ssp": f", {bound}",
+           "bsp_allreduce": ", gradients averaged by a ring all-reduce (the replica: every"
+                            " worker's copy)",
            "dssp": f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
            "gssp": f", {bound} (in its group), inter-group {s.inter_group}"}.get(scheme.name, "")
   compress_name = config.compress.name

@@ -38,6 +38,7 @@ from gssp_jax.sync.timeline import run_timeline
 from gssp_jax.sync.timeline import Timeline
 from gssp_jax.sync.timeline import TimelineEngine
 from gssp_jax.sync import accounting
+from gssp_jax.sync import legs
 from gssp_jax.sync import local
 from gssp_jax.sync.transforms import asp
 from gssp_jax.sync.transforms import bsp

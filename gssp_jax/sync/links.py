@@ -12,6 +12,10 @@ flows into one bottleneck converge to. Shares change only when a transfer
 starts or ends, so between those events every transfer moves at a constant
 rate and its end is exact: :meth:`next_end` is when the first of them ends.
 
+A link's capacity is the links' ``capacity`` unless its first transfer names
+another (``start``'s ``capacity``: a node's local link, say), kept while the
+link exists.
+
 Host state only (plain Python and NumPy scalars), pickled with the timeline
 engine's checkpoint.
 """
@@ -25,6 +29,12 @@ from typing import Hashable
 # A transfer with less than this many seconds left at its rate is done (float rounding of the
 # event times, which are sums of seconds: about 1e-11 s after a day of virtual time).
 _DONE_SECONDS = 1e-9
+
+
+def _checked_capacity(capacity: float) -> float:
+  if not capacity > 0:
+    raise ValueError(f"a shared link's bandwidth is {capacity!r}; allowed: > 0 bytes/s")
+  return float(capacity)
 
 
 def _start_number(entry: tuple) -> int:
@@ -57,10 +67,15 @@ class SharedLinks:
   ``(server, "out")``) and exists from its first transfer.
   """
 
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self.__dict__.setdefault("capacities", {})   # a checkpoint from before per-link capacities
+
   def __init__(self, capacity: float):
     if not capacity > 0:
       raise ValueError(f"a shared link's bandwidth is {capacity!r}; allowed: > 0 bytes/s")
     self.capacity = float(capacity)
+    self.capacities: dict = {}   # the links whose capacity is not ``capacity``
     self.transfers: dict = {}
     self.since: dict = {}
     self.version: dict = {}
@@ -74,18 +89,23 @@ class SharedLinks:
 
   def _share(self, key) -> None:
     transfers = self.transfers[key]
-    for t, rate in zip(transfers, max_min_rates([t.cap for t in transfers], self.capacity)):
+    capacity = self.capacities.get(key, self.capacity)
+    for t, rate in zip(transfers, max_min_rates([t.cap for t in transfers], capacity)):
       t.rate = rate
     self.version[key] = self.version.get(key, 0) + 1
 
-  def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float) -> int:
+  def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float,
+            capacity: float | None = None) -> int:
     """A transfer of ``num_bytes`` at most ``cap`` bytes/s starts on ``key``; returns its version.
 
     The version names the link's state: an end computed for an older version
-    is stale (shares changed since).
+    is stale (shares changed since). ``capacity``: the link's bytes/s, if not
+    the links' (read when the link is made).
     """
     if not cap > 0:
       raise ValueError(f"transfer {tag!r} has a cap of {cap!r} bytes/s; allowed: > 0")
+    if key not in self.transfers and capacity is not None:
+      self.capacities[key] = _checked_capacity(capacity)
     self.transfers.setdefault(key, [])
     self._advance(key, now)
     self.transfers[key].append(_Transfer(tag, float(num_bytes), float(cap)))
@@ -137,6 +157,7 @@ class _Link:
     since: the time of ``served``.
     rate: each transfer's bytes/s now.
     cap: the transfers' common cap (bytes/s).
+    capacity: the link's bytes/s, or None: the links' ``capacity``.
     heap: ``(served at which it ends, start number, tag)`` of each transfer in progress.
     starts: transfers started so far (orders ties and tags).
   """
@@ -146,6 +167,7 @@ class _Link:
   cap: float = 0.0
   heap: list = dataclasses.field(default_factory=list)
   starts: int = 0
+  capacity: float | None = None
 
 
 class EqualShareLinks:
@@ -176,18 +198,22 @@ class EqualShareLinks:
 
   def _share(self, key, link: _Link) -> None:
     heap = link.heap
-    link.rate = min(link.cap, self.capacity / len(heap)) if heap else 0.0
+    capacity = self.capacity if link.capacity is None else link.capacity
+    link.rate = min(link.cap, capacity / len(heap)) if heap else 0.0
     version = self.version
     version[key] = version.get(key, 0) + 1
 
-  def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float) -> int:
-    """A transfer of ``num_bytes`` at most ``cap`` bytes/s starts on ``key``; returns its version."""
+  def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float,
+            capacity: float | None = None) -> int:
+    """A transfer of ``num_bytes`` at most ``cap`` bytes/s starts on ``key``; returns its version.
+    ``capacity``: the link's bytes/s, if not the links' (read when the link is made)."""
     cap = float(cap)
     if not cap > 0:
       raise ValueError(f"transfer {tag!r} has a cap of {cap!r} bytes/s; allowed: > 0")
     link = self.links.get(key)
     if link is None:
-      link = self.links[key] = _Link(since=float(now), cap=cap)
+      link = self.links[key] = _Link(since=float(now), cap=cap, capacity=(
+          None if capacity is None else _checked_capacity(capacity)))
     if now > link.since:   # _advance, inline (every push and pull starts a transfer)
       link.served += link.rate * (now - link.since)
     link.since = now

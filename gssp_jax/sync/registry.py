@@ -12,6 +12,7 @@ from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.sync import grouping
 from gssp_jax.sync import halos as halos_lib
+from gssp_jax.sync import legs as legs_lib
 from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.casp import CASPProtocol
@@ -27,6 +28,7 @@ from gssp_jax.sync.protocols.ssp import SSPProtocol
 # The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``), registered with it.
 _BUILT_IN_KEYS = {
     "bsp": (),
+    "bsp_allreduce": (),
     "asp": (),
     "ssp": ("staleness",),
     "dssp": ("staleness_range",),
@@ -65,6 +67,9 @@ class Scheme:
     own_optimizer: the transform applies its servers' optimizers itself
       (HALoS: a Delayed Nesterov per local server and one at the global
       server), so its updates are final and nothing is chained after it.
+    legs: its legs class (``sync.legs``): the delays and the bytes per class
+      of its pushes, pulls and messages; the default, ``ServerLegs``, sends
+      every push and pull over the worker's own link to its server.
   """
   name: str
   transform: optax.GradientTransformationExtraArgs
@@ -73,6 +78,7 @@ class Scheme:
   num_replicas: int
   groups: np.ndarray
   own_optimizer: bool = False
+  legs: type = legs_lib.ServerLegs
 
   def chain(self, optimizer: optax.GradientTransformation | None,
             compressor: optax.GradientTransformationExtraArgs | None = None
@@ -141,6 +147,16 @@ def _bsp(name):   # bsp, and local_sgd and diloco: they push pseudo-gradients
   return build
 
 
+def _bsp_allreduce(W, *, scale, **_):
+  """BSP's transform and protocol (the same parameters, bit for bit) with its gradients averaged
+  by a ring all-reduce instead of a server (``legs.RingLegs``). A scheme of its own rather than a
+  key such as ``sync.collective``: a scheme already ties together what runs on the device, who
+  waits, and which legs the bytes take; a key would apply to one scheme and be an error for all
+  others, and every recorded config would need it."""
+  return Scheme("bsp_allreduce", transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1,
+                _zeros(W), legs=legs_lib.RingLegs)
+
+
 def _asp(name):   # asp, and async_local_sgd
   def build(W, *, scale, **_):
     return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, _zeros(W))
@@ -165,7 +181,7 @@ def _gssp(W, *, grouping_method, num_groups, worker_times, staleness, inter_grou
   s = transforms.check_int("gssp", "staleness", staleness, 0)
   tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
   make = lambda: GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
-  return Scheme("gssp", tx, make, W, make().num_replicas, groups)
+  return Scheme("gssp", tx, make, W, make().num_replicas, groups, legs=legs_lib.GroupLegs)
 
 
 def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos, **_):
@@ -175,14 +191,16 @@ def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos
   make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
   probe = make()   # validates
   tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
-  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True)
+  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True,
+                legs=legs_lib.GroupLegs)
 
 
 def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scale, **_):
   nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
   tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
   InHADProtocol(W, nodes, inhad_threshold)   # validates
-  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes)
+  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes,
+                legs=legs_lib.NodeLegs)
 
 
 def _dssync(W, *, group_size, seed, **_):
@@ -194,14 +212,15 @@ def _dssync(W, *, group_size, seed, **_):
 def _casp(W, *, casp, scale, **_):
   CASPProtocol(W, **casp)                  # validates
   return Scheme("casp", transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **casp), W, 1,
-                _zeros(W))
+                _zeros(W), legs=legs_lib.CommunityLegs)
 
 
 # Name -> (W, **settings) -> Scheme, in the order the papers' table lists them.
 _BUILT_IN: dict[str, Callable[..., Scheme]] = {
     "bsp": _bsp("bsp"), "asp": _asp("asp"), "ssp": _ssp, "dssp": _dssp, "gssp": _gssp,
     "inhad": _inhad, "dssync": _dssync, "casp": _casp, "local_sgd": _bsp("local_sgd"),
-    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos}
+    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos,
+    "bsp_allreduce": _bsp_allreduce}
 
 
 def register_scheme(name: str, builder: Callable[..., Scheme],
@@ -327,9 +346,13 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
                 "True only with sync.scheme='gssp' (False otherwise)")
   check_unread_sync_keys(config, allow_unread)
   try:
-    scheme_from_config(config)
+    scheme = scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+  if scheme.legs.dense_only and config.compress.name != "none":
+    checks.fail("compress.name", config.compress.name,
+                f"'none' with sync.scheme={config.sync.scheme!r} (its legs move dense gradients "
+                "only: a ring all-reduce sums dense chunks)")
 
 
 def _check_staleness_range(key, value):

@@ -58,12 +58,16 @@ class TimelineEngine:
     pull_delay: ``worker -> seconds`` from release to the next start (weights' transfer).
     message_delay: ``message -> seconds`` for server-to-server messages.
     record: keep ``starts``/``pushes``/``events`` lists (tests, small runs).
-    route: ``(kind, worker, iteration) -> (link, bytes, cap, latency) | None``:
-      with it, a push (kind "push", at the end of compute) or a pull ("pull",
-      at the release) that is routed crosses ``link``, shared with the other
-      transfers on it (``links.SharedLinks``): ``bytes`` at most ``cap``
-      bytes/s, then ``latency`` seconds. A transfer routed None (and every
+    route: ``(kind, worker, iteration) -> (link, bytes, cap, latency[, capacity])
+      | None``: with it, a push (kind "push", at the end of compute) or a pull
+      ("pull", at the release) that is routed crosses ``link``, shared with
+      the other transfers on it (``links.SharedLinks``): ``bytes`` at most
+      ``cap`` bytes/s, then ``latency`` seconds; ``capacity``: the link's
+      bytes/s, if not ``link_bandwidth``. A transfer routed None (and every
       one without ``route``) takes ``push_delay`` / ``pull_delay`` alone.
+    message_route: ``message -> (link, bytes, cap, latency[, capacity]) | None``
+      (with ``route``): a message routed so crosses ``link`` as a routed push
+      does; one routed None takes ``message_delay``.
     link_bandwidth: bytes/s of every shared link (with ``route``).
     equal_caps: every routed transfer has the same cap (every worker's link the
       same bandwidth): the links are ``links.EqualShareLinks``, whose events
@@ -75,9 +79,10 @@ class TimelineEngine:
                pull_delay: Callable[[int], float] = lambda w: 0.0,
                message_delay: Callable[[Message], float] = lambda m: 0.0,
                record: bool = True, route: Callable | None = None,
+               message_route: Callable | None = None,
                link_bandwidth: float = 1.25e9, equal_caps: bool = False):
     self.protocol = protocol
-    self.route = route
+    self.route, self.message_route = route, message_route
     links = links_lib.EqualShareLinks if equal_caps else links_lib.SharedLinks
     self.links = links(link_bandwidth) if route is not None else None
     self.compute_time, self.push_delay = compute_time, push_delay
@@ -110,17 +115,22 @@ class TimelineEngine:
       else:
         self._transfer(time, path, ("start", w))
     for m in reaction.messages:
-      arrival = time + self.message_delay(m)
+      path = self.message_route(m) if self.message_route is not None else None
+      # Its arrival, if known now (a routed message's is known when its transfer ends).
+      arrival = time + self.message_delay(m) if path is None else float("inf")
       for w in m.carries:   # their push travels on: push time, not blocked time
         self.blocked_time[w] += time - self.pushed_at[w]
         self.pushed_at[w] = arrival
-      self._schedule(arrival, "message", m)
+      if path is None:
+        self._schedule(arrival, "message", m)
+      else:
+        self._transfer(time, path, ("message", m))
     return reaction.rounds
 
   def _transfer(self, time: float, path, then) -> None:
     """Starts a transfer on a shared link; ``then`` = (event kind, worker) follows its end."""
-    link, num_bytes, cap, latency = path
-    version = self.links.start(link, time, (then, float(latency)), num_bytes, cap)
+    link, num_bytes, cap, latency, *capacity = path
+    version = self.links.start(link, time, (then, float(latency)), num_bytes, cap, *capacity)
     self._schedule(self.links.next_end(link), "link", (link, version))
 
   def _link_event(self, link, version) -> None:
@@ -136,7 +146,7 @@ class TimelineEngine:
     """Workers computing, pushing or pulling (not waiting for a release, not dropped)."""
     busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push", "sent")}
     if self.links is not None:
-      busy |= {w for (_, w), _ in self.links.tags()}
+      busy |= {w for (kind, w), _ in self.links.tags() if kind != "message"}
     return busy
 
   def drop_at(self, time: float, worker: int) -> None:
@@ -216,6 +226,8 @@ class TimelineEngine:
       return self._drop(payload)
     if kind == "rejoin":
       return self._rejoin(payload)
+    for w in payload.carries:   # their push arrives now (a routed message's: set only now)
+      self.pushed_at[w] = self.now
     return self._react(self.protocol.on_message(payload, self.now), self.now)
 
   def next_time(self) -> float:

@@ -27,6 +27,7 @@ from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sync import legs
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import optim
@@ -315,10 +316,12 @@ class FusedBSP:
   def _wall_time(self) -> float:
     return self._wall_base + time.perf_counter() - self._session_start
 
-  def _traffic(self) -> dict[str, int]:
-    """Exact bytes so far: pushes as the workers sent them; every worker pulls every round."""
-    return {"bytes_pushed": self.meta["bytes_pushed"],
-            "bytes_pulled": self.updates * self.plan.num_workers * self.pull_payload}
+  def _traffic(self) -> dict:
+    """Exact bytes so far (``sync.legs.traffic_fields``): pushes as the workers sent them;
+    every worker pulls every round."""
+    return legs.traffic_fields({
+        "worker_to_server": self.meta["bytes_pushed"],
+        "server_to_worker": self.updates * self.plan.num_workers * self.pull_payload})
 
   def evaluate(self) -> dict[str, Any]:
     results = self.task.evaluate(self.state.params, self.state.model_state)

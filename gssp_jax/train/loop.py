@@ -18,6 +18,7 @@ from absl import logging
 import ml_collections
 
 from gssp_jax import config as config_lib
+from gssp_jax.sync import legs
 from gssp_jax.train import environment
 from gssp_jax.train import executors as executors_lib
 from gssp_jax.train import health
@@ -99,6 +100,8 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
     board.close()
     summary = {**summarize(config, history, status, executor), "environment": env}
     workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
+    if "bytes_by_class" in summary.get("totals", {}):
+      logging.info(legs.traffic_line(summary["totals"]))
   return summary
 
 

@@ -74,6 +74,9 @@ class Protocol:
   # no_branches path); the level planner checks it on every round.
   one_exchange_per_round = False
   supports_membership = False
+  # Its gradients wait in aggregates, applied when a round's ``aggregate`` is set (InHAD): the
+  # staleness accounting follows them (``accounting.Accounting``'s ``aggregating``).
+  aggregating = False
   # Why a scheme cannot drop workers (its ValueError says it).
   membership_unsupported = "it has no rule for workers that leave"
 

@@ -37,6 +37,7 @@ class InHADProtocol(Protocol):
 
   name = "inhad"
   round_fields = ("aggregate",)
+  aggregating = True
   supports_membership = True
 
   def __init__(self, num_workers: int, nodes, threshold: int | None = None):
