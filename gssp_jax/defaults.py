@@ -161,6 +161,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.server_bandwidth = 1.25e9  # each server's interface: its pushes in, its pulls out
   #                                    (shared, below), and messages between servers
   c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
+  # each: every server interface has server_bandwidth; split: a scheme's G servers share it
+  # (1/G each), so every scheme has the same server capacity in all (with shared links).
+  c.cluster.server_capacity = "each"
   #                                    (max-min fair), and so do pulls, InHAD's pushes on a
   #                                    node's link, a CASP community's legs on its leader's,
   #                                    its uploads at the server, exchanges with a global

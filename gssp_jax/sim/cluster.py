@@ -263,6 +263,9 @@ def cluster_is_set(config) -> bool:
              for key in cluster_defaults if key in config.cluster)
 
 
+SERVER_CAPACITIES = ("each", "split")   # cluster.server_capacity
+
+
 def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   """Builds and validates ``config.cluster`` (``base_time`` overrides, e.g. from calibration)."""
   cfg = config.cluster
@@ -287,6 +290,12 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
     _fail("straggler_duration", duration, "an int >= 1 (iterations)")
   if not isinstance(cfg.get("shared_server_links", True), bool):
     _fail("shared_server_links", cfg.shared_server_links, "True or False")
+  capacity = cfg.get("server_capacity", "each")
+  if capacity not in SERVER_CAPACITIES:
+    _fail("server_capacity", capacity, ", ".join(map(repr, SERVER_CAPACITIES)))
+  if capacity == "split" and not cfg.get("shared_server_links", True):
+    _fail("server_capacity", capacity, "'each' with shared_server_links=False (the split "
+          "divides the shared interfaces' bandwidth, which a run without them does not use)")
   prob = _non_negative("straggler_prob", cfg.straggler_prob)
   if prob > 1:
     _fail("straggler_prob", prob, "a probability in [0, 1]")

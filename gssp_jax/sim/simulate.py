@@ -388,7 +388,9 @@ class Simulation:
     self._sparse_bytes: dict = {}                 # top-k and GDTopK: bytes of a push by ratio
     self.links = links = traffic_lib.Traffic(scheme.legs, self.cluster, self._push_payload,
                                              self.dense_bytes + self.stats_bytes, self.pull_bytes,
-                                             shared=bool(config.cluster.shared_server_links))
+                                             shared=bool(config.cluster.shared_server_links),
+                                             capacity=config.cluster.get("server_capacity",
+                                                                         "each"))
     self._counts_per_round = links.counts_per_round   # read at every round
     self.engine = links.engine(scheme.make_protocol(), self._compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
@@ -441,7 +443,8 @@ class Simulation:
     traffic = traffic_lib.Traffic(self.scheme.legs, self.cluster,
                                   lambda w, k: self.dense_bytes + self.stats_bytes,
                                   self.dense_bytes + self.stats_bytes, self.pull_bytes,
-                                  shared=bool(self.config.cluster.shared_server_links))
+                                  shared=bool(self.config.cluster.shared_server_links),
+                                  capacity=self.config.cluster.get("server_capacity", "each"))
     engine = traffic.engine(self.scheme.make_protocol(), self._compute_time)
     pushes = min(self.total_pushes, max(8 * self.W, 256))
     rounds = []
@@ -607,7 +610,8 @@ class Simulation:
     fields = records.summary_fields(
         history=history, reached=reached, metric=self.metric_name, target=self.target,
         scheme=self.scheme, groups=host["groups"][-1],
-        cluster={**self.cluster.describe(), "calibrated_base_time": self.calibrated},
+        cluster={**self.cluster.describe(), "calibrated_base_time": self.calibrated,
+                 **self._servers()},
         pushes=engine.num_pushes, batch_size=self.B, virtual_time=engine.now,
         wall_time=self._wall_time(), host=host, pull_bytes=self.pull_bytes,
         blocked=engine.blocked_time_so_far(), acct=self.acct, iterations=self._iterations())
@@ -618,6 +622,14 @@ class Simulation:
     fields["virtual_budget"] = ({"seconds": self.budget, "ended_at": float(engine.now),
                                  "reached": self._budget_spent()} if self.budget else None)
     return fields
+
+  def _servers(self) -> dict[str, Any]:
+    """``summary.json``'s word on the servers: how many interfaces the pushes cross, each one's
+    bytes/s (``cluster.server_capacity``), and whether transfers share them."""
+    protocol = self.engine.protocol
+    return {"servers": self.links.legs.servers(protocol),
+            "server_interface_bandwidth": self.links.interface_bandwidth(protocol),
+            "shared_server_links": bool(self.config.cluster.shared_server_links)}
 
   # -- the steps of a round -------------------------------------------------------------------
 

@@ -50,12 +50,16 @@ class Traffic:
       sum costs: a sum of sparse gradients is not sparse).
     pull_bytes: bytes of the weights a worker pulls.
     shared: route the legs into servers over their shared interfaces.
+    capacity: ``cluster.server_capacity``: ``"each"`` (every server interface has the
+      cluster's server bandwidth) or ``"split"`` (the scheme's servers share it:
+      :meth:`interface_bandwidth`).
   """
 
   def __init__(self, legs: type, cluster, push_payload: Callable[[int, int], int],
-               dense_payload: int, pull_bytes: int, shared: bool = False):
+               dense_payload: int, pull_bytes: int, shared: bool = False,
+               capacity: str = "each"):
     self.legs = legs(cluster, push_payload, dense_payload, pull_bytes)
-    self.cluster, self.shared = cluster, bool(shared)
+    self.cluster, self.shared, self.capacity = cluster, bool(shared), capacity
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
     self.push_delay, self.pull_delay = self.legs.push_delay, self.legs.pull_delay
     self.message_delay, self.count_round = self.legs.message_delay, self.legs.count_round
@@ -79,13 +83,22 @@ class Traffic:
         push_delay=lambda w, k: self.push_delay(engine.protocol, w, k),
         pull_delay=lambda w: self.pull_delay(engine.protocol, w),
         message_delay=lambda m: self.message_delay(engine.protocol, m, engine.iteration),
-        record=record, link_bandwidth=self.cluster.server_bandwidth,
+        record=record, link_bandwidth=self.interface_bandwidth(protocol),
         route=((lambda kind, w, k: self.route(engine.protocol, kind, w, k))
                if self.shared else None),
         message_route=((lambda m: self.legs.message_route(engine.protocol, m, engine.iteration))
                        if self.shared else None),
         equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])))
     return engine
+
+  def interface_bandwidth(self, protocol) -> float:
+    """Bytes/s of each server's shared interface: ``cluster.server_bandwidth``, or with
+    ``cluster.server_capacity='split'`` that divided among the scheme's servers
+    (``legs.servers``), so every scheme has the same server capacity in all."""
+    servers = self.legs.servers(protocol)
+    if self.capacity == "split" and servers > 1:
+      return self.cluster.server_bandwidth / servers
+    return self.cluster.server_bandwidth
 
   def route(self, protocol, kind: str, worker: int, iteration: int):
     """The shared link a push or pull crosses (``legs.route``), or None: the transfer takes

@@ -196,6 +196,11 @@ class ServerLegs:
     return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
             self._latencies[worker])
 
+  def servers(self, protocol) -> int:
+    """How many server interfaces the pushes cross (what ``cluster.server_capacity='split'``
+    divides the server bandwidth by): here one per distinct server of ``protocol.route``."""
+    return int(np.unique(protocol.route).size)
+
   def message_route(self, protocol, message, iteration: np.ndarray):
     """The shared link a message crosses, with ``cluster.shared_server_links`` (as
     :meth:`route`), or None: it takes :meth:`message_delay` alone. Here None: messages
@@ -222,6 +227,10 @@ class NodeLegs(ServerLegs):
   counts_per_round = True
   counts_device_pushes = False
   local_class = "worker_to_node"
+
+  def servers(self, protocol) -> int:
+    del protocol
+    return 1   # one server; the routes name the nodes, whose links are not its interface
 
   def push_delay(self, protocol, worker, iteration):
     del protocol
@@ -379,6 +388,10 @@ class RingLegs(ServerLegs):
   def route(self, protocol, kind, worker, iteration):
     del protocol, kind, worker, iteration
     return None   # no server; the ring's hops are each used by one transfer at a time
+
+  def servers(self, protocol) -> int:
+    del protocol
+    return 0
 
   def count_round(self, protocol, rnd, iteration, host):
     del protocol, iteration
