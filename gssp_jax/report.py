@@ -226,7 +226,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "val_time_to_target": _held_out_time(trial, held_out, row_target),
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
-        "bytes_total": totals.get("bytes_total"),   # every leg (None in older records)
+        "bytes_total": _bytes_total(totals),
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "staleness_data_mean": (final.get("staleness_data") or {}).get("mean"),
@@ -235,12 +235,28 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "_speeds": (s.get("cluster") or {}).get("speeds"),   # per worker, for the figures
         "_base_time": (s.get("cluster") or {}).get("base_time"),
         "_cluster_config": s["config"].get("cluster") or {},   # as the run read it
+        "_servers": ((s.get("cluster") or {}).get("servers"),
+                     (s.get("cluster") or {}).get("server_interface_bandwidth")),
         "_pushes": totals.get("pushes"),
         "_tuned": [k for k in trial["tuned"] if k in trial["overrides"]],
     })
   rows.sort(key=lambda r: r["scheme"] != "bsp")   # BSP, the baseline, first (stable)
   _add_baselines(rows)
   return rows
+
+
+# The legs a record counted before its total was (``sync.legs.traffic_fields``): their sum is
+# every byte the run moved.
+_LEGS = ("bytes_pushed", "bytes_pulled", "bytes_between_servers", "bytes_local")
+
+
+def _bytes_total(totals: dict) -> int | None:
+  """Every byte a run moved: its ``bytes_total``, or in a record made before it was counted,
+  the sum of the legs it counted (:data:`_LEGS`); None where a leg is missing."""
+  if totals.get("bytes_total") is not None:
+    return totals["bytes_total"]
+  legs = [totals.get(k) for k in _LEGS]
+  return None if any(v is None for v in legs) else sum(legs)
 
 
 def _add_baselines(rows: list[dict], ignore=()) -> None:

@@ -90,6 +90,28 @@ STUDIES = {s.name: s for s in (
           "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, every rate on "
           "every seed (extended along a ladder past a best at an edge), 3 seeds, 8 epochs, "
           "target 98 %", 6.1, "tuned"),
+    # Issue 59's protocol: rates chosen on a validation split on tuning seeds 0-2, reported on
+    # seeds 100-104 alone, equal server capacity (and, where no local-update scheme runs, a
+    # virtual-time budget with the schedule following it); see each sweep file.
+    Study("mnist", "configs/sweeps/mnist_protocol.py",
+          "LeNet-5/MNIST, 16 workers in 4 speed tiers, every scheme (BSP also over a ring "
+          "all-reduce) at its best rate chosen on a validation split on 3 tuning seeds, "
+          "reported on 5 others; equal server capacity; 32 virtual seconds each; target 98 %",
+          4.0, "tuned"),
+    Study("dssync_uniform", "configs/sweeps/dssync_network.py:uniform",
+          "LeNet-5/MNIST, the tiers cluster with a push costing one base iteration: BSP, BSP "
+          "over a ring all-reduce and DS-Sync, tuned as `mnist`, 40 virtual seconds, target "
+          "98 %", 2.0, "tuned"),
+    Study("dssync_bottleneck", "configs/sweeps/dssync_network.py:bottleneck",
+          "the same with one worker of each tier on a link 10x slower (a network "
+          "bottleneck)", 2.0, "tuned"),
+    Study("cifar10", "configs/sweeps/paper_cifar10_tuned.py:protocol",
+          "ResNet-18 x1/4 on 8,192 CIFAR-10 images (1,024 held out for validation), 8 workers "
+          "in 4 speed tiers, BSP, SSP, GSSP, GSSP + GDTopK and DiLoCo tuned as `mnist`, equal "
+          "server capacity, 4 epochs, target 35 %", 10.0, "tuned"),
+    Study("local_update_protocol", "configs/sweeps/local_update_mnist.py:tiers,long,protocol",
+          "LeNet-5/MNIST, the local-update schemes beside BSP, SSP and GSSP, tuned as `mnist`, "
+          "equal server capacity, 8 epochs, target 98 %", 6.1, "tuned"),
     Study("regime_map", "configs/sweeps/regime_map.py",
           "LeNet-5/MNIST, BSP, SSP, GSSP and DiLoCo at fixed rates on 12 clusters (tier ratio "
           "1x, 2x, 4x and 2x with jitter; one push = 0.1, 1 or 10 base iterations), 5 seeds, "
@@ -102,6 +124,9 @@ STUDIES = {s.name: s for s in (
 # (``--merge_from=results/claims --plan``) rebuilds it byte for byte.
 DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "local_update", "cifar10_tuned",
                    "local_update_long")
+# The rerun under issue 59's protocol (``--only=...``), to replace the default once complete.
+PROTOCOL_STUDIES = ("mnist", "dssync_uniform", "dssync_bottleneck", "cifar10",
+                    "local_update_protocol", "regime_map")
 
 
 # Disclosed in the table's header: when the claims took the form they are judged in.
@@ -435,6 +460,7 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   waiting = list(zip(pending, costs(root, pending)))
   partial = {c["study"] for c in cost if c["finished"] < c["trials"]}
   lines = (_head_lines(ran, cost, waiting) + provenance_lines(root, ran)
+           + server_lines(root, columns)
            + _table_lines(rows, columns, partial)
            + ["", "![speedups](claims.png)", "", "Each study's report (the tuning disclosed, "
               "every trial, the figures): "
@@ -445,6 +471,27 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   with open(paths["md"], "w") as f:
     f.write("\n".join(lines) + "\n")
   return paths
+
+
+def server_lines(root: str, studies: Sequence[Study]) -> list[str]:
+  """The table's header on resources: per study, each scheme's servers and each one's
+  interface bandwidth, as its reported trials recorded them."""
+  lines = []
+  for study in studies:
+    try:
+      figs = claims_lib.figures(os.path.join(root, "runs", study.name))
+    except ValueError:
+      continue
+    texts = {claims_lib.name(key): claims_lib.servers_text(fig) for key, fig in figs.items()}
+    lines.append(f"- `{study.name}`: " + (f"every scheme {next(iter(texts.values()))}"
+                                         if len(set(texts.values())) == 1 else
+                                         "; ".join(f"{k} {v}" for k, v in texts.items())))
+  if not lines:
+    return []
+  return ["", "Servers (each scheme's server interfaces and each one's bandwidth, from its "
+          "reported trials' `summary.json`; records before issue 59 do not state them, and gave "
+          "every server the cluster's `server_bandwidth`, so a scheme with G servers had G "
+          "times BSP's capacity):", "", *lines]
 
 
 def _regime_map(root: str, study: Study) -> dict | None:

@@ -68,7 +68,7 @@ import statistics
 
 from configs import mnist_lenet5_hetero
 from gssp_jax.defaults import default_config, parse_arg
-from gssp_jax.sweep import Grid, product, sweep, tune
+from gssp_jax.sweep import Grid, product, report_on, sweep, tune
 
 SEEDS = (0, 1, 2)
 SGD_RATES = (0.02, 0.05)
@@ -113,8 +113,8 @@ SCHEMES = (
 
 def _args(arg) -> tuple[str, bool, bool]:
   """``(cluster, smoke, long)`` of a sweep arg such as ``tiers``, ``straggler,smoke`` or
-  ``tiers,long``."""
-  args = parse_arg(arg, CLUSTERS + ("smoke", "long"))
+  ``tiers,long`` (``protocol``, :func:`_protocol`'s, is read apart)."""
+  args = parse_arg(arg, CLUSTERS + ("smoke", "long", "protocol")) - {"protocol"}
   clusters = [a for a in CLUSTERS if a in args]
   if len(clusters) != 1:
     raise ValueError(f"sweep arg {arg!r} is invalid; allowed: exactly one of {CLUSTERS},"
@@ -123,9 +123,26 @@ def _args(arg) -> tuple[str, bool, bool]:
   return clusters[0], "smoke" in args, "long" in args
 
 
+def _protocol(arg) -> bool:
+  """``,protocol``: issue 59's (the claims table's ``local_update_protocol`` study, with
+  ``long``): a validation split of 5,000 images that chooses the rates, tuning seeds 0-2 and
+  reporting seeds 100-104 kept apart (``sweep.report_on``), and equal server capacity
+  (``cluster.server_capacity='split'``: HALoS's group servers share BSP's one)."""
+  return "protocol" in parse_arg(arg, CLUSTERS + ("smoke", "long", "protocol"))
+
+
+REPORTING_SEEDS = (100, 101, 102, 103, 104)
+
+
 def get_config(arg=None):
   cluster, smoke, long = _args(arg)
+  if _protocol(arg) and not long:
+    raise ValueError(f"sweep arg {arg!r} is invalid; allowed: 'protocol' with 'long' (every "
+                     "rate on every tuning seed)")
   c = mnist_lenet5_hetero.get_config("smoke" if smoke else None)
+  if _protocol(arg):
+    c.data.validation_size = 5000
+    c.cluster.server_capacity = "split"
   c.train.num_epochs = 1.0 if smoke else (LONG_EPOCHS if long else 3.0)
   c.train.eval_every = 0.25
   c.optimizer.warmup_epochs = 0.5
@@ -182,6 +199,7 @@ def get_sweep(arg=None):
       grid += product([head], tune(key, rates), sweep("seed", [seed]), [settings])
   tuned = ("optimizer.learning_rate", "local.optimizer.learning_rate")
   if long:   # every rate on every seed, extended past a best at an edge
-    return Grid(grid, tuned=tuned, ladders={"optimizer.learning_rate": SGD_LADDER,
+    grid = Grid(grid, tuned=tuned, ladders={"optimizer.learning_rate": SGD_LADDER,
                                             "local.optimizer.learning_rate": INNER_LADDER})
+    return report_on(grid, REPORTING_SEEDS) if _protocol(arg) else grid
   return Grid(grid, tuned=tuned, tune_seeds=SEEDS[:1])

@@ -36,7 +36,7 @@ from the reduced sweep's 21 minutes for 4 trials two at a time), so about 7.5 ho
 """
 
 from configs.sweeps import paper_cifar10_resnet18 as reduced
-from gssp_jax.sweep import Grid, product, sweep, tune
+from gssp_jax.sweep import Grid, product, report_on, sweep, tune
 
 SEEDS = (0, 1, 2)
 SGD_RATES = (0.01, 0.03, 0.1)
@@ -60,16 +60,30 @@ SCHEMES = (
 )
 
 
+REPORTING_SEEDS = (100, 101, 102, 103, 104)
+
+
+def _protocol(arg) -> bool:
+  """``:protocol``: issue 59's (the claims table's ``cifar10`` study): 1,024 of the 8,192
+  training images held out as the validation split that chooses the rates, tuning seeds 0-2
+  and reporting seeds 100-104 kept apart (``sweep.report_on``), equal server capacity
+  (``cluster.server_capacity='split'``: GSSP's 4 group servers share BSP's one)."""
+  if arg not in (None, "protocol"):
+    raise ValueError(f"sweep arg {arg!r} is invalid; allowed: none or 'protocol'")
+  return arg == "protocol"
+
+
 def get_config(arg=None):
-  if arg is not None:
-    raise ValueError(f"sweep arg {arg!r} is invalid; allowed: none")
   c = reduced.get_config()
   c.train.target_accuracy = TARGET
+  if _protocol(arg):
+    c.data.validation_size = 1024
+    c.cluster.server_capacity = "split"
   return c
 
 
 def get_sweep(arg=None):
-  del arg
+  protocol = _protocol(arg)
   grid = []
   for seed in SEEDS:   # seed by seed: a sweep cut short holds whole seeds of every scheme
     for scheme in SCHEMES:
@@ -79,7 +93,8 @@ def get_sweep(arg=None):
       key = "local.optimizer.learning_rate" if local else "optimizer.learning_rate"
       grid += product([head], tune(key, INNER_RATES if local else SGD_RATES),
                       sweep("seed", [seed]), [settings])
-  return Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"),
+  grid = Grid(grid, tuned=("optimizer.learning_rate", "local.optimizer.learning_rate"),
               ladders={"optimizer.learning_rate": SGD_LADDER,
                        "local.optimizer.learning_rate": INNER_LADDER})
+  return report_on(grid, REPORTING_SEEDS) if protocol else grid
 

@@ -9,8 +9,9 @@ workers, 3 epochs, target 97 % test accuracy (the validation split held out: 5,0
 - heterogeneity: four speed tiers of 4 workers from 1x to 1x (uniform), 2x and 4x a base
   iteration time of 10 ms, and 2x with a per-iteration log-normal jitter of 0.5;
 - communication to computation: one dense push of LeNet-5 (246,824 bytes) over a worker's
-  link takes 0.1, 1 or 10 base iterations (links of 2.47e8, 2.47e7 and 2.47e6 bytes/s); every
-  server's interface is 4 workers' links (BSP's 16 pushes into one server share it).
+  link takes 0.1, 1 or 10 base iterations (links of 2.47e8, 2.47e7 and 2.47e6 bytes/s); the
+  servers' capacity is 4 workers' links in all (BSP's 16 pushes into one server share it;
+  GSSP's 4 group servers get a quarter each: ``cluster.server_capacity='split'``).
 
 Rates, fixed for this map (it does not tune): each scheme's choice in the committed claims
 table of 2026-12-06 (``mnist_tuned``: BSP 0.2, SSP 0.05, GSSP 0.02; ``local_update_long``:
@@ -49,6 +50,7 @@ def get_config():
   c = mnist_lenet5_hetero.get_config()
   c.cluster.base_time = BASE_TIME
   c.data.validation_size = 5000
+  c.cluster.server_capacity = "split"   # GSSP's 4 group servers share BSP's one
   c.train.num_epochs = 3.0
   c.train.eval_every = 0.25
   c.train.target_accuracy = 0.97

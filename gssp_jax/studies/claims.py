@@ -23,8 +23,9 @@ from gssp_jax.studies import evidence
 from gssp_jax.studies import provenance
 
 BSP = ("bsp", "none")
+RING = ("bsp_allreduce", "none")
 NAMES = {BSP: "BSP", ("asp", "none"): "ASP", ("ssp", "none"): "SSP",
-         ("gssp", "none"): "GSSP", ("diloco", "none"): "DiLoCo"}
+         ("gssp", "none"): "GSSP", ("diloco", "none"): "DiLoCo", RING: "BSP (ring all-reduce)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +69,9 @@ CLAIMS = (
     Claim("SSP", "Ho et al. 2013", "faster than BSP at its accuracy", ("ssp", "none"), 1.0, 1.0),
     Claim("DSSP", "Zhao et al. 2019", "faster than SSP's fixed bound, at its accuracy",
           ("dssp", "none"), 1.0, 1.0, reference=("ssp", "none")),
-    Claim("DS-Sync", "the DS-Sync paper", "BSP's accuracy in less time", ("dssync", "none"),
-          1.0, 1.0),
+    Claim("DS-Sync", "the DS-Sync paper",
+          "BSP's accuracy in less time, where the network has a bottleneck", ("dssync", "none"),
+          1.0, 1.0, baselines=(RING,)),
     Claim("CASP (Petrel)", "the Petrel paper",
           "up to 1.87x faster convergence, with less traffic (-26.85 %)", ("casp", "none"),
           1.0, 1.0, 1.0),
@@ -88,9 +90,11 @@ CLAIMS = (
 
 # What the table counts as a scheme's traffic: every byte on every leg where the trials
 # recorded it (``totals.bytes_total``), else the bytes pushed to a server (older records).
-TRAFFIC_NOTE = ("bytes: every byte the run moved on every leg (summary.json's bytes_total), or, "
-                "in records made before it was counted, the bytes pushed to a server alone "
-                "(the cell then says \"pushed\")")
+TRAFFIC_NOTE = ("bytes: every byte the run moved on every leg (summary.json's bytes_total; in "
+                "records made before it was counted, the sum of the legs they counted: pushed, "
+                "pulled, between servers, inside a node or a community), or, where even those "
+                "are missing, the bytes pushed to a server alone (the cell then says "
+                "\"pushed\")")
 
 
 def name(key: tuple[str, str]) -> str:
@@ -150,6 +154,19 @@ def of_trials(trials: dict[int, dict]) -> dict[str, Any]:
                                             for r in trials.values()),
           "unhealthy": sum(r["status"] in report.UNHEALTHY for r in trials.values()),
           "target": next(iter(trials.values()))["target"], "chosen": None, "apart": None}
+
+
+def servers_text(fig: dict[str, Any]) -> str:
+  """``4 x 2.5 Gb/s``: the scheme's servers and each one's interface (``summary.json``'s
+  cluster), or what its records lack."""
+  servers, bandwidth = next(iter(fig["rows"].values())).get("_servers") or (None, None)
+  if servers is None:
+    bandwidth = next(iter(fig["rows"].values()))["_cluster_config"].get("server_bandwidth")
+    return ("not recorded (each at " + (f"{8 * bandwidth / 1e9:g} Gb/s" if bandwidth else "?")
+            + ")")
+  if not servers:
+    return "none"
+  return f"{servers} x {8 * bandwidth / 1e9:g} Gb/s"
 
 
 def _seed(row: dict) -> evidence.Seed:
