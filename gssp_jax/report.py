@@ -31,6 +31,7 @@ from typing import Any
 
 from gssp_jax import defaults
 from gssp_jax import report_figures
+from gssp_jax.sync import legs as legs_lib
 from gssp_jax.report_labels import column_order as _column_order
 from gssp_jax.report_labels import context as _context
 from gssp_jax.report_labels import label
@@ -227,6 +228,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "virtual_time": totals.get("virtual_time"),
         "bytes_pushed": totals.get("bytes_pushed"),
         "bytes_total": _bytes_total(totals),
+        "_bytes_by_class": totals.get("bytes_by_class"),   # None in records before classes
         "blocked_time": final.get("blocked_time"),
         "staleness_mean": (final.get("staleness") or {}).get("mean"),
         "staleness_data_mean": (final.get("staleness_data") or {}).get("mean"),
@@ -280,7 +282,8 @@ def _add_baselines(rows: list[dict], ignore=()) -> None:
 
 
 COLUMNS = ("final", "time_to_target", "speedup_vs_bsp", "delta_vs_bsp", "virtual_time",
-           "bytes_pushed", "blocked_time", "staleness_mean", "staleness_data_mean")
+           "bytes_pushed", "bytes_total", "blocked_time", "staleness_mean",
+           "staleness_data_mean")
 # What the staleness columns count (each applied gradient, at its own server, from its worker's
 # read to its application): printed under every table that has them.
 STALENESS_NOTE = ("staleness_mean: in updates of the gradient's server (a GSSP delivery, an "
@@ -492,7 +495,7 @@ def _fmt(value, col: str, metric: str = "") -> str:
   """Markdown cell text; accuracies in %, their deltas in percentage points."""
   if value is None:
     return "–"
-  if col == "bytes_pushed":
+  if col in ("bytes_pushed", "bytes_total"):
     return f"{value / 1e9:.3f} GB"
   if col == "speedup_vs_bsp":
     return f"{value:.2f}×"
@@ -577,6 +580,7 @@ def _markdown(workdir: str, rows: list[dict], selected: list[dict], choices: lis
   lines = [f"# Sweep report: {workdir}", ""] + verdict_lines(agg, head_cols, metric) + [
       "", f"## {title}", ""]
   lines += _mean_table(agg, head_cols, metric)
+  lines += traffic_table(selected, head_cols, metric)
   lines += ["", "## Speedup against BSP, per seed", ""] + speedup_table(agg, head_cols, metric)
   if choices:
     lines += ["", *tuning_section(rows, choices, metric, seeds, ladders(workdir),
@@ -642,6 +646,29 @@ def _mean_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]
             if a[c] is not None else "–" for c in COLUMNS]
     lines.append("| " + " | ".join(head + body) + " |")
   return lines + ["", STALENESS_NOTE]
+
+
+def traffic_table(rows: list[dict], head_cols: list[str], metric: str) -> list[str]:
+  """Markdown lines: per configuration, the mean over seeds of its bytes in all and in each
+  class of traffic (``sync.legs.CLASSES``) that moved any; none where no record counts them."""
+  counted = [r for r in rows if r.get("_bytes_by_class")]
+  if not counted:
+    return []
+  classes = [c for c in legs_lib.CLASSES if any(r["_bytes_by_class"].get(c) for r in counted)]
+  lines = ["", "## Traffic per class (mean over seeds, GB)", "",
+           "| " + " | ".join(head_cols + ["total"] + classes) + " |",
+           "|" + "---|" * (len(head_cols) + 1 + len(classes))]
+  for a in aggregate(counted):
+    members = [r for r in counted if _same_configuration(r, a)]
+    mean = lambda f: statistics.fmean(f(r) for r in members) / 1e9
+    lines.append("| " + " | ".join(
+        [_fmt(a.get(k), k, metric) for k in head_cols] + [f"{mean(lambda r: r['bytes_total']):.3f}"]
+        + [f"{mean(lambda r, c=c: r['_bytes_by_class'].get(c, 0)):.3f}" for c in classes]) + " |")
+  return lines
+
+
+def _same_configuration(row: dict, agg: dict) -> bool:
+  return all(row["_overrides"].get(k) == v for k, v in agg["_overrides"].items())
 
 
 def speedup_table(agg: list[dict], head_cols: list[str], metric: str) -> list[str]:

@@ -388,6 +388,8 @@ def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
                    **_estimate_columns("equal_time_gap_pp", est("equal_time")),
                    **_estimate_columns("bytes_ratio", est("bytes")),
                    "bytes_measure": est("bytes_measure"),
+                   **{k: (json.dumps(v) if isinstance(v, dict) else v)
+                      for k, v in claims_lib.traffic_of(fig).items()},
                    "comparisons": claims_lib.estimates_json(vs),
                    "chosen": json.dumps(fig["chosen"]) if fig["chosen"] else "",
                    "cell": claims_lib.cell(claim, fig, vs), "verdict": verdict,
@@ -440,7 +442,8 @@ CSV_COLUMNS = ("claim", "paper", "statement", "study", "protocol", "against", "s
                "seeds_apart", "reached", "unhealthy",
                *(f"{p}_{f}" for p in ("speedup", "gap_pp", "equal_time_gap_pp", "bytes_ratio")
                  for f in ("median", "lo", "hi", "n")),
-               "bytes_measure", "comparisons", "chosen", "target", "verdict", "why")
+               "bytes_measure", "bytes_total", "bytes_by_class", "comparisons", "chosen",
+               "target", "verdict", "why")
 
 
 def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:

@@ -219,3 +219,24 @@ def test_the_regime_map_sets_each_scheme_against_bsp_in_its_own_cell(tmp_path):
   paths = regimes.write(str(root), str(tmp_path / "out"))
   assert os.path.getsize(paths["png"]) > 0
   assert open(paths["csv"]).read().splitlines()[2].startswith("GSSP,4.0,0.0,1.0,1.7,1.5,1.9,5,")
+
+
+def test_traffic_per_class_goes_into_the_table_and_the_report(tmp_path):
+  """Records with bytes per class: the claims table's CSV has the scheme's median total and
+  classes, the study's report a table of them; older records (no classes) have neither."""
+  from gssp_jax import reproduce  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "runs" / "tiny"
+  _study(root, {s: _times(2.0) for s in range(5)})
+  for name in root.iterdir():
+    summary = json.loads((name / "summary.json").read_text())
+    seed = summary["config"]["seed"]
+    summary["totals"].update(bytes_total=100 + seed, bytes_by_class={
+        "worker_to_server": 60, "server_to_worker": 40 + seed, "ring_allreduce": 0})
+    (name / "summary.json").write_text(json.dumps(summary))
+  (row,) = [r for r in reproduce.claims_rows(str(tmp_path), [reproduce.STUDIES["tiny"]])
+            if r["claim"] == "GSSP"]
+  assert row["bytes_total"] == 102
+  assert json.loads(row["bytes_by_class"]) == {"worker_to_server": 60, "server_to_worker": 42}
+  md = open(report.write_report(str(root), str(tmp_path / "out"))["md"]).read()
+  assert "## Traffic per class (mean over seeds, GB)" in md
+  assert "| total | worker_to_server | server_to_worker |" in md

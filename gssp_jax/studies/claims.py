@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from typing import Any, Sequence
 
 import numpy as np
@@ -178,6 +179,18 @@ def traffic(row: dict) -> tuple[float | None, str]:
   """A trial's bytes (:data:`TRAFFIC_NOTE`) and which measure they are (total or pushed)."""
   total = row.get("bytes_total")
   return (total, "total") if total is not None else (row.get("bytes_pushed"), "pushed")
+
+
+def traffic_of(fig: dict[str, Any]) -> dict[str, Any]:
+  """The scheme's bytes over its reported seeds: the median total (:func:`traffic`) and the
+  median of each class of traffic its records count (``sync.legs.CLASSES``; {} before them)."""
+  rows = list(fig["rows"].values())
+  totals = sorted(t for t, _ in map(traffic, rows) if t is not None)
+  classes = [r["_bytes_by_class"] for r in rows if r.get("_bytes_by_class")]
+  by_class = ({c: statistics.median(b.get(c, 0) for b in classes) for c in classes[0]}
+              if len(classes) == len(rows) else {})
+  return {"bytes_total": statistics.median(totals) if totals else None,
+          "bytes_by_class": {c: v for c, v in by_class.items() if v}}
 
 
 def compare(fig: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
