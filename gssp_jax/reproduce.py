@@ -201,7 +201,8 @@ def describe_plan(rows: list[dict[str, Any]], parallel: int) -> str:
       lines.append(f"{r['study']}: {r['extended']} of its trials were added by the grid-edge "
                    f"rule; it may add up to {r['may_extend']} more (each "
                    f"{r['minutes_per_trial']:.1f} min) where a best rate sits at the edge of "
-                   "those tried (gssp_jax.grid_edge)")
+                   "those tried, and each chosen rate on the reporting seeds it keeps apart "
+                   "(gssp_jax.grid_edge)")
     elif r["extended"]:
       lines.append(f"{r['study']}: {r['extended']} of its trials were added by the grid-edge "
                    "rule; it can add no more (every best rate lies inside the rates tried or "
