@@ -68,3 +68,15 @@ def test_the_summary_states_the_servers_and_their_bandwidth(tmp_path, data_dir):
   cluster = summary["cluster"]
   assert (cluster["servers"], cluster["server_interface_bandwidth"]) == (2, 5e7)
   assert cluster["shared_server_links"] is True
+
+
+def test_inhads_pulls_cross_its_one_server_not_one_interface_per_node():
+  """InHAD's routes name its nodes; its pulls still leave its one server through one interface
+  (they used to cross one per node: the server's capacity times the nodes)."""
+  scheme = sync.build_scheme("inhad", 16, worker_times=SPEEDS, num_nodes=4)
+  cluster = cluster_lib.Cluster(speeds=SPEEDS)
+  links = traffic.Traffic(scheme.legs, cluster, lambda w, k: 100, 100, 100, shared=True)
+  protocol = scheme.make_protocol()
+  assert len(set(protocol.route.tolist())) == 4
+  assert {links.route(protocol, "pull", w, 0)[0] for w in range(16)} == {(0, "pull")}
+  assert len({links.route(protocol, "push", w, 0)[0] for w in range(16)}) == 4   # node links

@@ -243,10 +243,11 @@ class NodeLegs(ServerLegs):
     return super().message_delay(protocol, message, iteration)
 
   def route(self, protocol, kind, worker, iteration):
-    """A pull: the server's interface. A push: the node's local link (``("node", n)``, shared by
-    the node's workers, ``node_bandwidth``), then its iteration number's link time."""
+    """A pull: the one server's interface (``(0, "pull")``: the protocol's routes name the
+    nodes, not servers). A push: the node's local link (``("node", n)``, shared by the node's
+    workers, ``node_bandwidth``), then its iteration number's link time."""
     if kind != "push":
-      return super().route(protocol, kind, worker, iteration)
+      return ((0, kind), self.pull_bytes, self._caps[worker], self._latencies[worker])
     c = self.cluster
     return (("node", protocol.route.item(worker)), self.push_payload(worker, iteration),
             c.node_bandwidth, c.node_latency + c.link_time(worker, IN_BYTES), c.node_bandwidth)
