@@ -12,7 +12,8 @@ warm-up then cosine, target 98 %), with what a reviewer asks for:
   the report's criterion; the chosen rate then runs on reporting seeds 100-104, which alone
   are reported (``sweep.report_on``).
 * **Equal server capacity**: ``cluster.server_capacity='split'``: a scheme with G servers (GSSP's
-  4 group servers, DS-Sync's 16 replicas) shares the one 10 Gb/s of BSP's server, 1/G each.
+  4 group servers) shares the one 10 Gb/s of BSP's server, 1/G each (DS-Sync averages over its
+  workers' own links: no server).
 * **A virtual-time budget**: every run lasts 32 virtual seconds (about BSP's 8 epochs), its
   schedule following virtual time (a 4-second warm-up, then cosine to the budget's end:
   ``train.virtual_budget``, ``optimizer.warmup_seconds``), so a faster scheme trains for as

@@ -23,6 +23,8 @@ The built-in legs:
 * :class:`ServerLegs` (every scheme but these): a push crosses the worker's
   link into its server, a pull comes back over it, a message between servers
   crosses the server link.
+* :class:`PeerLegs` (DS-Sync): no server; each member's push and pull cross its own link
+  alone (its replica is its own).
 * :class:`GroupLegs` (GSSP, HALoS): the default's legs; the exchanges with a
   global server are routed (below).
 * :class:`NodeLegs` (InHAD): a worker's gradient goes to its node's
@@ -260,6 +262,20 @@ class NodeLegs(ServerLegs):
       add(host, "node_to_server", protocol.num_nodes * self.dense_payload)
     host["pulls_per_worker"][rnd.pulls.nonzero()[0]] += 1
 
+
+
+class PeerLegs(ServerLegs):
+  """DS-Sync: no parameter server. Each worker keeps its own replica, and a group averages its
+  members' gradients over their own links: a member's push and pull cost its link's time alone
+  (no server interface to share, so ``cluster.server_capacity`` divides nothing)."""
+
+  def servers(self, protocol) -> int:
+    del protocol
+    return 0
+
+  def route(self, protocol, kind, worker, iteration):
+    del protocol, kind, worker, iteration
+    return None
 
 
 class GroupLegs(ServerLegs):

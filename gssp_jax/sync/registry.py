@@ -206,7 +206,7 @@ def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scal
 def _dssync(W, *, group_size, seed, **_):
   DSSyncProtocol(W, group_size, seed)      # validates
   return Scheme("dssync", transforms.dssync(W), lambda: DSSyncProtocol(W, group_size, seed), W,
-                W, _zeros(W))
+                W, _zeros(W), legs=legs_lib.PeerLegs)
 
 
 def _casp(W, *, casp, scale, **_):
