@@ -256,8 +256,8 @@ _WAITING = """
 import pathlib, sys, time
 from gssp_jax import cli
 with cli.sigterm_as_interrupt():
-  pathlib.Path(sys.argv[1]).touch()
-  try:
+  try:   # the ready file inside the try: a signal that lands while it is written is heard too
+    pathlib.Path(sys.argv[1]).touch()
     time.sleep(60)
   except KeyboardInterrupt:
     print("interrupted")
