@@ -59,6 +59,29 @@ def test_two_servers_apply_their_updates_side_by_side():
   assert _starts(engine, 4)[2:] == [(1.3, 0, 1), (1.3, 1, 1)]
 
 
+def test_a_global_server_queues_the_groups_deliveries():
+  """GSSP ``global``, two groups of one worker, pushes at 1.0, updates of 0.3 s, free links.
+  Each group server is done at 1.3 and forwards then; the global server applies the two
+  deliveries one after the other (1.3-1.6, 1.6-1.9) and replies after each; each group server
+  adopts the reply (0.3 s) and only then releases its worker: at 1.9 and 2.2."""
+  scheme = sync.build_scheme("gssp", 2, worker_times=np.ones(2), num_groups=2, staleness=1,
+                             inter_group="global")
+  links = traffic.Traffic(scheme.legs, _cluster(2, server_update_time=0.3), lambda w, k: 0, 0, 0)
+  engine = links.engine(scheme.make_protocol(), lambda w, k: 1.0, record=True)
+  assert _starts(engine, 4)[2:] == [(1.9, 0, 1), (2.2, 1, 1)]
+  assert engine.server_busy[:3].tolist() == pytest.approx([1.9, 2.2, 1.9])   # groups, global
+
+
+@pytest.mark.parametrize("name, second", [("diloco", [1.5, 1.5]), ("local_sgd", [1.5, 1.5]),
+                                          ("async_local_sgd", [1.5, 2.0])])
+def test_a_local_update_round_is_one_outer_update(name, second):
+  """Two workers whose jobs end at 1.0, updates of 0.5 s: DiLoCo's and Local SGD's barrier is
+  one outer update (both restart at 1.5); asynchronous Local SGD's two pushes queue."""
+  engine = sync.TimelineEngine(sync.build_scheme(name, 2).make_protocol(), lambda w, k: 1.0,
+                               update_time=0.5)
+  assert [t for t, _, _ in _starts(engine, 4)[2:]] == second
+
+
 def test_a_routed_pull_leaves_when_the_update_is_done():
   """ASP, free pushes at 1.0 and 1.1, 1 MB pulls sharing a 1 MB/s server interface.
 
@@ -85,6 +108,19 @@ def test_bsp_over_a_ring_applies_on_every_worker_at_once():
   assert ring == pytest.approx(1.0)
   engine = links.engine(scheme.make_protocol(), lambda w, k: 1.0, record=True)
   assert _starts(engine, 4)[2:] == [(2.25, 0, 1), (2.25, 1, 1)]
+
+
+def test_a_worker_dropped_while_its_pull_waits_never_starts():
+  """ASP, update 0.3: worker 0's push at 1.0 lets its pull go at 1.3; it crashes at 1.1, so
+  the pull vanishes with it (worker 1 goes on)."""
+  engine = sync.TimelineEngine(sync.ASPProtocol(2), lambda w, k: [1.0, 5.0][w], update_time=0.3)
+  engine.drop_at(1.1, 0)
+  for _ in range(3):   # the two starts, worker 0's push
+    engine.step()
+  assert 0 in engine.busy_workers()   # its pull waits for the update: not blocked
+  engine.step()   # the drop
+  assert 0 not in engine.busy_workers()
+  assert _starts(engine, 3)[2:] == [(5.3, 1, 1)]
 
 
 def test_a_resumed_engine_with_busy_servers_continues_exactly():
@@ -213,3 +249,18 @@ def _unflatten(flat: dict) -> dict:
       node = node.setdefault(p, {})
     node[leaf] = value
   return out
+
+
+def test_a_bsp_run_ends_one_update_later_per_barrier_before_its_last(tmp_path, data_dir):
+  """4 BSP workers, 4 iterations each (one epoch): the 3 barriers before the last each hold
+  the next iteration back by the update, so the run ends 3 x 0.05 s later; the summary's
+  cluster states the update time."""
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  summaries = [loop.train_and_evaluate(
+      helpers.cluster_config("bsp", data_dir, eval_every=1.0,
+                             **{"cluster.server_update_time": seconds}),
+      str(tmp_path / str(seconds)), progress=False) for seconds in (0.0, 0.05)]
+  times = [s["totals"]["virtual_time"] for s in summaries]
+  assert times[1] == pytest.approx(times[0] + 0.15, abs=1e-9)
+  assert summaries[1]["cluster"]["server_update_time"] == 0.05
+  assert "server_update_time" not in summaries[0]["cluster"]
