@@ -64,7 +64,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
   Each part checks its own keys, in this order: the task (model, dataset,
   ``data.*``), the scheme's name, the compressor, the optimizer, the run's own
   keys, the sync scheme, the local-update keys, the real runtime's settings,
-  the cluster, the executor.
+  the cluster, the executor, the clocks the executor must have.
 
   Args:
     config: the run's config.
@@ -85,6 +85,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
   cluster.validate(config)
   executors.validate(config)
   _check_budget(config)
+  _check_simulated_times(config)
 
 
 def _check_run(config: ml_collections.ConfigDict) -> None:
@@ -155,6 +156,30 @@ def _check_warmup_seconds(seconds, budget: float) -> None:
   if seconds and seconds >= budget:
     raise ValueError(f"config.optimizer.warmup_seconds={seconds!r} is invalid with "
                      f"train.virtual_budget={budget!r}; allowed: fewer seconds than the budget")
+
+
+# Seconds only the simulator's clock charges: the real runtime's servers apply and its workers
+# compress in their own real time, and the fused BSP loop has no clock.
+SIMULATED_TIMES = ("cluster.server_update_time", "compress.compute_time")
+
+
+def _check_simulated_times(config: ml_collections.ConfigDict) -> None:
+  """Each of :data:`SIMULATED_TIMES` > 0 needs the simulator (not ``fused``, not ``dist``)."""
+  name = executors.executor_name(config, backend="cpu")   # the backend picks only among sims
+  if name not in ("fused", "dist"):
+    return
+  for key in SIMULATED_TIMES:
+    section, leaf = key.split(".")
+    seconds = config[section].get(leaf, 0.0)
+    if not seconds:
+      continue
+    what = ("the real runtime's servers and workers take their own real time for it"
+            if name == "dist" else "BSP without a cluster trains in the fused loop, which has no "
+            "virtual time")
+    raise ValueError(f"config.executor={config.get('executor', 'auto')!r} (runs as {name!r}) "
+                     f"cannot go with config.{key}={seconds!r}: {what}; allowed: a simulated "
+                     "cluster (set cluster.profile, or executor='rounds' or 'levels'), or "
+                     f"{key}=0")
 
 
 def _check_virtual_clock(config: ml_collections.ConfigDict, key: str, refused) -> None:

@@ -161,14 +161,19 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.server_bandwidth = 1.25e9  # each server's interface: its pushes in, its pulls out
   #                                    (shared, below), and messages between servers
   c.cluster.shared_server_links = True  # pushes overlapping at a server share its bandwidth
-  # each: every server interface has server_bandwidth; split: a scheme's G servers share it
-  # (1/G each), so every scheme has the same server capacity in all (with shared links).
-  c.cluster.server_capacity = "each"
   #                                    (max-min fair), and so do pulls, InHAD's pushes on a
   #                                    node's link, a CASP community's legs on its leader's,
   #                                    its uploads at the server, exchanges with a global
   #                                    server at its interface (sync/legs.py); False: alone
+  # each: every server interface has server_bandwidth; split: a scheme's G servers share it
+  # (1/G each), so every scheme has the same server capacity in all (with shared links).
+  c.cluster.server_capacity = "each"
   c.cluster.server_latency = 1e-4
+  # Seconds a server spends applying one update (a round that changes its weights: a step, an
+  # adoption, an average); its updates queue, and a pull leaves when those before it are done.
+  # Where there is no server (BSP over a ring, DS-Sync) each worker's own apply, in parallel.
+  # 0: instantaneous. The simulator only (the real runtime's servers take their real time).
+  c.cluster.server_update_time = 0.0
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6
   c.compress = ml_collections.ConfigDict()
@@ -177,6 +182,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.compress.scope = "tensor"      # top-k per tensor or over the whole model
   c.compress.sample_ratio = 0.01   # dgc: fraction sampled to estimate the threshold
   c.compress.error_feedback = True
+  # Seconds a worker spends compressing one push, added before it leaves (0: free). Needs a
+  # compressor (name != 'none'); the simulator only (the real runtime compresses for real).
+  c.compress.compute_time = 0.0
 
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0

@@ -7,6 +7,8 @@ with a leading worker axis and returns the dense *sent* gradients.
 
 from __future__ import annotations
 
+import math
+
 from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.compress.dgc import dgc
@@ -38,7 +40,8 @@ def make_compressor(name: str, num_workers: int, **kwargs):
 
 
 def validate(config) -> None:
-  """``config.compress.*``: a known compressor and scope, ratios in (0, 1].
+  """``config.compress.*``: a known compressor and scope, ratios in (0, 1], ``compute_time``
+  finite seconds >= 0 (0 without a compressor).
 
   ``gdtopk`` only under GSSP (its ratios are per GSSP group).
 
@@ -51,9 +54,21 @@ def validate(config) -> None:
     value = checks.get(config, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
       checks.fail(key, value, "a number in (0, 1]")
+  _check_compute_time(config.compress.name, config.compress.get("compute_time", 0.0))
   if config.compress.name == "gdtopk" and config.sync.scheme != "gssp":
     checks.fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
                 "per GSSP group); use topk or dgc otherwise")
+
+def _check_compute_time(name: str, seconds) -> None:
+  """``compress.compute_time``: finite seconds >= 0, and 0 without a compressor (nothing to time)."""
+  if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+      or not 0 <= seconds < math.inf):
+    checks.fail("compress.compute_time", seconds, "a finite number of seconds >= 0")
+  if seconds and name == "none":
+    raise ValueError(f"config.compress.compute_time={seconds!r} cannot apply with "
+                     "compress.name='none': no push is compressed; allowed: 0, or a compressor ("
+                     f"{', '.join(COMPRESSORS)})")
+
 
 __all__ = [
     "COMPRESSORS", "TopKState", "dgc", "expected_push_bytes", "gdtopk", "gdtopk_continuous_ratios",

@@ -83,6 +83,8 @@ class Cluster:
       from a worker to its node's aggregator (InHAD).
     trace: ``[T, W]`` iteration times replacing the model (cycled), or None.
     seed: the draws' seed.
+    server_update_time: seconds a server spends applying one update (a round that
+      changes its weights); its updates queue (``sync.TimelineEngine``).
   """
   speeds: np.ndarray
   base_time: float = 0.05
@@ -98,6 +100,7 @@ class Cluster:
   node_latency: float = 5e-6
   trace: np.ndarray | None = None
   seed: int = 0
+  server_update_time: float = 0.0
 
   def __post_init__(self):
     self.speeds = np.asarray(self.speeds, np.float64)
@@ -177,11 +180,16 @@ class Cluster:
     return float(self.node_latency + num_bytes / self.node_bandwidth)
 
   def describe(self) -> dict:
-    """The cluster as ``summary.json`` reports it: a trace's mean times, else the model's factors."""
+    """The cluster as ``summary.json`` reports it: a trace's mean times, else the model's factors;
+    ``server_update_time`` where it is not 0."""
     if self.trace is not None:
-      return {"profile": "trace", "trace_iterations": int(self.trace.shape[0]),
-              "trace_mean_iteration_time": self.trace.mean(0).tolist()}
-    return {"speeds": self.speeds.tolist(), "base_time": self.base_time}
+      out = {"profile": "trace", "trace_iterations": int(self.trace.shape[0]),
+             "trace_mean_iteration_time": self.trace.mean(0).tolist()}
+    else:
+      out = {"speeds": self.speeds.tolist(), "base_time": self.base_time}
+    if self.server_update_time:
+      out["server_update_time"] = self.server_update_time
+    return out
 
   def __hash__(self):   # lru_cache on a method needs a hashable self
     return id(self)
@@ -309,4 +317,5 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
       server_latency=_non_negative("server_latency", cfg.server_latency),
       node_bandwidth=_positive("node_bandwidth", cfg.get("node_bandwidth", 2.5e10)),
       node_latency=_non_negative("node_latency", cfg.get("node_latency", 5e-6)),
-      trace=read_trace(cfg.trace_file, W) if cfg.profile == "trace" else None, seed=config.seed)
+      trace=read_trace(cfg.trace_file, W) if cfg.profile == "trace" else None, seed=config.seed,
+      server_update_time=_non_negative("server_update_time", cfg.get("server_update_time", 0.0)))

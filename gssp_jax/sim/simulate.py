@@ -265,6 +265,12 @@ def job_time(cluster: cluster_lib.Cluster, w: int, k: int, h: int) -> float:
   return float(sum(cluster.compute_span(w, k * h, h)))
 
 
+def compress_time(config: ml_collections.ConfigDict) -> float:
+  """Seconds a worker spends compressing one push: ``compress.compute_time`` (absent from a
+  config recorded before it existed: 0)."""
+  return float(config.compress.get("compute_time", 0.0))
+
+
 def _refuse_abstract(sim, what: str) -> None:
   if sim.abstract:
     raise ValueError(f"this Simulation was built with abstract=True (shapes only, to compile): it "
@@ -386,11 +392,7 @@ class Simulation:
     self._sent_counts = np.zeros([W], np.int64)   # DGC: job_bytes as last read
     self._unaccounted: list = []                  # rounds not yet accounted (_account)
     self._sparse_bytes: dict = {}                 # top-k and GDTopK: bytes of a push by ratio
-    self.links = links = traffic_lib.Traffic(scheme.legs, self.cluster, self._push_payload,
-                                             self.dense_bytes + self.stats_bytes, self.pull_bytes,
-                                             shared=bool(config.cluster.shared_server_links),
-                                             capacity=config.cluster.get("server_capacity",
-                                                                         "each"))
+    self.links = links = self._traffic(self._push_payload)
     self._counts_per_round = links.counts_per_round   # read at every round
     self.engine = links.engine(scheme.make_protocol(), self._compute_time)
     self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
@@ -437,14 +439,19 @@ class Simulation:
     self.host["layout"] = "flat"
     logging.info("levels executor: %s", levels.describe(shape, job_batch))
 
+  def _traffic(self, push_payload) -> traffic_lib.Traffic:
+    """The run's ``traffic.Traffic`` with pushes of ``push_payload(worker, iteration)`` bytes."""
+    cfg = self.config.cluster
+    return traffic_lib.Traffic(self.scheme.legs, self.cluster, push_payload,
+                               self.dense_bytes + self.stats_bytes, self.pull_bytes,
+                               shared=bool(cfg.shared_server_links),
+                               capacity=cfg.get("server_capacity", "each"),
+                               compress_time=compress_time(self.config))
+
   def _opening(self) -> tuple[list, float]:
     """The rounds of the run's first pushes from a fresh timeline (dense pushes), and rounds
     per push: what ``levels.choose_shape`` sizes the pieces by. Touches nothing of the run."""
-    traffic = traffic_lib.Traffic(self.scheme.legs, self.cluster,
-                                  lambda w, k: self.dense_bytes + self.stats_bytes,
-                                  self.dense_bytes + self.stats_bytes, self.pull_bytes,
-                                  shared=bool(self.config.cluster.shared_server_links),
-                                  capacity=self.config.cluster.get("server_capacity", "each"))
+    traffic = self._traffic(lambda w, k: self.dense_bytes + self.stats_bytes)
     engine = traffic.engine(self.scheme.make_protocol(), self._compute_time)
     pushes = min(self.total_pushes, max(8 * self.W, 256))
     rounds = []

@@ -53,12 +53,15 @@ class Traffic:
     capacity: ``cluster.server_capacity``: ``"each"`` (every server interface has the
       cluster's server bandwidth) or ``"split"`` (the scheme's servers share it:
       :meth:`interface_bandwidth`).
+    compress_time: ``compress.compute_time``, seconds a worker spends compressing one push
+      (0 without a compressor); the engine adds it before every push leaves.
   """
 
   def __init__(self, legs: type, cluster, push_payload: Callable[[int, int], int],
                dense_payload: int, pull_bytes: int, shared: bool = False,
-               capacity: str = "each"):
+               capacity: str = "each", compress_time: float = 0.0):
     self.legs = legs(cluster, push_payload, dense_payload, pull_bytes)
+    self.compress_time = float(compress_time)
     self.cluster, self.shared, self.capacity = cluster, bool(shared), capacity
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
     self.push_delay, self.pull_delay = self.legs.push_delay, self.legs.pull_delay
@@ -76,7 +79,8 @@ class Traffic:
     return self.legs.counts_device_pushes
 
   def engine(self, protocol, compute_time, *, record: bool = False):
-    """A ``sync.TimelineEngine`` of ``protocol`` whose delays (and shared links) are these."""
+    """A ``sync.TimelineEngine`` of ``protocol`` whose delays (and shared links) are these, with
+    the cluster's ``server_update_time`` and this run's ``compress_time``."""
     from gssp_jax import sync  # pylint: disable=g-import-not-at-top  (looked up per call)
     engine = sync.TimelineEngine(
         protocol, compute_time,
@@ -88,7 +92,9 @@ class Traffic:
                if self.shared else None),
         message_route=((lambda m: self.legs.message_route(engine.protocol, m, engine.iteration))
                        if self.shared else None),
-        equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])))
+        equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])),
+        update_time=self.cluster.server_update_time,
+        compress_time=self.compress_time)
     return engine
 
   def interface_bandwidth(self, protocol) -> float:

@@ -3,7 +3,10 @@
 This is the gradient-free half of a simulation: it produces the rounds, in
 order, that an executor replays with real gradients (``rounds.apply_round``).
 The cluster model (speeds, jitter, stragglers, bandwidth) only supplies the
-callables; protocols never see times other than event timestamps.
+callables; protocols never see times other than event timestamps. A server's
+update time (``update_time``) queues its updates and delays what leaves it (a
+pull, a message); a compressor's time (``compress_time``) delays every push's
+departure. The protocol sees neither: it decides at each event as before.
 :class:`TimelineEngine` runs event by event (the simulator interleaves it with
 the executor and checkpoints it); :func:`run_timeline` runs it to the end.
 """
@@ -72,6 +75,10 @@ class TimelineEngine:
     equal_caps: every routed transfer has the same cap (every worker's link the
       same bandwidth): the links are ``links.EqualShareLinks``, whose events
       cost ``O(log n)`` instead of ``O(n)`` in the transfers in progress.
+    update_time: seconds a server spends on one update (``cluster.server_update_time``):
+      see :meth:`_updates`. 0: every update is instantaneous.
+    compress_time: seconds between the end of a worker's compute and its push's departure
+      (``compress.compute_time``: its compressor's work).
   """
 
   def __init__(self, protocol: Protocol, compute_time: Callable[[int, int], float], *,
@@ -80,8 +87,10 @@ class TimelineEngine:
                message_delay: Callable[[Message], float] = lambda m: 0.0,
                record: bool = True, route: Callable | None = None,
                message_route: Callable | None = None,
-               link_bandwidth: float = 1.25e9, equal_caps: bool = False):
+               link_bandwidth: float = 1.25e9, equal_caps: bool = False,
+               update_time: float = 0.0, compress_time: float = 0.0):
     self.protocol = protocol
+    self.update_time, self.compress_time = float(update_time), float(compress_time)
     self.route, self.message_route = route, message_route
     links = links_lib.EqualShareLinks if equal_caps else links_lib.SharedLinks
     self.links = links(link_bandwidth) if route is not None else None
@@ -98,6 +107,8 @@ class TimelineEngine:
     self.now = 0.0
     self.compute_sum = np.zeros([W])     # compute seconds per worker since the last reset
     self.compute_count = np.zeros([W], np.int64)
+    # [R] when each replica's server has done the updates queued at it (``_updates``).
+    self.server_busy = np.zeros([protocol.num_replicas])
     self.starts, self.pushes, self.events = [], [], []
     for w in range(W):
       self._schedule(0.0, "start", w)
@@ -107,25 +118,63 @@ class TimelineEngine:
     self.seq += 1
 
   def _react(self, reaction, time):
+    leave, done = self._updates(reaction, time)
     for w in reaction.release:
       self.blocked_time[w] += time - self.pushed_at[w]
-      path = self.route("pull", w, self.iteration.item(w)) if self.route is not None else None
-      if path is None:
-        self._schedule(time + self.pull_delay(w), "start", w)
-      else:
-        self._transfer(time, path, ("start", w))
+      self._pull(w, leave.get(w, time))
     for m in reaction.messages:
-      path = self.message_route(m) if self.message_route is not None else None
-      # Its arrival, if known now (a routed message's is known when its transfer ends).
-      arrival = time + self.message_delay(m) if path is None else float("inf")
-      for w in m.carries:   # their push travels on: push time, not blocked time
-        self.blocked_time[w] += time - self.pushed_at[w]
-        self.pushed_at[w] = arrival
-      if path is None:
-        self._schedule(arrival, "message", m)
-      else:
-        self._transfer(time, path, ("message", m))
+      self._send(m, time, done)
     return reaction.rounds
+
+  def _updates(self, reaction, time) -> tuple[dict, float]:
+    """Queues the updates of ``reaction``'s rounds at their servers (with ``update_time``).
+
+    A round updates each replica whose weights it changes (``applies``, ``adopt``,
+    ``average``); each replica's server applies its updates one at a time, in
+    event order: one starts at ``max(time, server_busy[r])`` and lasts
+    ``update_time``. A worker that pulls in a round leaves when its replica's
+    server has done every update queued up to that round (the weights it takes).
+    Returns ``({worker: its pull's departure}, when the reaction's updates are
+    done)``: the messages the event sends leave then (``time`` without updates).
+    """
+    if not self.update_time:
+      return {}, time
+    busy, step, done, leave = self.server_busy, self.update_time, time, {}
+    for rnd in reaction.rounds:
+      changed = rnd.applies | (rnd.adopt >= 0) | (rnd.average >= 0)
+      for r in np.flatnonzero(changed).tolist():
+        busy[r] = max(time, busy.item(r)) + step
+        done = max(done, busy.item(r))
+      replicas = rnd.groups if busy.size > 1 else np.zeros_like(rnd.groups)
+      for w in np.flatnonzero(rnd.pulls).tolist():
+        leave[w] = max(time, busy.item(int(replicas[w])))
+    return leave, done
+
+  def _pull(self, w: int, leave: float) -> None:
+    """Released worker ``w``'s pull leaves its server at ``leave``; then it starts."""
+    if leave > self.now:   # its server is still updating: the pull (and its route) waits
+      self._schedule(leave, "pull", w)
+      return
+    path = self.route("pull", w, self.iteration.item(w)) if self.route is not None else None
+    if path is None:
+      self._schedule(leave + self.pull_delay(w), "start", w)
+    else:
+      self._transfer(leave, path, ("start", w))
+
+  def _send(self, m, time: float, leave: float) -> None:
+    """Message ``m``, sent by an event at ``time``, leaves at ``leave`` (its updates done)."""
+    path = self.message_route(m) if self.message_route is not None else None
+    # Its arrival, if known now (a routed message's is known when its transfer ends).
+    arrival = leave + self.message_delay(m) if path is None else float("inf")
+    for w in m.carries:   # their push travels on: push time, not blocked time
+      self.blocked_time[w] += time - self.pushed_at[w]
+      self.pushed_at[w] = arrival
+    if path is None:
+      self._schedule(arrival, "message", m)
+    elif leave > self.now:
+      self._schedule(leave, "post", m)
+    else:
+      self._transfer(leave, path, ("message", m))
 
   def _transfer(self, time: float, path, then) -> None:
     """Starts a transfer on a shared link; ``then`` = (event kind, worker) follows its end."""
@@ -144,7 +193,8 @@ class TimelineEngine:
 
   def busy_workers(self) -> set:
     """Workers computing, pushing or pulling (not waiting for a release, not dropped)."""
-    busy = {payload for _, _, kind, payload in self.queue if kind in ("start", "push", "sent")}
+    busy = {payload for _, _, kind, payload in self.queue
+            if kind in ("start", "push", "sent", "pull")}
     if self.links is not None:
       busy |= {w for (kind, w), _ in self.links.tags() if kind != "message"}
     return busy
@@ -166,7 +216,8 @@ class TimelineEngine:
     reaction = self.protocol.drop(w, self.now)
     if not busy:   # it was waiting to be released (not while its push travelled)
       self.blocked_time[w] += max(self.now - self.pushed_at[w], 0.0)
-    self.queue = [e for e in self.queue if not (e[2] in ("start", "push", "sent") and e[3] == w)]
+    self.queue = [e for e in self.queue
+                  if not (e[2] in ("start", "push", "sent", "pull") and e[3] == w)]
     heapq.heapify(self.queue)
     if self.links is not None:
       for link in self.links.cancel(self.now, lambda tag: tag[0][1] == w):
@@ -191,6 +242,12 @@ class TimelineEngine:
       if version == self.links.version[link]:   # else stale: its shares changed since
         self._link_event(link, version)
       return []
+    if kind == "pull":   # a released worker's pull, after its server's updates
+      self._pull(payload, self.now)
+      return []
+    if kind == "post":   # a routed message, after its server's updates
+      self._transfer(self.now, self.message_route(payload), ("message", payload))
+      return []
     if self.record and kind != "sent":   # a link's own events are not recorded
       self.events.append((kind, self.now, payload))
     if kind == "start":
@@ -201,10 +258,11 @@ class TimelineEngine:
       compute = self.compute_time(w, k)
       self.compute_sum[w] += compute
       self.compute_count[w] += 1
+      ready = self.now + compute + self.compress_time   # its push leaves: compressed
       if self.route is None:
-        self._schedule(self.now + compute + self.push_delay(w, k), "push", w)
+        self._schedule(ready + self.push_delay(w, k), "push", w)
       else:
-        self._schedule(self.now + compute, "sent", w)
+        self._schedule(ready, "sent", w)
       return []
     if kind == "sent":   # compute ended: the push leaves
       w, k = payload, self.iteration.item(payload)
@@ -264,9 +322,11 @@ class TimelineEngine:
   def state_dict(self) -> dict:
     return {k: getattr(self, k) for k in ("protocol", "queue", "seq", "iteration", "pushed_at",
                                          "blocked_time", "num_pushes", "now", "compute_sum",
-                                         "compute_count", "links")}
+                                         "compute_count", "links", "server_busy")}
 
   def load_state_dict(self, state: dict) -> None:
+    """Restores :meth:`state_dict`'s values; a state saved before ``server_busy`` existed
+    (no server time modelled) keeps it at zeros."""
     for k, v in state.items():
       setattr(self, k, v)
 

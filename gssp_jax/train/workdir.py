@@ -23,7 +23,8 @@ _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "dat
 _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since older runs
                "level_job_slots": 0, "level_job_batch": 0, "data.validation_size": 0,
                "train.virtual_budget": 0.0, "train.eval_every_seconds": 0.0,
-               "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each"}
+               "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each",
+               "cluster.server_update_time": 0.0, "compress.compute_time": 0.0}
 
 
 def _mutable(key: str) -> bool:
