@@ -16,7 +16,7 @@ SPEEDS = np.array([1.0] * 4 + [1.5] * 4 + [2.0] * 4 + [3.0] * 4)
 
 
 @pytest.mark.parametrize("name, servers", [("bsp", 1), ("gssp", 4), ("dssync", 0),
-                                           ("inhad", 1), ("halos", 4), ("bsp_allreduce", 0)])
+                                           ("inhad", 1), ("halos", 5), ("bsp_allreduce", 0)])
 def test_each_server_interface_gets_its_share_of_the_capacity(name, servers):
   scheme = sync.build_scheme(name, 16, worker_times=SPEEDS, num_groups=4, num_nodes=4,
                              group_size=4)

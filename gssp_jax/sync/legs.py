@@ -290,12 +290,18 @@ class GroupLegs(ServerLegs):
   a message is one transfer (its G - 1 receivers' links are not modelled).
   """
 
+  def servers(self, protocol) -> int:
+    """The group servers, and the global one where there is one (GSSP ``global``, HALoS)."""
+    return super().servers(protocol) + (protocol.num_replicas != protocol.num_groups)
+
   def message_route(self, protocol, message, iteration):
     kind = {"deliver": "push", "adopt": "pull"}.get(message.kind)
     G = protocol.num_groups
     if kind is None or protocol.num_replicas == G:   # peer: no global server
       return super().message_route(protocol, message, iteration)
     c = self.cluster
+    # The global server's interface: a server interface like the others (the engine's
+    # capacity: server_bandwidth, or its share under cluster.server_capacity='split').
     return (("servers", G, kind), self.pull_bytes, c.server_bandwidth, c.server_latency)
 
 
