@@ -157,3 +157,22 @@ def as_trees(layout, state):
                        replica_model_state=stats(state.replica_model_state),
                        worker_model_state=stats(state.worker_model_state),
                        grad_buf=params(state.grad_buf))
+
+
+def recorded_without(config, tmp_path, *keys):
+  """``config`` as a run recorded before its dotted ``keys`` existed: asserts that it counts as
+  unchanged (``workdir.config_changes``) and resumes (``check_resumable``); returns the record
+  (a dict) and its ``config.json``'s path."""
+  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  recorded = json.loads(config.to_json())
+  for key in keys:
+    *parents, leaf = key.split(".")
+    node = recorded
+    for parent in parents:
+      node = node[parent]
+    del node[leaf]
+  assert workdir_lib.config_changes(recorded, config) == []
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(recorded))
+  workdir_lib.check_resumable(config, str(path))
+  return recorded, path

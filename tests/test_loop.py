@@ -1,6 +1,5 @@
 """The one training loop: the executor the config picks, BSP on a cluster, no key ignored."""
 
-import json
 import subprocess
 import sys
 
@@ -147,12 +146,7 @@ def test_a_sweep_base_config_may_set_keys_for_its_other_trials(tmp_path):
 
 def test_a_run_recorded_before_the_executor_key_still_resumes(tmp_path):
   config = config_lib.default_config()
-  recorded = json.loads(config.to_json())
-  del recorded["executor"]
-  assert workdir_lib.config_changes(recorded, config) == []
-  path = tmp_path / "config.json"
-  path.write_text(json.dumps(recorded))
-  workdir_lib.check_resumable(config, str(path))
+  recorded, _ = helpers.recorded_without(config, tmp_path, "executor")
   config.executor = "rounds"
   assert workdir_lib.config_changes(recorded, config) == [("executor", "auto", "rounds")]
 

@@ -70,12 +70,7 @@ def test_a_run_recorded_before_the_validation_split_still_resumes_and_counts_as_
   """Every run recorded before ``data.validation_size`` existed held nothing out: it resumes,
   and a sweep (the claims table's committed trials) takes it as the same config."""
   config = config_lib.default_config()
-  recorded = json.loads(config.to_json())
-  del recorded["data"]["validation_size"]
-  assert workdir_lib.config_changes(recorded, config) == []
-  path = tmp_path / "config.json"
-  path.write_text(json.dumps(recorded))
-  workdir_lib.check_resumable(config, str(path))
+  recorded, _ = helpers.recorded_without(config, tmp_path, "data.validation_size")
   config.data.validation_size = 500
   assert workdir_lib.config_changes(recorded, config) == [("data.validation_size", 0, 500)]
 

@@ -261,13 +261,9 @@ def test_a_budget_is_refused_before_anything_is_built(tmp_path):
 
 def test_a_run_recorded_before_the_budget_still_resumes_and_counts_as_unchanged(tmp_path):
   config = config_lib.default_config()
-  recorded = json.loads(config.to_json())
-  del recorded["train"]["virtual_budget"], recorded["train"]["eval_every_seconds"]
-  del recorded["optimizer"]["warmup_seconds"]
-  assert workdir_lib.config_changes(recorded, config) == []
-  path = tmp_path / "config.json"
-  path.write_text(json.dumps(recorded))
-  workdir_lib.check_resumable(config, str(path))
+  recorded, path = helpers.recorded_without(config, tmp_path, "train.virtual_budget",
+                                            "train.eval_every_seconds",
+                                            "optimizer.warmup_seconds")
   config.train.virtual_budget = 600.0
   assert workdir_lib.config_changes(recorded, config) == [("train.virtual_budget", 0.0, 600.0)]
   with pytest.raises(ValueError, match=r"train.virtual_budget: 0.0 -> 600.0"):
