@@ -58,12 +58,18 @@ def extensions(workdir: str, trials: Sequence[sweep_lib.Trial],
         continue
       value, why = step
       for member in by_value[best]:
-        # The trial's own overrides keep the grid's key order (trial.json sorts them).
-        trial = by_name.get(member["trial"])
-        overrides = {**(trial.overrides if trial else member["_overrides"]), key: value}
-        if sweep_lib.trial_name(overrides) not in by_name:
+        overrides = _changed(member, by_name, key, value)
+        if overrides is not None:
           added.append((overrides, why))
   return added
+
+
+def _changed(member: dict, by_name: dict, key: str, value) -> dict | None:
+  """A trial's overrides with ``key`` set to ``value``, in the grid's key order (the trial's own;
+  trial.json sorts them); None where the sweep has that trial already."""
+  trial = by_name.get(member["trial"])
+  overrides = {**(trial.overrides if trial else member["_overrides"]), key: value}
+  return None if sweep_lib.trial_name(overrides) in by_name else overrides
 
 
 def _settled(workdir: str, trials: Sequence[sweep_lib.Trial]) -> tuple[list[str], dict]:
@@ -93,12 +99,10 @@ def reporting(workdir: str, trials: Sequence[sweep_lib.Trial]) -> list[tuple[dic
   added = []
   for by_value in settled.values():
     best = report.best_value(by_value)
-    member = by_value[best][0]
-    trial = by_name.get(member["trial"])
     chosen = ", ".join(f"{k}={json.loads(v)}" for k, v in zip(tuned, best))
     for seed in seeds:
-      overrides = {**(trial.overrides if trial else member["_overrides"]), "seed": seed}
-      if sweep_lib.trial_name(overrides) not in by_name:
+      overrides = _changed(by_value[best][0], by_name, "seed", seed)
+      if overrides is not None:
         added.append((overrides, f"reporting seed {seed} at the chosen {chosen}"))
   return added
 
