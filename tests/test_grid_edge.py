@@ -126,6 +126,17 @@ def get_sweep():
 """
 
 
+def run_sweep(path, workdir, data_dir, timeout=600):
+  """``experiments.sweep`` of ``path`` into ``workdir`` with --parallel=2, in a child process
+  (each trial in its own); asserts that it succeeded and returns it (its stderr: the log)."""
+  command = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
+             f"--workdir={workdir}", "--parallel=2"]
+  run = subprocess.run(command, cwd=REPO, env={**os.environ, "GSSP_DATA_DIR": data_dir},
+                       capture_output=True, text=True, timeout=timeout)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return run
+
+
 @pytest.mark.slow
 def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_adds_nothing(
     tmp_path, data_dir):
@@ -135,11 +146,7 @@ def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_ad
   path = tmp_path / "edge.py"
   path.write_text(textwrap.dedent(_SWEEP_FILE.replace("{TUNE_SEEDS}", "None")))
   workdir = tmp_path / "runs" / "edge"   # where experiments.reproduce keeps a study "edge"
-  env = {**os.environ, "GSSP_DATA_DIR": data_dir}
-  command = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
-             f"--workdir={workdir}", "--parallel=2"]
-  run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stderr[-3000:]
+  run_sweep(path, workdir, data_dir)
   with open(workdir / sweep.EXTENDED_FILE) as f:
     added = json.load(f)["trials"]
   assert added and all("next on the ladder" in t["why"] for t in added)
@@ -164,9 +171,7 @@ def test_a_sweep_extends_its_grid_until_no_winner_sits_at_an_edge_and_a_rerun_ad
   assert f"{len(added)} of its trials were added by the grid-edge rule; it can add no more" in (
       reproduce.describe_plan([row], 1))
   # A rerun: nothing to run, nothing added, no "changed sweep".
-  again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
-  assert again.returncode == 0, again.stderr[-3000:]
+  again = run_sweep(path, workdir, data_dir, timeout=300)
   assert f"{len(trials)} finished, 0 to run" in again.stderr
   with open(workdir / sweep.EXTENDED_FILE) as f:
     assert len(json.load(f)["trials"]) == len(added)

@@ -4,8 +4,6 @@ runner then runs the chosen rate on the reporting seeds, and the report counts t
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,8 +11,8 @@ import pytest
 from gssp_jax import grid_edge
 from gssp_jax import report
 from gssp_jax import sweep
-from tests.conftest import REPO
 from tests.test_fair import _trial
+from tests.test_grid_edge import run_sweep
 
 FAST, SLOW = [0.9, 0.97, 0.99, 0.99], [0.9, 0.95, 0.97, 0.985]   # at 25.0 and 36.67
 REPORTING = (100, 101)
@@ -130,11 +128,7 @@ def test_a_tiny_sweep_tunes_on_validation_then_reports_on_its_reporting_seed(tmp
   path = tmp_path / "apart.py"
   path.write_text(textwrap.dedent(_SWEEP_FILE.replace("{REPORTING}", "[7]")))
   workdir = tmp_path / "runs" / "apart"
-  env = {**os.environ, "GSSP_DATA_DIR": data_dir}
-  command = [sys.executable, "-m", "experiments.sweep", f"--sweep={path}",
-             f"--workdir={workdir}", "--parallel=2"]
-  run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stderr[-3000:]
+  run_sweep(path, workdir, data_dir)
   with open(workdir / sweep.EXTENDED_FILE) as f:
     (added,) = json.load(f)["trials"]
   assert dict(added["overrides"])["seed"] == 7 and "reporting seed 7" in added["why"]
@@ -142,6 +136,5 @@ def test_a_tiny_sweep_tunes_on_validation_then_reports_on_its_reporting_seed(tmp
   selected, (choice,) = report.select_tuned(rows, None, report.report_seeds(str(workdir)))
   assert choice["chosen_on"] == "validation" and [r["seed"] for r in selected] == [7]
   assert selected[0]["optimizer.learning_rate"] == choice["chosen"]["optimizer.learning_rate"]
-  again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
-  assert again.returncode == 0 and "3 finished, 0 to run" in again.stderr, again.stderr[-2000:]
+  again = run_sweep(path, workdir, data_dir, timeout=300)
+  assert "3 finished, 0 to run" in again.stderr, again.stderr[-2000:]
