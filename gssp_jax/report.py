@@ -213,6 +213,7 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
     s = trial["summary"]
     final = s.get("final") or {}
     totals = s.get("totals", {})
+    cluster = s.get("cluster") or {}   # as the run described it (summary.json)
     metric = s.get("metric", "test_accuracy")
     row_target = target if target is not None else s.get("target")
     ttt, ttt_first = _times_to_target(trial, metric, row_target)
@@ -234,11 +235,10 @@ def collect(workdir: str, target: float | None = None) -> list[dict[str, Any]]:
         "staleness_data_mean": (final.get("staleness_data") or {}).get("mean"),
         "_metrics": trial["metrics"], "_overrides": trial["overrides"],
         "_named": not trial["from_sweep"],
-        "_speeds": (s.get("cluster") or {}).get("speeds"),   # per worker, for the figures
-        "_base_time": (s.get("cluster") or {}).get("base_time"),
+        "_speeds": cluster.get("speeds"),   # per worker, for the figures
+        "_base_time": cluster.get("base_time"),
         "_cluster_config": s["config"].get("cluster") or {},   # as the run read it
-        "_servers": ((s.get("cluster") or {}).get("servers"),
-                     (s.get("cluster") or {}).get("server_interface_bandwidth")),
+        "_servers": (cluster.get("servers"), cluster.get("server_interface_bandwidth")),
         "_pushes": totals.get("pushes"),
         "_tuned": [k for k in trial["tuned"] if k in trial["overrides"]],
     })

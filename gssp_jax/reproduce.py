@@ -358,19 +358,31 @@ def _running(workdir: str, name: str) -> bool:
 # -- the claims table ---------------------------------------------------------------------------
 
 
-def claims_rows(root: str, studies: Sequence[Study]) -> list[dict[str, Any]]:
-  """One row per claim and study: its figures, comparisons and verdict (studies with no
-  finished trial: none)."""
-  rows = []
+def study_figures(root: str, studies: Sequence[Study]) -> dict[str, dict]:
+  """Per claims study with finished trials, its schemes' figures (``claims.figures``)."""
+  out = {}
   for study in studies:
     if study.kind != "claims":
       continue
     try:
-      figs = claims_lib.figures(os.path.join(root, "runs", study.name))
+      out[study.name] = claims_lib.figures(os.path.join(root, "runs", study.name))
     except ValueError as e:
       if "two reported trials" in str(e):
         raise
-      continue   # nothing finished yet
+      # else nothing finished yet
+  return out
+
+
+def claims_rows(root: str, studies: Sequence[Study],
+                figures: dict[str, dict] | None = None) -> list[dict[str, Any]]:
+  """One row per claim and study: its figures, comparisons and verdict (studies with no
+  finished trial: none). ``figures``: :func:`study_figures`' (read here if not given)."""
+  figures = study_figures(root, studies) if figures is None else figures
+  rows = []
+  for study in studies:
+    figs = figures.get(study.name)
+    if figs is None:
+      continue
     for claim in CLAIMS:
       fig = figs.get(claim.scheme)
       if fig is None:
@@ -449,7 +461,8 @@ CSV_COLUMNS = ("claim", "paper", "statement", "study", "protocol", "against", "s
 
 def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   """``claims.md``, ``claims.csv`` and ``claims.png`` under ``root`` from the studies' trials."""
-  rows = claims_rows(root, studies)
+  figures = study_figures(root, studies)
+  rows = claims_rows(root, studies, figures)
   paths = {"md": os.path.join(root, "claims.md"), "csv": os.path.join(root, "claims.csv")}
   with open(paths["csv"], "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -464,7 +477,7 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   waiting = list(zip(pending, costs(root, pending)))
   partial = {c["study"] for c in cost if c["finished"] < c["trials"]}
   lines = (_head_lines(ran, cost, waiting) + provenance_lines(root, ran)
-           + server_lines(root, columns)
+           + server_lines(figures, columns)
            + _table_lines(rows, columns, partial)
            + ["", "![speedups](claims.png)", "", "Each study's report (the tuning disclosed, "
               "every trial, the figures): "
@@ -477,14 +490,14 @@ def write_claims(root: str, studies: Sequence[Study]) -> dict[str, str]:
   return paths
 
 
-def server_lines(root: str, studies: Sequence[Study]) -> list[str]:
+def server_lines(figures: dict[str, dict], studies: Sequence[Study]) -> list[str]:
   """The table's header on resources: per study, each scheme's servers and each one's
-  interface bandwidth, as its reported trials recorded them."""
+  interface bandwidth, as its reported trials recorded them (``figures``:
+  :func:`study_figures`')."""
   lines = []
   for study in studies:
-    try:
-      figs = claims_lib.figures(os.path.join(root, "runs", study.name))
-    except ValueError:
+    figs = figures.get(study.name)
+    if figs is None:
       continue
     texts = {claims_lib.name(key): claims_lib.servers_text(fig) for key, fig in figs.items()}
     lines.append(f"- `{study.name}`: " + (f"every scheme {next(iter(texts.values()))}"
