@@ -41,7 +41,8 @@ from gssp_jax.sim import levels
 from gssp_jax.train import loop
 
 from benchmarks import common
-from benchmarks import sim_efficiency
+from benchmarks import sim_efficiency  # noqa: F401  (its flags)
+from benchmarks import sim_rates
 
 
 def _define_flags() -> None:
@@ -144,7 +145,7 @@ def main(argv):
   f = flags.FLAGS
   print(common.describe_backend())
   scheme, workers = f.schemes[0], int(f.workers[0])
-  config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, workers, f.epochs,
+  config = sim_rates.run_config(f.model, f.width, "levels", scheme, workers, f.epochs,
                                      job_batch=int(f.level_job_batch[0]),
                                      job_slots=int(f.level_job_slots[0]))
   with tempfile.TemporaryDirectory() as workdir:

@@ -36,7 +36,8 @@ from gssp_jax.sim import simulate
 from gssp_jax.train import tasks
 
 from benchmarks import common
-from benchmarks import sim_efficiency
+from benchmarks import sim_efficiency  # noqa: F401  (its flags)
+from benchmarks import sim_rates
 
 GIB = 2 ** 30
 
@@ -71,7 +72,7 @@ def main(argv):
     if batch is None:   # --one_vmap: the job slots the run will have
       batch = levels.job_slots_for(slots, w)
     try:
-      config = sim_efficiency.run_config(f.model, f.width, "levels", scheme, w, f.epochs,
+      config = sim_rates.run_config(f.model, f.width, "levels", scheme, w, f.epochs,
                                          job_batch=batch, job_slots=slots)
     except ValueError as e:
       raise app.UsageError(str(e)) from None

@@ -33,35 +33,21 @@ names the backend, the device and whether XLA's deterministic-ops flag is set.
 Peak memory is the process's maximum resident set size.
 """
 
-import contextlib
-import json
-import os
 import resource
-import tempfile
-import threading
 import time
 
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import optax
 
-from configs import cifar10_resnet18
-from configs import cifar10_vgg19
-from configs import mnist_lenet5
-from gssp_jax import config as config_lib
 from gssp_jax import models
-from gssp_jax.sim import simulate
-from gssp_jax.train import tasks
-from gssp_jax.train import executors
-from gssp_jax.train import loop
 
 from benchmarks import common
+from benchmarks import sim_rates
 
-_CONFIGS = {"lenet5": mnist_lenet5, "resnet18": cifar10_resnet18, "vgg19": cifar10_vgg19}
 
-_MODEL = flags.DEFINE_enum("model", "lenet5", list(_CONFIGS), "model (and its dataset's config)")
+_MODEL = flags.DEFINE_enum("model", "lenet5", list(sim_rates.CONFIGS), "model (and its dataset's config)")
 _WIDTH = flags.DEFINE_float("width", 1.0, "channel multiplier of resnet18/vgg19 (model_args.width)")
 _EXECUTOR = flags.DEFINE_string("executor", None, "the config's `executor` (default: the config's)")
 _WORKERS = flags.DEFINE_list("workers", ["16", "64", "256"], "worker counts")
@@ -110,180 +96,20 @@ def baseline(name: str, width: float, total_batch: int) -> float:
   return total_batch / best
 
 
-def run_config(name: str, width: float, executor: str | None, scheme: str, workers: int,
-               epochs: float, levels_per_call: int = 0, job_batch: int = 0,
-               job_slots: int = 0):
-  """The config a simulated run uses: the model's config file with the benchmark's changes.
-
-  Raises:
-    ValueError: an executor given where the config has no ``executor`` key.
-  """
-  config = _CONFIGS[name].get_config()
-  if name in common.CNNS:
-    config.model_args.width = width
-  else:
-    common.model_kwargs(name, width)   # rejects a width LeNet-5 does not have
-  config.num_workers = workers
-  config.sync.scheme = scheme
-  config.sync.num_groups = 4
-  config.cluster.profile = "tiers"
-  config.cluster.base_time = 0.01
-  config.data.test_size = 500
-  config.train.num_epochs = epochs
-  config.train.eval_every = epochs / 4
-  if executor is not None:   # only when asked: a tree without the key keeps working
-    try:
-      config_lib.override(config, {"executor": executor})
-    except KeyError as e:
-      raise ValueError(f"--executor={executor!r}: this version's config has no `executor` "
-                       "key; leave --executor out") from e
-  if levels_per_call:
-    config.levels_per_call = levels_per_call
-  if job_batch:
-    config.level_job_batch = job_batch
-  if job_slots:
-    config.level_job_slots = job_slots
-  if levels_per_call or job_batch or job_slots:
-    executors.validate_levels_per_call(config)
-  return config
-
-
-class CompileClock:
-  """Time spent compiling, from ``jax.monitoring``: tracing, lowering and XLA's compilation.
-
-  Each event is an interval ending when it is reported; nested ones (a jit traced
-  inside another's trace) overlap, so time is the union of the intervals.
-  """
-
-  def __init__(self):
-    self.intervals: list[tuple[float, float]] = []   # (start, end) in perf_counter seconds
-    self.backend_ends: list[float] = []
-
-  def __call__(self, event: str, duration: float, **_) -> None:
-    if event.startswith(COMPILE_EVENT_PREFIX):
-      end = time.perf_counter()
-      self.intervals.append((end - duration, end))
-      if event == BACKEND_COMPILE_EVENT:
-        self.backend_ends.append(end)
-
-  def between(self, start: float, end: float) -> tuple[int, float]:
-    """(XLA compilations that ended in [start, end], seconds of compile work inside it)."""
-    clipped = sorted((max(a, start), min(b, end)) for a, b in self.intervals
-                     if b > start and a < end)
-    total, reach = 0.0, start
-    for a, b in clipped:
-      total += max(0.0, b - max(a, reach))
-      reach = max(reach, b)
-    return sum(start <= t <= end for t in self.backend_ends), total
-
-
-# jax/_src/dispatch.py: trace, lower to MLIR, XLA compile.
-COMPILE_EVENT_PREFIX = "/jax/core/compile/"
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-def _eval_times(path: str, done: threading.Event, out: list) -> None:
-  """Appends to ``out`` the perf_counter at which ``path`` gained each line."""
-  seen = 0
-  while not done.is_set():
-    if os.path.exists(path):
-      with open(path) as f:
-        n = sum(1 for line in f if line.endswith("\n"))
-      out.extend([time.perf_counter()] * (n - seen))
-      seen = max(seen, n)
-    time.sleep(0.01)
-
-
-class PhaseClock:
-  """Wall intervals of some methods (wrapped while ``wrapped()`` is open), by name.
-
-  The simulator's checkpoint saves (``Simulation.save``) and the model's evaluations
-  (the tasks' ``evaluate``: the test set's forward passes, not the device work queued
-  before it, which ``Simulation.evaluate`` waits for first).
-  """
-
-  def __init__(self, methods):
-    self.methods = list(methods)          # (class, method name, label)
-    self.intervals: dict[str, list[tuple[float, float]]] = {m[2]: [] for m in self.methods}
-
-  @contextlib.contextmanager
-  def wrapped(self):
-    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in self.methods]
-    try:
-      for cls, name, label in self.methods:
-        setattr(cls, name, self._timed(label, cls.__dict__[name]))
-      yield self
-    finally:
-      for cls, name, original in originals:
-        setattr(cls, name, original)
-
-  def _timed(self, label, method):
-    def timed(*args, **kwargs):
-      start = time.perf_counter()
-      try:
-        return method(*args, **kwargs)
-      finally:
-        self.intervals[label].append((start, time.perf_counter()))
-    return timed
-
-  def between(self, label: str, start: float, end: float) -> float:
-    """Seconds of ``label``'s intervals inside [start, end]."""
-    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.intervals[label])
-
-
-def _phases() -> PhaseClock:
-  return PhaseClock([(simulate.Simulation, "save", "save"),
-                     (tasks.ClassificationTask, "evaluate", "evaluate"),
-                     (tasks.TranslationTask, "evaluate", "evaluate")])
-
-
-def simulated(config, clock: CompileClock) -> dict:
-  """Runs ``config``; returns its rates between its first and last evaluation.
-
-  Keys: ``rate`` (simulated samples/s as run), ``steady`` (the same without the XLA
-  compilations and the checkpoint saves inside that span: what the simulator
-  itself does), ``compiles`` and ``compile_s`` (those compilations),
-  ``save_s`` and ``eval_s`` (seconds of checkpoint saves and of evaluations in the
-  span), ``first`` (seconds from the call to the first evaluation).
-  """
-  phases = _phases()
-  with tempfile.TemporaryDirectory() as workdir:
-    path, times, done = os.path.join(workdir, "metrics.jsonl"), [], threading.Event()
-    start = time.perf_counter()
-    watcher = threading.Thread(target=_eval_times, args=(path, done, times), daemon=True)
-    watcher.start()
-    try:
-      with phases.wrapped():
-        loop.train_and_evaluate(config, workdir)
-    finally:
-      done.set()
-      watcher.join()
-    lines = [json.loads(l) for l in open(path)]
-  first, last = lines[0], lines[-1]
-  samples = (last["pushes"] - first["pushes"]) * config.batch_size
-  span = last["wall_time"] - first["wall_time"]
-  compiles, compile_s = clock.between(times[0], times[-1]) if times else (0, 0.0)
-  save_s = phases.between("save", times[0], times[-1]) if times else 0.0
-  eval_s = phases.between("evaluate", times[0], times[-1]) if times else 0.0
-  return {"rate": samples / span, "steady": samples / max(span - compile_s - save_s, 1e-9),
-          "compiles": compiles, "compile_s": compile_s, "save_s": save_s, "eval_s": eval_s,
-          "first": times[0] - start if times else float("nan")}
-
-
 def main(argv):
   del argv
   name, width = _MODEL.value, _WIDTH.value
   try:
     per_call = [(int(k), int(b), int(j)) for k in _LEVELS_PER_CALL.value
                 for b in _JOB_BATCH.value for j in _JOB_SLOTS.value]
-    configs = {(w, k, s): run_config(name, width, _EXECUTOR.value, s, w, _EPOCHS.value, *k)
+    configs = {(w, k, s): sim_rates.run_config(name, width, _EXECUTOR.value, s, w, _EPOCHS.value, *k)
                for w in map(int, _WORKERS.value) for k in per_call for s in _SCHEMES.value}
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   print(common.describe_backend())
   print(f"model {name}" + (f" width {width}" if name in common.CNNS else "")
         + f", executor {_EXECUTOR.value or 'the config default'}, {_EPOCHS.value} epochs per run")
-  clock = CompileClock()
+  clock = sim_rates.CompileClock()
   jax.monitoring.register_event_duration_secs_listener(clock)
   print("| workers | levels per call, job batch, job slots | scheme | simulated samples/s |"
         " batched step samples/s | efficiency | µs per simulated sample | compilations in the span (s) |"
@@ -294,7 +120,7 @@ def main(argv):
     base = baseline(name, width, w * 32)
     for k in per_call:
       for scheme in _SCHEMES.value:
-        r = simulated(configs[(w, k, scheme)], clock)
+        r = sim_rates.simulated(configs[(w, k, scheme)], clock)
         print(f"| {w} | {k[0]}, {k[1]}, {k[2]} | {scheme} | {r['rate']:,.0f} | {base:,.0f} |"
               f" {r['rate'] / base:.2f} |"
               f" {1e6 / r['rate']:,.1f} | {r['compiles']} ({r['compile_s']:.1f}) |"

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from benchmarks import determinism
-from benchmarks import sim_efficiency
+from benchmarks import sim_rates
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_compile_clock_counts_union_of_nested_intervals_inside_the_span():
-  clock = sim_efficiency.CompileClock()
+  clock = sim_rates.CompileClock()
   clock.intervals = [(0.0, 2.0), (1.0, 1.5), (4.0, 6.0), (9.0, 12.0), (20.0, 21.0)]
   clock.backend_ends = [1.5, 6.0, 12.0, 21.0]
   # Span [1, 10]: [1, 2] (the nested one adds nothing), [4, 6], [9, 10] -> 1 + 2 + 1 seconds.
@@ -24,9 +24,9 @@ def test_compile_clock_counts_union_of_nested_intervals_inside_the_span():
 
 
 def test_compile_clock_keeps_only_compile_events():
-  clock = sim_efficiency.CompileClock()
+  clock = sim_rates.CompileClock()
   clock("/jax/compilation_cache/cache_retrieval_time_sec", 5.0)
-  clock(sim_efficiency.BACKEND_COMPILE_EVENT, 0.5)
+  clock(sim_rates.BACKEND_COMPILE_EVENT, 0.5)
   clock("/jax/core/compile/jaxpr_trace_duration", 0.25)
   assert len(clock.intervals) == 2 and len(clock.backend_ends) == 1
 
@@ -130,16 +130,16 @@ def test_chunk_profile_times_chunks_and_tables_the_traced_kernels(tmp_path, data
 def test_sim_efficiency_run_config_sets_the_level_keys_it_is_given_and_checks_them():
   """``--levels_per_call``, ``--level_job_batch`` and ``--level_job_slots`` reach the config;
   a value the config rejects is an error before any run, as ``experiments.main`` gives it."""
-  config = sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5,
+  config = sim_rates.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5,
                                      levels_per_call=8, job_batch=4, job_slots=12)
   assert (config.levels_per_call, config.level_job_batch, config.level_job_slots) == (8, 4, 12)
   assert config.num_workers == 16 and config.sync.scheme == "gssp"
-  default = sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5)
+  default = sim_rates.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5)
   assert (default.levels_per_call, default.level_job_batch, default.level_job_slots) == (0, 0, 0)
   with pytest.raises(ValueError, match="level_job_slots"):
-    sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5, job_slots=17)
+    sim_rates.run_config("lenet5", 1.0, "levels", "gssp", 16, 0.5, job_slots=17)
   with pytest.raises(ValueError, match="level_job_slots"):
-    sim_efficiency.run_config("lenet5", 1.0, "rounds", "gssp", 16, 0.5, job_slots=8)
+    sim_rates.run_config("lenet5", 1.0, "rounds", "gssp", 16, 0.5, job_slots=8)
 
 
 def test_level_memory_measures_a_run_built_abstractly(data_dir, monkeypatch):
@@ -147,9 +147,9 @@ def test_level_memory_measures_a_run_built_abstractly(data_dir, monkeypatch):
   hold the 4 workers' weights and gradients, and all slots in one vmap take more scratch."""
   monkeypatch.setenv("GSSP_DATA_DIR", data_dir)
   from benchmarks import level_memory  # pylint: disable=g-import-not-at-top
-  one = level_memory.measure(sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 4, 0.5,
+  one = level_memory.measure(sim_rates.run_config("lenet5", 1.0, "levels", "gssp", 4, 0.5,
                                                        job_batch=1))
-  every = level_memory.measure(sim_efficiency.run_config("lenet5", 1.0, "levels", "gssp", 4,
+  every = level_memory.measure(sim_rates.run_config("lenet5", 1.0, "levels", "gssp", 4,
                                                          0.5, job_batch=4))
   assert one["params"] == every["params"] == 61_706 and one["shape"].jobs == 4
   assert (one["job_batch"], every["job_batch"]) == (1, 4)

@@ -1,0 +1,180 @@
+r"""The simulator beside the serial loop its peers run, in one process, back to back.
+
+    python -m benchmarks.serial_loop [--models=tiny,lenet5] [--workers=16] \
+        [--schemes=bsp,ssp,gssp,async_local_sgd] [--executors=auto,rounds,levels] \
+        [--epochs=0.5] [--serial_seconds=10]
+
+The peers a researcher would reach for instead (APPFL's virtual-time simulator, the
+HALoS simulator) train the simulated workers one after another: one optimizer step per
+gradient, one dispatch each. That **serial loop** is measured here with the run's own
+model, loss, batch and optimizer (``tasks.make_task``, ``optim.make_optimizer`` from the
+same config): one jitted step takes one batch of ``batch_size`` from the training set,
+already on the device, computes its gradient and applies the optimizer; its rate is
+gradients per second over ``--serial_seconds`` after a warm-up, best of three.
+
+Each scheme then runs through ``train_and_evaluate`` (``benchmarks.sim_efficiency``'s
+config: a ``tiers`` cluster (1, 1.5, 2, 3), 4 groups, a 500-example test split, four
+evaluations) with each executor in ``--executors`` (``auto`` is printed with the executor
+it resolves to; one that resolves to an executor also listed is not run twice). Its
+**rate as run** is simulated gradients per second between its first and last evaluation,
+evaluations, compilations and checkpoint saves included; the **steady** rate beside it
+leaves out the compilations and saves inside that span. A local-update scheme's gradient
+is one local step (``local.steps`` per push, ``--local_steps``).
+
+Models: ``lenet5`` (``configs/mnist_lenet5.py``) and ``tiny``, a researcher's own model
+named by file (``benchmarks/tiny_model.py:Linear``, one dense layer on MNIST: a gradient
+that costs next to nothing, so what is measured is the simulator's own cost per gradient).
+
+Targets (issue 60), printed after the table: with the executor ``auto`` picks, SSP and GSSP
+at 16 workers at least 0.5 of the serial loop with ``tiny`` and 1.2 with ``lenet5``, as run.
+"""
+
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import optax
+
+from gssp_jax.train import executors
+from gssp_jax.train import optim
+from gssp_jax.train import tasks
+
+from benchmarks import common
+from benchmarks import sim_rates
+
+TINY_MODEL = "benchmarks/tiny_model.py:Linear"
+TARGETS = {"tiny": 0.5, "lenet5": 1.2}       # of the serial loop, SSP and GSSP, `auto`, as run
+TARGET_SCHEMES = ("ssp", "gssp")
+
+_MODELS = flags.DEFINE_list("models", ["tiny", "lenet5"], "tiny (benchmarks/tiny_model.py) "
+                            "and/or lenet5")
+_WORKERS = flags.DEFINE_list("workers", ["16"], "worker counts")
+_SCHEMES = flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp", "async_local_sgd"], "schemes")
+_EXECUTORS = flags.DEFINE_list("executors", ["auto", "rounds", "levels"], "executors")
+_EPOCHS = flags.DEFINE_float("epochs", 0.5, "epochs simulated per run")
+_SERIAL_SECONDS = flags.DEFINE_float("serial_seconds", 10.0, "seconds of each serial-loop "
+                                     "measurement (best of three)")
+_LOCAL_STEPS = flags.DEFINE_integer("local_steps", 4, "local.steps of the local-update schemes")
+
+LOCAL_SCHEMES = ("local_sgd", "diloco", "async_local_sgd", "halos")
+
+
+def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float):
+  """The simulated run's config: ``sim_efficiency``'s, with the model and local steps set."""
+  config = sim_rates.run_config("lenet5", 1.0, executor, scheme, workers, epochs)
+  if model == "tiny":
+    config.model = TINY_MODEL
+  if scheme in LOCAL_SCHEMES:
+    config.local.steps = _LOCAL_STEPS.value
+  return config
+
+
+def serial_rate(config, seconds: float) -> float:
+  """Gradients/s of the serial loop: one jitted optimizer step per gradient, one dispatch each.
+
+  The model, loss, batch size and optimizer are the config's; the training set is on the
+  device and each step slices its batch there, so the loop pays only the step and its
+  dispatch.
+  """
+  task = tasks.make_task(config)
+  batch = config.batch_size
+  steps_per_epoch = task.num_train // batch
+  tx = optim.make_optimizer(config.optimizer, steps_per_epoch, steps_per_epoch * 10)
+  images = jnp.asarray(task.train["image"])
+  labels = jnp.asarray(task.train["label"])
+  params, model_state = task.init(jax.random.key(0))
+
+  @jax.jit
+  def step(params, model_state, opt_state, i, key):
+    start = (i % steps_per_epoch) * batch
+    b = {"image": jax.lax.dynamic_slice_in_dim(images, start, batch),
+         "label": jax.lax.dynamic_slice_in_dim(labels, start, batch)}
+    grads, model_state = jax.grad(task.loss, has_aux=True)(params, model_state, b, key)
+    grads = optim.clip_gradient(grads, config.optimizer.get("grad_clip", 0.0))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), model_state, opt_state
+
+  state = (params, model_state, tx.init(params))
+  key = jax.random.key(1)
+  i = jnp.int32(0)
+  for _ in range(3):   # compile and warm
+    state = step(*state, i, key)
+  jax.block_until_ready(state)
+  best = 0.0
+  for _ in range(3):
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 3:
+      for _ in range(20):
+        state = step(*state, jnp.int32(n), key)
+        n += 1
+      jax.block_until_ready(state)
+    best = max(best, n / (time.perf_counter() - start))
+  return best
+
+
+def simulated_rates(config, clock) -> dict:
+  """``sim_rates.simulated``'s rates in gradients/s (local steps counted as gradients)."""
+  r = sim_rates.simulated(config, clock)
+  per_push = config.local.steps if config.sync.scheme in LOCAL_SCHEMES else 1
+  scale = per_push / config.batch_size
+  return {**r, "rate": r["rate"] * scale, "steady": r["steady"] * scale}
+
+
+def executors_to_run(config_for) -> list[tuple[str, str]]:
+  """(label, executor) per ``--executors``; ``auto`` labelled with what it resolves to and
+  dropped where that executor is listed too (it would be the same run)."""
+  listed = list(_EXECUTORS.value)
+  out = []
+  for name in listed:
+    if name == "auto":
+      resolved = executors.executor_name(config_for("auto"))
+      if resolved in listed:
+        continue
+      out.append((f"auto = {resolved}", "auto"))
+    else:
+      out.append((name, name))
+  return out
+
+
+def main(argv):
+  del argv
+  for m in _MODELS.value:
+    if m not in TARGETS:
+      raise app.UsageError(f"--models: {m!r} is invalid; allowed: {', '.join(TARGETS)}")
+  print(common.describe_backend())
+  print(f"{_EPOCHS.value} epochs per simulated run; serial loop best of three over "
+        f"{_SERIAL_SECONDS.value:g} s; local-update schemes {_LOCAL_STEPS.value} local steps a push")
+  clock = sim_rates.CompileClock()
+  jax.monitoring.register_event_duration_secs_listener(clock)
+  print("| model | workers | scheme | executor | serial loop gradients/s | simulated gradients/s,"
+        " as run | ratio as run | steady | ratio steady | compilations in the span (s) |"
+        " saves, evaluations (s) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  ratios = {}
+  for model in _MODELS.value:
+    for w in map(int, _WORKERS.value):
+      auto = executors.executor_name(sim_config(model, "ssp", w, "auto", _EPOCHS.value))
+      for scheme in _SCHEMES.value:
+        config_for = lambda ex: sim_config(model, scheme, w, ex, _EPOCHS.value)  # pylint: disable=cell-var-from-loop
+        serial = serial_rate(config_for("auto"), _SERIAL_SECONDS.value)
+        for label, ex in executors_to_run(config_for):
+          r = simulated_rates(config_for(ex), clock)
+          resolved = auto if ex == "auto" else ex
+          ratios[(model, w, scheme, resolved)] = r["rate"] / serial
+          print(f"| {model} | {w} | {scheme} | {label}{' (auto)' if ex == resolved == auto else ''} |"
+                f" {serial:,.0f} | {r['rate']:,.0f} | {r['rate'] / serial:.2f} |"
+                f" {r['steady']:,.0f} | {r['steady'] / serial:.2f} |"
+                f" {r['compiles']} ({r['compile_s']:.1f}) | {r['save_s']:.1f}, {r['eval_s']:.1f} |",
+                flush=True)
+      for scheme in TARGET_SCHEMES:
+        got = ratios.get((model, w, scheme, auto))
+        if got is not None and w == 16:
+          verdict = "met" if got >= TARGETS[model] else "NOT met"
+          print(f"target: {model}, {scheme}, {w} workers, `auto` ({auto}), as run: {got:.2f} of "
+                f"the serial loop, target >= {TARGETS[model]}: {verdict}")
+
+
+if __name__ == "__main__":
+  app.run(main)
