@@ -119,14 +119,15 @@ def timeline_steps(scheme, speeds, max_pushes, num_examples, batch_size, *, seed
 
 
 def level_runner(loss_fn, compressor, tx, dense_bytes, stats_bytes, scheme, params, model_state,
-                 rng, *, shape=None, grad_clip=0.0, local=None, job_shape=(1,), job_batch=0):
+                 rng, *, shape=None, grad_clip=0.0, local=None, job_shape=(1,), job_batch=0,
+                 unroll_pieces=False):
   """The level executor's flat initial state and step runner, for the runners' equivalence tests.
 
   ``tx`` is the same sync chain the per-round runner uses (its optimizers are
   elementwise, so one chain serves the flat weights too). ``shape`` defaults to
   small pieces (2 per call, 4 job and 4 round slots, 2 pull slots) and the
-  protocol's declared round bounds; ``job_batch`` is ``chunk.jobs_body``'s (0: one ``vmap``).
-  Returns ``(state, run, layout)``.
+  protocol's declared round bounds; ``job_batch`` is ``chunk.jobs_body``'s (0: one ``vmap``),
+  ``unroll_pieces`` ``chunk.make_chunk_fn``'s. Returns ``(state, run, layout)``.
   """
   W, R = scheme.num_workers, scheme.num_replicas
   protocol = scheme.make_protocol()
@@ -140,7 +141,8 @@ def level_runner(loss_fn, compressor, tx, dense_bytes, stats_bytes, scheme, para
   state = jax.jit(init)(params, model_state, rng)
   run = levels.make_step_runner(layout, loss_fn, compressor, tx, dense_bytes, stats_bytes, W, R,
                                 protocol.num_groups, shape, job_shape, protocol.route,
-                                grad_clip=grad_clip, local=local, job_batch=job_batch)
+                                grad_clip=grad_clip, local=local, job_batch=job_batch,
+                                unroll_pieces=unroll_pieces)
   return state, run, layout
 
 

@@ -141,9 +141,9 @@ def _assert_same_state(got, want):
 
 
 def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
-             shapes=(None,), job_batches=(0,)):
-  """The level runner (one per shape, and per job batch on the first shape) against one run of
-  the round runner."""
+             shapes=(None,), job_batches=(0,), unroll_pieces=False):
+  """The level runner (one per shape, and per job batch on the first shape; its pieces unrolled
+  with ``unroll_pieces``) against one run of the round runner."""
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats, params, ms = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
@@ -156,7 +156,8 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
     flat_state, run, layout = helpers.level_runner(loss_fn, compressor, tx, dense, stats,
                                                    scheme, params, ms, jax.random.key(3),
                                                    shape=shape, job_shape=(B,),
-                                                   job_batch=job_batch)
+                                                   job_batch=job_batch,
+                                                   unroll_pieces=unroll_pieces)
     with jax.default_matmul_precision("highest"):
       # Two calls, split mid-run: pending jobs are computed at the end of each.
       half = len(steps) // 2
@@ -210,6 +211,17 @@ def test_level_runner_equals_round_runner_compressed(name, comp_name):
 def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name,
                                                                           job_batches):
   _compare(name, comp_name, batch_norm=True, job_batches=job_batches)
+
+
+# The CPU's program (levels.unrolled_for): each piece traced in turn, no scan over pieces, and
+# its jobs one at a time or 3 at a time, unrolled; with BatchNorm and GDTopK's error feedback.
+@pytest.mark.parametrize("name,comp_name,job_batches", [("gssp", "gdtopk", (1,)),
+                                                        ("ssp", "none", (1, 3))],
+                         ids=["gssp-gdtopk", "ssp-none"])
+@pytest.mark.slow
+def test_level_runner_equals_round_runner_with_pieces_unrolled(name, comp_name, job_batches):
+  runs = _compare(name, comp_name, batch_norm=True, job_batches=job_batches, unroll_pieces=True)
+  assert all(r.shape.pieces > 1 for r in runs)   # several pieces per call were unrolled
 
 
 @pytest.mark.slow
@@ -492,12 +504,14 @@ def _copies_at_least(text: str, elements: int) -> list[str]:
   return big
 
 
-@pytest.mark.parametrize("name,inter_group,job_batch", [
-    ("ssp", "peer", 0), ("gssp", "global", 0), ("bsp", "peer", 0), ("ssp", "peer", 1)])
+@pytest.mark.parametrize("name,inter_group,job_batch,unroll", [
+    ("ssp", "peer", 0, False), ("gssp", "global", 0, False), ("bsp", "peer", 0, False),
+    ("ssp", "peer", 1, False), ("gssp", "global", 1, True)])
 def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inter_group,
-                                                                      job_batch):
+                                                                      job_batch, unroll):
   """Compiled HLO of a 16-worker chunk: static-trip loops only, and no ``[W, P]``-sized copy;
-  also with its jobs one at a time (``job_batch=1``: a ``lax.map``, a loop of 16 steps).
+  also with its jobs one at a time (``job_batch=1``: 16 jobs traced in turn) and with the
+  pieces unrolled as on a CPU (then the only loops are the pieces' round scans, one each).
 
   A conditional (or a loop whose trip count is data) is a round trip to the
   host on a GPU; a copy of a ``[W, P]`` buffer per round would cost what
@@ -529,7 +543,7 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
                       replicas=min(replicas, scheme.num_replicas))
   state, run, layout = helpers.level_runner(loss_fn, None, tx, 4, 4, scheme, params, ms,
                                             jax.random.key(1), shape=shape, job_shape=(8,),
-                                            job_batch=job_batch)
+                                            job_batch=job_batch, unroll_pieces=unroll)
   planner = run.runner.planner
   _add_jobs_for(planner, num_workers)
   planner.flush(jobs=True)
@@ -542,6 +556,9 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   loops = [line for line in text.splitlines() if " while(" in line]
   assert loops and all('"known_trip_count"' in line for line in loops), loops
   assert not _copies_at_least(text, num_workers * layout.num_params)
+  round_scans = sum(f'"known_trip_count":{{"n":"{shape.rounds}"}}' in line for line in loops)
+  # Unrolled: no loop over pieces, each piece's round scan a loop of its own; else one, nested.
+  assert round_scans == (shape.pieces if unroll else 1), loops
 
 
 def test_a_chunk_crosses_as_one_int32_buffer_and_unpacks_to_its_rows_exactly():

@@ -108,8 +108,8 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
   executors compute the same function of the same inputs.
 
   ``job_batch``: how many of the ``J`` slots one ``vmap`` computes together;
-  the piece runs them as a sequential ``lax.map`` of such batches (1: one job
-  at a time, no ``vmap``). 0, or ``J`` and more: every slot in one ``vmap``.
+  the piece runs such batches one after another, unrolled (1: one job at a
+  time, no ``vmap``). 0, or ``J`` and more: every slot in one ``vmap``.
   A ``vmap`` over per-worker weights turns a convolution into a grouped one,
   a slow path on XLA:CPU (``map_jobs``). The jobs are independent, so the
   value is the same function either way; its float rounding may differ
@@ -168,14 +168,25 @@ def jobs_per_vmap(job_batch: int, slots: int) -> int:
 
 def map_jobs(one_job: Callable, xs: tuple, job_batch: int):
   """``one_job`` over the leading axis of every leaf of ``xs`` (its arguments; None: an absent
-  state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`)."""
+  state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`).
+
+  The batches are traced one after another (unrolled), not as a ``lax.map``: on XLA:CPU a
+  convolution inside a loop body takes a slow path (jax#12868; LeNet-5's level executor ran
+  3.2x slower through a ``lax.map`` of one job at a time, ``benchmarks/serial_loop.py``), and
+  the jobs are independent, so unrolled they also run side by side on the CPU's cores.
+  """
   slots = jax.tree.leaves(xs)[0].shape[0]
   batch = jobs_per_vmap(job_batch, slots)
   if batch == slots:
     return jax.vmap(one_job)(*xs)
-  if batch == 1:   # no vmap at all (lax.map's batch_size=1 would still vmap each job)
-    return jax.lax.map(lambda x: one_job(*x), xs)
-  return jax.lax.map(lambda x: one_job(*x), xs, batch_size=batch)
+  outs = []
+  for start in range(0, slots, batch):
+    part = jax.tree.map(lambda x: x[start:start + batch], xs)
+    if batch == 1:   # no vmap at all: a plain (dense) convolution
+      outs.append(jax.tree.map(lambda y: y[None], one_job(*jax.tree.map(lambda x: x[0], part))))
+    else:
+      outs.append(jax.vmap(one_job)(*part))
+  return jax.tree.map(lambda *ys: jnp.concatenate(ys), *outs)
 
 
 def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,
@@ -285,7 +296,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
                   local: executor.LocalJob | None = None,
                   on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
-                  job_batch: int = 0):
+                  job_batch: int = 0, unroll_pieces: bool = False):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
@@ -293,7 +304,9 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   those packed into one int32 buffer (:func:`pack`). ``done`` is a copy
   of the loss count, an output the host can wait on (the state is donated to
   the next call). ``on_trace`` is called each time it is traced. ``job_batch``:
-  :func:`jobs_body`'s.
+  :func:`jobs_body`'s. ``unroll_pieces``: the ``L`` pieces traced one after another instead
+  of a ``lax.scan`` over them (the CPU's choice: :func:`map_jobs`); the same function, a
+  program ``L`` times the size.
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
                    grad_clip=grad_clip, local=local, job_batch=job_batch)
@@ -313,7 +326,12 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
       s = jobs(s, arrays, job)
       s, _ = jax.lax.scan(round_step, s, rows)
       return s, None
-    state, _ = jax.lax.scan(piece, state, (plan["jobs"], plan["rounds"]))
+    xs = (plan["jobs"], plan["rounds"])
+    if unroll_pieces:   # no piece's jobs inside a loop body (see map_jobs)
+      for i in range(shape.pieces):
+        state, _ = piece(state, jax.tree.map(lambda x: x[i], xs))
+    else:
+      state, _ = jax.lax.scan(piece, state, xs)
     return state, state.loss_count + 0
   return jax.jit(chunk, donate_argnums=(0,))
 

@@ -14,8 +14,10 @@ compiled program (``sim/chunk.py``), while the host plans the next.
   most two are queued. Between evaluations nothing is read back from the
   device and no eager operation runs.
 * Device: one program per run (every shape is fixed), a ``lax.scan`` over
-  pieces, each a ``vmap`` of its jobs then a ``lax.scan`` of its rounds, with
-  masks and padding instead of conditionals, on flat ``[W, P]`` buffers.
+  pieces (on a CPU the pieces unrolled: :func:`unrolled_for`), each a ``vmap``
+  of its jobs (on a CPU one job at a time, unrolled) then a ``lax.scan`` of its
+  rounds, with masks and padding instead of conditionals, on flat ``[W, P]``
+  buffers.
 
 :func:`choose_shape` sizes the pieces from the run's own opening (a dry run of
 its timeline, deterministic, so a resumed run picks the same shape).
@@ -38,6 +40,7 @@ from gssp_jax.sync import rounds as rounds_lib
 MAX_JOB_SLOTS = 64     # default cap of J: a piece's jobs are one vmap (its activations in memory)
 MAX_PIECES = 64        # L: pieces per device call, at most
 DEFAULT_PIECES = 16    # L when the config leaves it to the run (levels_per_call=0)
+UNROLLED_PIECES = 2    # the same where pieces are unrolled (a CPU: unrolled_for), L x J jobs traced
 
 
 class LevelRunner:
@@ -59,6 +62,7 @@ class LevelRunner:
     round_fields: the protocol's ``Protocol.round_fields`` (``Planner``'s).
     one_exchange: the protocol's ``Protocol.one_exchange_per_round`` (``Planner``'s).
     job_batch: job slots one ``vmap`` computes together (``chunk.jobs_body``; 0: all).
+    unroll_pieces: the chunk's pieces unrolled (``chunk.make_chunk_fn``; :func:`unrolled_for`).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
@@ -67,7 +71,7 @@ class LevelRunner:
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
                local: executor.LocalJob | None = None, make_jobs=None,
                round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
-               job_batch: int = 0):
+               job_batch: int = 0, unroll_pieces: bool = False):
     self.shape, self.job_batch = shape, int(job_batch)
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
@@ -83,7 +87,8 @@ class LevelRunner:
     self.chunk_fn = chunk_lib.make_chunk_fn(layout, loss_fn, compressor, tx, dense_bytes,
                                             stats_bytes, num_workers, num_replicas, shape,
                                             grad_clip=grad_clip, local=local, on_trace=count,
-                                            packing=self.packing, job_batch=job_batch)
+                                            packing=self.packing, job_batch=job_batch,
+                                            unroll_pieces=unroll_pieces)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
@@ -148,7 +153,7 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                      stats_bytes: int, num_workers: int, num_replicas: int, num_groups: int,
                      shape: chunk_lib.Shape, job_shape: tuple, route: np.ndarray, *,
                      grad_clip: float = 0.0, local: executor.LocalJob | None = None,
-                     job_batch: int = 0):
+                     job_batch: int = 0, unroll_pieces: bool = False):
   """``(state, arrays, steps) -> state`` over a flat state: ``executor.make_round_runner``'s contract.
 
   The jobs still pending after the last step run before it returns, so its
@@ -159,7 +164,8 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                        dense_bytes=dense_bytes, stats_bytes=stats_bytes,
                        num_workers=num_workers, num_replicas=num_replicas,
                        num_groups=num_groups, shape=shape, job_shape=job_shape, route=route,
-                       grad_clip=grad_clip, local=local, job_batch=job_batch)
+                       grad_clip=grad_clip, local=local, job_batch=job_batch,
+                       unroll_pieces=unroll_pieces)
 
   def run(state: executor.SimState, arrays, steps: Sequence[executor.Step]):
     for step in steps:
@@ -247,8 +253,8 @@ def job_slots_for(job_slots: int, num_workers: int) -> int:
 
 def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
                  num_replicas: int, bounds: tuple[int, int], job_slots: int = 0,
-                 pieces: int = 0, rounds_per_evaluation: float | None = None
-                 ) -> chunk_lib.Shape:
+                 pieces: int = 0, rounds_per_evaluation: float | None = None,
+                 default_pieces: int = DEFAULT_PIECES) -> chunk_lib.Shape:
   """The chunk shape for a run whose opening is ``rounds`` (see :func:`profile`).
 
   * ``J`` (``job_slots``, 0: ``min(W, MAX_JOB_SLOTS)``).
@@ -258,8 +264,9 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
     pull-only slots), at least ``W / Rr``: a round in which everyone pulls
     fits one piece.
   * ``Ka``, ``Kr``: the protocol's declared bounds (``Protocol.round_bounds``).
-  * ``L`` (``pieces``, 0: ``DEFAULT_PIECES``, fewer where an evaluation
-    interval holds fewer pieces, so short runs do not pad their chunks).
+  * ``L`` (``pieces``, 0: ``default_pieces``, fewer where an evaluation
+    interval holds fewer pieces, so short runs do not pad their chunks;
+    ``UNROLLED_PIECES`` where the pieces are unrolled, :func:`unrolled_for`).
   """
   W = num_workers
   J = job_slots_for(job_slots, W)
@@ -269,7 +276,7 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
   Ka, Kr = bounds
   L = pieces
   if not L:
-    L = DEFAULT_PIECES
+    L = default_pieces
     if rounds_per_evaluation:
       pieces_per_evaluation = rounds_per_evaluation / max(float(np.mean(per_piece)), 1.0)
       L = min(L, _power_of_two_at_least(pieces_per_evaluation / 2))
@@ -292,10 +299,19 @@ def job_batch_for(job_batch: int, backend: str) -> int:
   return 1 if backend == "cpu" else 0
 
 
-def describe(shape: chunk_lib.Shape, job_batch: int = 0) -> str:
-  """One line of a chunk shape and its job batch (:func:`job_batch_for`), for the run's log."""
+def unrolled_for(backend: str) -> bool:
+  """Whether a chunk's pieces are unrolled (``chunk.make_chunk_fn``'s ``unroll_pieces``): on a
+  CPU, where a convolution in a loop body takes a slow path (``chunk.map_jobs``); an
+  accelerator keeps the ``lax.scan`` over pieces (a program ``L`` times smaller)."""
+  return backend == "cpu"
+
+
+def describe(shape: chunk_lib.Shape, job_batch: int = 0, unrolled: bool = False) -> str:
+  """One line of a chunk shape, its job batch (:func:`job_batch_for`) and whether its pieces
+  are unrolled (:func:`unrolled_for`), for the run's log."""
   per_vmap = chunk_lib.jobs_per_vmap(job_batch, shape.jobs)
   batch = "all in one vmap" if per_vmap == shape.jobs else f"{per_vmap} at a time"
-  return (f"{shape.pieces} pieces per call, each {shape.jobs} job slots ({batch}) and "
+  return (f"{shape.pieces} pieces per call ({'unrolled' if unrolled else 'a scan'}), each "
+          f"{shape.jobs} job slots ({batch}) and "
           f"{shape.rounds} round slots; per round {shape.arrivals} arrival, {shape.pulls} pull "
           f"and {shape.replicas} replica slots")

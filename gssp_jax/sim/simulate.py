@@ -420,24 +420,28 @@ class Simulation:
     config, W, scheme = self.config, self.W, self.scheme
     protocol = scheme.make_protocol()
     rounds, rounds_per_push = self._opening()
+    backend = jax.default_backend()
+    unroll = levels.unrolled_for(backend)
     shape = levels.choose_shape(
         rounds, np.arange(W), num_workers=W, num_replicas=scheme.num_replicas,
         bounds=protocol.round_bounds(), job_slots=config.get("level_job_slots", 0),
         pieces=config.get("levels_per_call", 0),
-        rounds_per_evaluation=rounds_per_push * self.eval_pushes)
+        rounds_per_evaluation=rounds_per_push * self.eval_pushes,
+        default_pieces=levels.UNROLLED_PIECES if unroll else levels.DEFAULT_PIECES)
     job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
-    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), jax.default_backend())
+    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), backend)
     self.feed = levels.LevelRunner(
         layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
         dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
         num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
-        one_exchange=protocol.one_exchange_per_round, job_batch=job_batch)
+        one_exchange=protocol.one_exchange_per_round, job_batch=job_batch,
+        unroll_pieces=unroll)
     self.host["layout"] = "flat"
-    logging.info("levels executor: %s", levels.describe(shape, job_batch))
+    logging.info("levels executor: %s", levels.describe(shape, job_batch, unroll))
 
   def _traffic(self, push_payload) -> traffic_lib.Traffic:
     """The run's ``traffic.Traffic`` with pushes of ``push_payload(worker, iteration)`` bytes."""
