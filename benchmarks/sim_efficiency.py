@@ -26,8 +26,8 @@ first time one occurs), so compilations can fall inside the measured span: the
 compilations in it (tracing, lowering, XLA) are counted and timed
 (``jax.monitoring``), and the rate is printed twice, as run and without that time
 and the checkpoint saves inside the span ("steady"; the saves' and the evaluations'
-seconds in the span are printed: a run checkpoints at every evaluation by default,
-``train.checkpoint_every``, and a 16-worker ResNet-18 state is about 2 GB). A short run (small
+seconds in the span are printed: by default a run checkpoints after an evaluation every 600 wall
+seconds, ``train.checkpoint_every_seconds``; a 16-worker ResNet-18 state is about 2 GB). A short run (small
 ``--epochs``) with many compilations in its span measures mostly compilation. The header
 names the backend, the device and whether XLA's deterministic-ops flag is set.
 Peak memory is the process's maximum resident set size.

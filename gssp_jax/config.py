@@ -92,9 +92,12 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
   """The keys of the run itself: its seed, its size, the training loop's ``train.*``."""
   if not isinstance(config.seed, int) or isinstance(config.seed, bool):
     checks.fail("seed", config.seed, "an integer")
-  for key in ("num_workers", "batch_size", "train.checkpoint_every", "train.max_checkpoints",
-              "train.log_every"):
+  for key in ("num_workers", "batch_size", "train.max_checkpoints", "train.log_every"):
     checks.positive(config, key, int)
+  every = config.train.checkpoint_every
+  if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+    checks.fail("train.checkpoint_every", every,
+                "an integer >= 0 (evaluations between checkpoints; 0 = not by count)")
   for key in ("train.num_epochs", "train.eval_every"):
     checks.positive(config, key)
   for key in ("train.target_accuracy", "train.target_bleu", "train.stop_after_updates"):
@@ -106,13 +109,20 @@ def _check_run(config: ml_collections.ConfigDict) -> None:
                 "a fraction in [0, 1] (0 = no target)")
   for key, off in (("virtual_budget", "0 = off: the run lasts train.num_epochs"),
                    ("eval_every_seconds", "0 = off: evaluations every train.eval_every epochs")):
-    seconds = config.train.get(key, 0.0)
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-        or not 0 <= seconds < math.inf):
-      checks.fail(f"train.{key}", seconds, f"a finite number of virtual seconds >= 0 ({off})")
+    _check_seconds(config, key, f"a finite number of virtual seconds >= 0 ({off})")
+  _check_seconds(config, "checkpoint_every_seconds",
+                 "a finite number of wall seconds >= 0 (0 = no checkpoints by time)")
   if config.data.train_size and config.data.train_size < config.num_workers:
     checks.fail("data.train_size", config.data.train_size,
                 f"0 (all) or at least num_workers={config.num_workers}")
+
+
+def _check_seconds(config: ml_collections.ConfigDict, key: str, allowed: str) -> None:
+  """``train.{key}`` is a finite number >= 0 (0 when absent: a config recorded before it)."""
+  seconds = config.train.get(key, 0.0)
+  if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+      or not 0 <= seconds < math.inf):
+    checks.fail(f"train.{key}", seconds, allowed)
 
 
 def _check_budget(config: ml_collections.ConfigDict) -> None:

@@ -202,7 +202,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.virtual_budget = 0.0
   c.train.target_accuracy = 0.0   # vision: time_to_target interpolates to it (0 = none)
   c.train.target_bleu = 0.0       # translation: likewise for BLEU
-  c.train.checkpoint_every = 1    # evaluations between checkpoints (the final state is always saved)
+  # Checkpoints, after an evaluation: once this many wall seconds have passed since the last
+  # save (or the session's start; 0 = never by time), and at every multiple of checkpoint_every
+  # evaluations (0 = never by count). The end of a run, Ctrl-C and SIGTERM always save.
+  c.train.checkpoint_every_seconds = 600.0
+  c.train.checkpoint_every = 0
   c.train.max_checkpoints = 2
   c.train.log_every = 200         # updates between progress lines (chunk length cap)
   c.train.stop_after_updates = 0  # stop (checkpointed, resumable) after this many updates (0 = never)

@@ -44,7 +44,8 @@ UNHEALTHY = ("collapsed", "diverged")   # never count as reaching the target
 # Keys that say where data comes from or how a run is checkpointed and logged, not what it
 # computes: two runs differing only in them are the same setting.
 _BOOKKEEPING_KEYS = ("data_dir", "data_download", "data_url", "train.checkpoint_every",
-                     "train.max_checkpoints", "train.log_every", "train.stop_after_updates")
+                     "train.checkpoint_every_seconds", "train.max_checkpoints",
+                     "train.log_every", "train.stop_after_updates")
 
 
 def _grid_record(workdir: str) -> dict | None:

@@ -479,7 +479,8 @@ def test_a_server_restart_is_rejoined_within_two_seconds_and_losing_every_mesh_e
   config_flags = ["--config.num_workers=2", "--config.sync.scheme=asp",
                   "--config.cluster.profile=none", "--config.train.num_epochs=100.0",
                   "--config.train.eval_every=0.25", "--config.dist.heartbeat_timeout=2.0",
-                  "--config.dist.all_lost_timeout=4.0"]
+                  "--config.dist.all_lost_timeout=4.0",
+                  "--config.train.checkpoint_every=1"]   # a checkpoint before the kill
   server_flags = ["--role=server", f"--server_address={address}"]
   procs = []
   try:

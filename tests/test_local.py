@@ -181,7 +181,7 @@ def test_async_local_sgd_levels_equal_rounds_and_a_resume_is_exact(tmp_path, dat
                    tmp_path / "levels")
   _assert_same_run(levels, rounds, rtol=1e-4)
 
-  config = _config("async_local_sgd", data_dir, **_ASYNC2)
+  config = _config("async_local_sgd", data_dir, **_ASYNC2, **{"train.checkpoint_every": 1})
   config.train.stop_after_updates = whole["totals"]["pushes"] // 2 + 1   # between evaluations
   first, _ = _run(config, tmp_path / "split")
   assert first["status"] == "stopped"

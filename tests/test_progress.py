@@ -37,9 +37,10 @@ def _evaluate_loaded(workdir):
 
 def test_a_script_run_shows_progress_logs_and_resumes_tensorboard_without_repeats(
     tmp_path, data_dir, capsys, monkeypatch):
-  # Evaluations at updates 1, 2, 3, 4; a checkpoint every second one. Ctrl-C right after the
-  # third evaluation was written: the resumed run redoes it from the checkpoint at update 2.
-  config = _small(data_dir, **{"train.checkpoint_every": 2})
+  # Evaluations at updates 1, 2, 3, 4; a checkpoint every second one, none by time. Ctrl-C right
+  # after the third evaluation was written: the resumed run redoes it from the checkpoint at 2.
+  config = _small(data_dir, **{"train.checkpoint_every": 2,
+                               "train.checkpoint_every_seconds": 0.0})
   progress = executors.FusedBSP.progress
 
   def interrupted_at_3(self, record):

@@ -364,7 +364,7 @@ def test_same_config_same_metrics_bit_for_bit(tmp_path, data_dir):
 
 @pytest.mark.parametrize("scheme", ["ssp", "gssp"])
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, data_dir, scheme):
-  config = _sim_config(scheme)
+  config = _sim_config(scheme, **{"train.checkpoint_every": 1})
   config.data_dir = data_dir
   loop.train_and_evaluate(config, str(tmp_path / "whole"))
   # 64 pushes in all, evaluations (and checkpoints) every 16. Stop cleanly at 21 ...

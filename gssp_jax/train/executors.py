@@ -77,7 +77,7 @@ class Executor(Protocol):
 
   @property
   def evaluations(self) -> int:
-    """Evaluations so far (checkpointed), for ``train.checkpoint_every``."""
+    """Evaluations so far (checkpointed), for ``train.checkpoint_every`` (the loop's cadence)."""
 
   def progress(self, record: dict[str, Any]) -> str:
     """The progress line logged after ``record``."""

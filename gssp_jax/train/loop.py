@@ -5,14 +5,17 @@ checkpoints into ``workdir``; a rerun with the same workdir resumes from the
 latest checkpoint and reproduces the uninterrupted run bit for bit (all metrics
 but ``wall_time``). The executor (``train/executors.py``) is picked by
 ``config.executor``; the loop only reads as its steps: build the run, advance
-to the next evaluation, evaluate, write the metrics, checkpoint when due.
+to the next evaluation, evaluate, write the metrics, checkpoint when due
+(``should_checkpoint``: by wall time and by evaluation count; always at the end
+and on a signal).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Collection
+import time
+from typing import Any, Callable, Collection
 
 from absl import logging
 import ml_collections
@@ -43,9 +46,25 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *,
   return executors_lib.make_executor(config, task, workdir)
 
 
+def should_checkpoint(evaluations: int, every: int, seconds_since_save: float,
+                      every_seconds: float) -> bool:
+  """Whether the loop saves after its ``evaluations``-th evaluation (the end and signals always do).
+
+  Args:
+    evaluations: evaluations so far, this one included (counted across resumes).
+    every: ``train.checkpoint_every``: save at its multiples (0 = not by count).
+    seconds_since_save: wall seconds since the last save, or since the session started.
+    every_seconds: ``train.checkpoint_every_seconds``: save once this many have passed (0 = not
+      by time).
+  """
+  by_count = every > 0 and evaluations % every == 0
+  by_time = every_seconds > 0 and seconds_since_save >= every_seconds
+  return by_count or by_time
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       allow_unread: Collection[str] = (), progress: bool = True
-                       ) -> dict[str, Any]:
+                       allow_unread: Collection[str] = (), progress: bool = True,
+                       clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint); returns the summary.
 
   Progress lines (one per evaluation, with the metric and an ETA) are logged,
@@ -59,13 +78,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     allow_unread: sync keys a sweep's base config sets for its other trials
       (``config.validate_config``); empty for a single run.
     progress: False keeps the console quiet (``log.txt`` is written anyway).
+    clock: wall seconds, for ``train.checkpoint_every_seconds`` (tests pass their own).
   """
   config_lib.validate_config(config, allow_unread=allow_unread)   # no workdir for a bad config
   with observe.run_output(workdir, progress), interrupt.deferred():
-    return _train_and_evaluate(config, workdir, allow_unread)
+    return _train_and_evaluate(config, workdir, allow_unread, clock)
 
 
-def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir, allow_unread, clock) -> dict[str, Any]:
   env = environment.describe()
   logging.info(environment.one_line(env))
   executor = build_run(config, workdir, allow_unread=allow_unread)
@@ -73,6 +93,8 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
   position = executor.restore()
   history = workdir_lib.restart_metrics(metrics_path, position, key=executor.position_key)
   board = observe.MetricWriter(workdir, executor.position_key, history)
+  every_seconds = config.train.get("checkpoint_every_seconds", 0.0)   # absent: recorded before it
+  saved_at = clock()   # the session's start: what it restored is on disk
   status = "failed"  # until the loop says otherwise; the summary records why a run ended
   try:
     while not executor.finished() and not interrupt.requested():
@@ -83,8 +105,10 @@ def _train_and_evaluate(config, workdir, allow_unread) -> dict[str, Any]:
       board.write(record)
       history.append(record)
       logging.info(executor.progress(record))
-      if executor.evaluations % config.train.checkpoint_every == 0:
+      if should_checkpoint(executor.evaluations, config.train.checkpoint_every,
+                           clock() - saved_at, every_seconds):
         executor.save()
+        saved_at = clock()
     executor.save()
     if interrupt.requested() and not executor.finished():   # else the signal came as it ended
       _interrupted(executor, workdir, interrupt.requested())
