@@ -10,7 +10,9 @@ gradient, one dispatch each. That **serial loop** is measured here with the run'
 model, loss, batch and optimizer (``tasks.make_task``, ``optim.make_optimizer`` from the
 same config): one jitted step takes one batch of ``batch_size`` from the training set,
 already on the device, computes its gradient and applies the optimizer; its rate is
-gradients per second over ``--serial_seconds`` after a warm-up, best of three.
+gradients per second over ``--serial_seconds`` after a warm-up, best of three, measured
+before and after each scheme's simulated runs (this VM's speed drifts by tens of percent
+within minutes): the ratios divide by the mean of the two, and both are printed.
 
 Each scheme then runs through ``train_and_evaluate`` (``benchmarks.sim_efficiency``'s
 config: a ``tiers`` cluster (1, 1.5, 2, 3), 4 groups, a 500-example test split, four
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gssp_jax.sync import local as local_lib
 from gssp_jax.train import executors
 from gssp_jax.train import optim
 from gssp_jax.train import tasks
@@ -47,27 +50,28 @@ from benchmarks import sim_rates
 TINY_MODEL = "benchmarks/tiny_model.py:Linear"
 TARGETS = {"tiny": 0.5, "lenet5": 1.2}       # of the serial loop, SSP and GSSP, `auto`, as run
 TARGET_SCHEMES = ("ssp", "gssp")
+LOCAL_STEPS = 4                              # local.steps of the local-update schemes
 
-_MODELS = flags.DEFINE_list("models", ["tiny", "lenet5"], "tiny (benchmarks/tiny_model.py) "
-                            "and/or lenet5")
-_WORKERS = flags.DEFINE_list("workers", ["16"], "worker counts")
-_SCHEMES = flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp", "async_local_sgd"], "schemes")
-_EXECUTORS = flags.DEFINE_list("executors", ["auto", "rounds", "levels"], "executors")
-_EPOCHS = flags.DEFINE_float("epochs", 0.5, "epochs simulated per run")
-_SERIAL_SECONDS = flags.DEFINE_float("serial_seconds", 10.0, "seconds of each serial-loop "
-                                     "measurement (best of three)")
-_LOCAL_STEPS = flags.DEFINE_integer("local_steps", 4, "local.steps of the local-update schemes")
+def _define_flags() -> None:
+  """The benchmark's flags, defined only when it runs (``sim_efficiency``, which other
+  benchmarks import, has flags of the same names)."""
+  flags.DEFINE_list("models", ["tiny", "lenet5"], "tiny (benchmarks/tiny_model.py) and/or lenet5")
+  flags.DEFINE_list("workers", ["16"], "worker counts")
+  flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp", "async_local_sgd"], "schemes")
+  flags.DEFINE_list("executors", ["auto", "rounds", "levels"], "executors")
+  flags.DEFINE_float("epochs", 0.5, "epochs simulated per run")
+  flags.DEFINE_float("serial_seconds", 10.0, "seconds of each serial-loop measurement (best of "
+                     "three)")
+  flags.DEFINE_integer("local_steps", LOCAL_STEPS, "local.steps of the local-update schemes")
 
-LOCAL_SCHEMES = ("local_sgd", "diloco", "async_local_sgd", "halos")
-
-
-def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float):
+def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float,
+               local_steps: int = LOCAL_STEPS):
   """The simulated run's config: ``sim_efficiency``'s, with the model and local steps set."""
   config = sim_rates.run_config("lenet5", 1.0, executor, scheme, workers, epochs)
   if model == "tiny":
     config.model = TINY_MODEL
-  if scheme in LOCAL_SCHEMES:
-    config.local.steps = _LOCAL_STEPS.value
+  if local_lib.is_local(scheme):
+    config.local.steps = local_steps
   return config
 
 
@@ -115,17 +119,14 @@ def serial_rate(config, seconds: float) -> float:
 
 
 def simulated_rates(config, clock) -> dict:
-  """``sim_rates.simulated``'s rates in gradients/s (local steps counted as gradients)."""
+  """``sim_rates.simulated``'s rates in gradients/s (a local step is a gradient)."""
   r = sim_rates.simulated(config, clock)
-  per_push = config.local.steps if config.sync.scheme in LOCAL_SCHEMES else 1
-  scale = per_push / config.batch_size
-  return {**r, "rate": r["rate"] * scale, "steady": r["steady"] * scale}
+  return {**r, "rate": r["rate"] / config.batch_size, "steady": r["steady"] / config.batch_size}
 
 
-def executors_to_run(config_for) -> list[tuple[str, str]]:
+def executors_to_run(config_for, listed) -> list[tuple[str, str]]:
   """(label, executor) per ``--executors``; ``auto`` labelled with what it resolves to and
   dropped where that executor is listed too (it would be the same run)."""
-  listed = list(_EXECUTORS.value)
   out = []
   for name in listed:
     if name == "auto":
@@ -140,32 +141,37 @@ def executors_to_run(config_for) -> list[tuple[str, str]]:
 
 def main(argv):
   del argv
-  for m in _MODELS.value:
+  f = flags.FLAGS
+  for m in f.models:
     if m not in TARGETS:
       raise app.UsageError(f"--models: {m!r} is invalid; allowed: {', '.join(TARGETS)}")
   print(common.describe_backend())
-  print(f"{_EPOCHS.value} epochs per simulated run; serial loop best of three over "
-        f"{_SERIAL_SECONDS.value:g} s; local-update schemes {_LOCAL_STEPS.value} local steps a push")
+  print(f"{f.epochs} epochs per simulated run; serial loop best of three over "
+        f"{f.serial_seconds:g} s; local-update schemes {f.local_steps} local steps a push")
   clock = sim_rates.CompileClock()
   jax.monitoring.register_event_duration_secs_listener(clock)
-  print("| model | workers | scheme | executor | serial loop gradients/s | simulated gradients/s,"
+  print("| model | workers | scheme | executor | serial loop gradients/s (before, after) |"
+        " simulated gradients/s,"
         " as run | ratio as run | steady | ratio steady | compilations in the span (s) |"
         " saves, evaluations (s) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
   ratios = {}
-  for model in _MODELS.value:
-    for w in map(int, _WORKERS.value):
-      auto = executors.executor_name(sim_config(model, "ssp", w, "auto", _EPOCHS.value))
-      for scheme in _SCHEMES.value:
-        config_for = lambda ex: sim_config(model, scheme, w, ex, _EPOCHS.value)  # pylint: disable=cell-var-from-loop
-        serial = serial_rate(config_for("auto"), _SERIAL_SECONDS.value)
-        for label, ex in executors_to_run(config_for):
-          r = simulated_rates(config_for(ex), clock)
+  for model in f.models:
+    for w in map(int, f.workers):
+      auto = executors.executor_name(sim_config(model, "ssp", w, "auto", f.epochs))
+      for scheme in f.schemes:
+        config_for = lambda ex: sim_config(model, scheme, w, ex, f.epochs, f.local_steps)  # pylint: disable=cell-var-from-loop
+        before = serial_rate(config_for("auto"), f.serial_seconds)
+        runs = [(label, ex, simulated_rates(config_for(ex), clock))
+                for label, ex in executors_to_run(config_for, f.executors)]
+        after = serial_rate(config_for("auto"), f.serial_seconds)
+        serial = (before + after) / 2   # the VM's speed drifts: the loop on both sides of the runs
+        for label, ex, r in runs:
           resolved = auto if ex == "auto" else ex
           ratios[(model, w, scheme, resolved)] = r["rate"] / serial
           print(f"| {model} | {w} | {scheme} | {label}{' (auto)' if ex == resolved == auto else ''} |"
-                f" {serial:,.0f} | {r['rate']:,.0f} | {r['rate'] / serial:.2f} |"
-                f" {r['steady']:,.0f} | {r['steady'] / serial:.2f} |"
+                f" {serial:,.0f} ({before:,.0f}, {after:,.0f}) | {r['rate']:,.0f} |"
+                f" {r['rate'] / serial:.2f} | {r['steady']:,.0f} | {r['steady'] / serial:.2f} |"
                 f" {r['compiles']} ({r['compile_s']:.1f}) | {r['save_s']:.1f}, {r['eval_s']:.1f} |",
                 flush=True)
       for scheme in TARGET_SCHEMES:
@@ -177,4 +183,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

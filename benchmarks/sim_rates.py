@@ -17,6 +17,7 @@ from configs import cifar10_vgg19
 from configs import mnist_lenet5
 from gssp_jax import config as config_lib
 from gssp_jax.sim import simulate
+from gssp_jax.sync import local as local_lib
 from gssp_jax.train import executors
 from gssp_jax.train import loop
 from gssp_jax.train import tasks
@@ -153,6 +154,21 @@ def _phases() -> PhaseClock:
                      (tasks.TranslationTask, "evaluate", "evaluate")])
 
 
+def samples_per_push(config) -> int:
+  """Training samples behind one push: ``batch_size``, times ``local.steps`` for a local-update
+  scheme (each local step is a gradient on a batch).
+
+  Raises:
+    ValueError: ``local.dylu``, where a push's steps differ by worker.
+  """
+  if not local_lib.is_local(config.sync.scheme):
+    return config.batch_size
+  if config.local.dylu:
+    raise ValueError("local.dylu=True: a push's local steps differ by worker; measure with "
+                     "local.dylu=False")
+  return config.local.steps * config.batch_size
+
+
 def simulated(config, clock: CompileClock) -> dict:
   """Runs ``config``; returns its rates between its first and last evaluation.
 
@@ -176,7 +192,7 @@ def simulated(config, clock: CompileClock) -> dict:
       watcher.join()
     lines = [json.loads(l) for l in open(path)]
   first, last = lines[0], lines[-1]
-  samples = (last["pushes"] - first["pushes"]) * config.batch_size
+  samples = (last["pushes"] - first["pushes"]) * samples_per_push(config)
   span = last["wall_time"] - first["wall_time"]
   compiles, compile_s = clock.between(times[0], times[-1]) if times else (0, 0.0)
   save_s = phases.between("save", times[0], times[-1]) if times else 0.0

@@ -155,3 +155,27 @@ def test_level_memory_measures_a_run_built_abstractly(data_dir, monkeypatch):
   assert (one["job_batch"], every["job_batch"]) == (1, 4)
   assert one["arguments"] == every["arguments"] > 2 * 4 * 61_706 * 4
   assert every["temporaries"] > one["temporaries"] > 0
+
+
+def test_a_local_update_push_counts_its_local_steps_as_samples():
+  """The simulator benchmarks' rates: a local-update push is ``local.steps`` batches; DyLU, whose
+  steps differ by worker, is refused rather than miscounted."""
+  config = sim_rates.run_config("lenet5", 1.0, None, "ssp", 16, 0.5)
+  assert sim_rates.samples_per_push(config) == config.batch_size
+  config = sim_rates.run_config("lenet5", 1.0, None, "async_local_sgd", 16, 0.5)
+  config.local.steps = 4
+  assert sim_rates.samples_per_push(config) == 4 * config.batch_size
+  config.local.dylu = True
+  with pytest.raises(ValueError, match="local.dylu=True"):
+    sim_rates.samples_per_push(config)
+
+
+def test_the_serial_loop_trains_the_configs_model_one_step_per_gradient(data_dir):
+  """``serial_loop``'s reference: the config's model (a user's, by file) and optimizer, one
+  jitted step per gradient; its rate is positive and its config names the tiny model."""
+  from benchmarks import serial_loop   # pylint: disable=g-import-not-at-top (defines flags)
+  config = serial_loop.sim_config("tiny", "gssp", 4, "levels", 0.1)
+  assert config.model == serial_loop.TINY_MODEL and config.executor == "levels"
+  config.data_dir = data_dir
+  config.data.train_size = 2048
+  assert serial_loop.serial_rate(config, 0.3) > 0
