@@ -154,7 +154,7 @@ def main(argv):
     stats = fill(runner)
     times = np.asarray(clock.times[min(f.skip, len(clock.times) - 1):])
     print(f"model {f.model}, scheme {scheme}, {workers} workers: "
-          f"{levels.describe(runner.shape, runner.job_batch)}")
+          f"{levels.describe(runner.shape, runner.job_batch, runner.unroll_pieces)}")
     print(f"{stats['pieces']} pieces in {stats['chunks']} chunks; jobs per piece "
           f"{stats['jobs_per_piece']:.2f} ({stats['job_fill']:.0%} of the slots), rounds per "
           f"piece {stats['rounds_per_piece']:.2f} ({stats['round_fill']:.0%})")

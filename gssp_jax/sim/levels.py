@@ -72,7 +72,7 @@ class LevelRunner:
                local: executor.LocalJob | None = None, make_jobs=None,
                round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
                job_batch: int = 0, unroll_pieces: bool = False):
-    self.shape, self.job_batch = shape, int(job_batch)
+    self.shape, self.job_batch, self.unroll_pieces = shape, int(job_batch), unroll_pieces
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
                                        num_replicas=num_replicas, num_groups=num_groups,
