@@ -20,6 +20,7 @@
 # slots; "memory33" (below): the chunk program's device memory. "chunks33" (about
 # 3.5 minutes): benchmarks.chunk_profile's device time per piece and top kernels, ResNet-18
 # and LeNet-5 at 16 workers, LeNet-5 at 256.
+# "serial60 batched60": issue 60's (below).
 # "claims35": issue 35's CIFAR-10 study run on the GPU, its finished trials brought back (below).
 # Stages run in priority order, each with its own time limit, all within BUDGET seconds; each
 # stage's stdout goes to $OUT/<stage>.txt as it runs (so a cut stage keeps what it printed),
@@ -107,6 +108,16 @@ want slots33 && stage slots33 130 $P benchmarks.sim_efficiency --model=resnet18 
 # minute: compiled, not run): ResNet-18 at 16 and 256 workers, every job slot in one vmap.
 want memory33 && stage memory33 90 $P benchmarks.level_memory --model=resnet18 --workers=16,256 \
     --one_vmap
+# Issue 60 ("serial60 batched60", about 8 minutes): the simulator as run against the serial
+# loop on the same card (target >= 3x: SSP and GSSP, LeNet-5 at 16 and 256 workers, ResNet-18 at
+# 16; the loop measured before and after each scheme) and against the batched step (target 0.2
+# as run); then one :full ResNet-18 trial (the "full" stage), BSP and GSSP.
+want serial60 && stage serial60 200 $P benchmarks.serial_loop --models=lenet5 --workers=16,256 \
+    --schemes=ssp,gssp --executors=auto --epochs=0.5 --serial_seconds=3
+want serial60 && stage serial60 150 $P benchmarks.serial_loop --models=resnet18 --workers=16 \
+    --schemes=ssp,gssp --executors=auto --epochs=0.1 --serial_seconds=3
+want batched60 && stage batched60 120 $P benchmarks.sim_efficiency --workers=16,256 \
+    --schemes=ssp,gssp --epochs=0.5
 want proxies33 && stage proxies33 45 $P benchmarks.sim_overhead --parts=proxies --workers=16 \
     --schemes=ssp,gssp
 if want tests33; then

@@ -23,12 +23,14 @@ evaluations, compilations and checkpoint saves included; the **steady** rate bes
 leaves out the compilations and saves inside that span. A local-update scheme's gradient
 is one local step (``local.steps`` per push, ``--local_steps``).
 
-Models: ``lenet5`` (``configs/mnist_lenet5.py``) and ``tiny``, a researcher's own model
+Models: ``lenet5`` (``configs/mnist_lenet5.py``), ``resnet18`` (``configs/cifar10_resnet18.py``)
+and ``tiny``, a researcher's own model
 named by file (``benchmarks/tiny_model.py:Linear``, one dense layer on MNIST: a gradient
 that costs next to nothing, so what is measured is the simulator's own cost per gradient).
 
 Targets (issue 60), printed after the table: with the executor ``auto`` picks, SSP and GSSP
-at 16 workers at least 0.5 of the serial loop with ``tiny`` and 1.2 with ``lenet5``, as run.
+at 16 workers at least 0.5 of the serial loop with ``tiny`` and 1.2 with ``lenet5`` on a CPU,
+as run; 3 on an accelerator.
 """
 
 import time
@@ -48,14 +50,18 @@ from benchmarks import common
 from benchmarks import sim_rates
 
 TINY_MODEL = "benchmarks/tiny_model.py:Linear"
-TARGETS = {"tiny": 0.5, "lenet5": 1.2}       # of the serial loop, SSP and GSSP, `auto`, as run
+# Of the serial loop, SSP and GSSP at 16 workers, `auto`, as run: on a CPU by model; on an
+# accelerator 3x for every model (issue 60).
+TARGETS = {"tiny": 0.5, "lenet5": 1.2, "resnet18": 1.2}
+ACCELERATOR_TARGET = 3.0
 TARGET_SCHEMES = ("ssp", "gssp")
 LOCAL_STEPS = 4                              # local.steps of the local-update schemes
 
 def _define_flags() -> None:
   """The benchmark's flags, defined only when it runs (``sim_efficiency``, which other
   benchmarks import, has flags of the same names)."""
-  flags.DEFINE_list("models", ["tiny", "lenet5"], "tiny (benchmarks/tiny_model.py) and/or lenet5")
+  flags.DEFINE_list("models", ["tiny", "lenet5"], "tiny (benchmarks/tiny_model.py), lenet5, "
+                    "resnet18 (CIFAR-10)")
   flags.DEFINE_list("workers", ["16"], "worker counts")
   flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp", "async_local_sgd"], "schemes")
   flags.DEFINE_list("executors", ["auto", "rounds", "levels"], "executors")
@@ -67,7 +73,8 @@ def _define_flags() -> None:
 def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float,
                local_steps: int = LOCAL_STEPS):
   """The simulated run's config: ``sim_efficiency``'s, with the model and local steps set."""
-  config = sim_rates.run_config("lenet5", 1.0, executor, scheme, workers, epochs)
+  config = sim_rates.run_config("resnet18" if model == "resnet18" else "lenet5", 1.0, executor,
+                                scheme, workers, epochs)
   if model == "tiny":
     config.model = TINY_MODEL
   if local_lib.is_local(scheme):
@@ -177,9 +184,10 @@ def main(argv):
       for scheme in TARGET_SCHEMES:
         got = ratios.get((model, w, scheme, auto))
         if got is not None and w == 16:
-          verdict = "met" if got >= TARGETS[model] else "NOT met"
+          target = TARGETS[model] if jax.default_backend() == "cpu" else ACCELERATOR_TARGET
+          verdict = "met" if got >= target else "NOT met"
           print(f"target: {model}, {scheme}, {w} workers, `auto` ({auto}), as run: {got:.2f} of "
-                f"the serial loop, target >= {TARGETS[model]}: {verdict}")
+                f"the serial loop, target >= {target}: {verdict}")
 
 
 if __name__ == "__main__":

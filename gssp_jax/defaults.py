@@ -60,17 +60,22 @@ def default_config() -> ml_collections.ConfigDict:
   # dependency levels; for accelerators, also runs on a CPU).
   c.executor = "auto"
   # levels executor: pieces (dependency levels) per device call, a power of two up to 64, or 0 =
-  # chosen by the run (16, fewer when an evaluation interval holds fewer). It sets only how
-  # often the host dispatches: a resumed run may change it.
+  # chosen by the run (16 on an accelerator, 2 on a CPU, where each piece is traced into the
+  # program; fewer when an evaluation interval holds fewer). It sets only how often the host
+  # dispatches: a resumed run may change it.
   c.levels_per_call = 0
   # levels executor: job slots per piece (the gradients of one vmap), 1..num_workers, or 0 =
   # min(num_workers, 64). Bounds the activations in memory (ResNet-18 at 256 workers).
   c.level_job_slots = 0
-  # levels executor: job slots computed together in one vmap; a piece's slots run as a
-  # sequential lax.map of such batches. 1..num_workers, or 0 = chosen by the run: 1 on a CPU
+  # levels executor: job slots computed together in one vmap; a piece's slots run as such
+  # batches one after another. 1..num_workers, or 0 = chosen by the run: 1 on a CPU
   # (a vmap over weight copies makes convolutions grouped ones, XLA:CPU's slow path), every
   # slot at once on an accelerator.
   c.level_job_batch = 0
+  # levels executor: local devices one simulation uses, 0 = all. A piece's job slots are split
+  # over them (level_job_slots must divide evenly), the state replicated on each; the results
+  # are those of one device. Each device holds the whole state. A resumed run may change it.
+  c.devices = 1
   c.num_workers = 4
   c.batch_size = 32      # per worker
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
 
@@ -97,7 +98,7 @@ def ravel_stats(layout: flat_lib.Layout, tree):
 
 def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_bytes: int,
               stats_bytes: int, num_workers: int, *, grad_clip: float = 0.0,
-              local: executor.LocalJob | None = None, job_batch: int = 0):
+              local: executor.LocalJob | None = None, job_batch: int = 0, mesh=None):
   """``(state, arrays, jobs) -> state``: one piece's jobs (pure).
 
   ``jobs`` holds ``workers [J]`` (padding: ids >= W), ``idx [J, B]`` (a
@@ -114,6 +115,10 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
   a slow path on XLA:CPU (``map_jobs``). The jobs are independent, so the
   value is the same function either way; its float rounding may differ
   (a grouped convolution sums in another order).
+
+  ``mesh``: a one-axis ``jax.sharding.Mesh`` (``sim/devices.py``) over which the ``J`` slots
+  are split, ``J / D`` per device, each computed as on one device, then gathered (one
+  ``all_gather`` per output, per piece); None: one device.
   """
   executor.check_push_bytes(dense_bytes + stats_bytes, "the model's dense gradient and statistics")
   gradient = executor.make_worker_gradient(loss_fn, compressor, dense_bytes, grad_clip=grad_clip)
@@ -149,7 +154,8 @@ def jobs_body(layout: flat_lib.Layout, loss_fn: Callable, compressor, dense_byte
     inner = take(state.inner_state) if local is not None else None
     grad, new_ms, inner, comp, loss, nbytes = map_jobs(
         one_job, (state.worker_params[safe], take(state.worker_model_state), inner, comp,
-                  batch, keys, job["iters"], steps, job["ratios"], job["flushes"]), job_batch)
+                  batch, keys, job["iters"], steps, job["ratios"], job["flushes"]), job_batch,
+        mesh)
     return state.replace(
         grad_buf=put(state.grad_buf, grad),
         worker_model_state=put(state.worker_model_state, new_ms),
@@ -166,15 +172,25 @@ def jobs_per_vmap(job_batch: int, slots: int) -> int:
   return slots if not job_batch or job_batch >= slots else int(job_batch)
 
 
-def map_jobs(one_job: Callable, xs: tuple, job_batch: int):
+def map_jobs(one_job: Callable, xs: tuple, job_batch: int, mesh=None):
   """``one_job`` over the leading axis of every leaf of ``xs`` (its arguments; None: an absent
-  state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`).
+  state), ``job_batch`` at a time in one ``vmap`` (:func:`jobs_body`); with ``mesh``, each of
+  its devices maps its share of the slots and every device gets all results.
 
   The batches are traced one after another (unrolled), not as a ``lax.map``: on XLA:CPU a
   convolution inside a loop body takes a slow path (jax#12868; LeNet-5's level executor ran
   3.2x slower through a ``lax.map`` of one job at a time, ``benchmarks/serial_loop.py``), and
   the jobs are independent, so unrolled they also run side by side on the CPU's cores.
   """
+  if mesh is not None:
+    axis = mesh.axis_names[0]
+
+    def local(*part):   # this device's J / D slots, then everyone's results
+      out = map_jobs(one_job, part, job_batch)
+      return jax.tree.map(lambda y: jax.lax.all_gather(y, axis, tiled=True), out)
+    spec = jax.sharding.PartitionSpec(axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _ in xs),
+                         out_specs=jax.sharding.PartitionSpec(), check_vma=False)(*xs)
   slots = jax.tree.leaves(xs)[0].shape[0]
   batch = jobs_per_vmap(job_batch, slots)
   if batch == slots:
@@ -296,7 +312,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
                   local: executor.LocalJob | None = None,
                   on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
-                  job_batch: int = 0, unroll_pieces: bool = False):
+                  job_batch: int = 0, unroll_pieces: bool = False, mesh=None):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
@@ -306,10 +322,12 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   the next call). ``on_trace`` is called each time it is traced. ``job_batch``:
   :func:`jobs_body`'s. ``unroll_pieces``: the ``L`` pieces traced one after another instead
   of a ``lax.scan`` over them (the CPU's choice: :func:`map_jobs`); the same function, a
-  program ``L`` times the size.
+  program ``L`` times the size. ``mesh``: the devices a piece's jobs are split over
+  (:func:`jobs_body`); the state, the arrays and the plan are replicated on all of them, and so
+  is every round.
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
-                   grad_clip=grad_clip, local=local, job_batch=job_batch)
+                   grad_clip=grad_clip, local=local, job_batch=job_batch, mesh=mesh)
   one_round = executor.round_body(tx)
 
   def chunk(state: executor.SimState, arrays, plan):
@@ -333,7 +351,9 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
     else:
       state, _ = jax.lax.scan(piece, state, xs)
     return state, state.loss_count + 0
-  return jax.jit(chunk, donate_argnums=(0,))
+  if mesh is None:
+    return jax.jit(chunk, donate_argnums=(0,))
+  return jax.jit(chunk, donate_argnums=(0,), out_shardings=devices_lib.replicated(mesh))
 
 
 def padded_ids(count: int, num: int) -> np.ndarray:

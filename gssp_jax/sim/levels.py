@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from gssp_jax.sim import chunk as chunk_lib
+from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
 from gssp_jax.sim import planner as planner_lib
@@ -63,6 +64,8 @@ class LevelRunner:
     one_exchange: the protocol's ``Protocol.one_exchange_per_round`` (``Planner``'s).
     job_batch: job slots one ``vmap`` computes together (``chunk.jobs_body``; 0: all).
     unroll_pieces: the chunk's pieces unrolled (``chunk.make_chunk_fn``; :func:`unrolled_for`).
+    mesh: the devices a piece's jobs are split over (``sim/devices.py``), or None for one; the
+      state and arrays passed in must be replicated on it (``devices.place``).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
@@ -71,8 +74,9 @@ class LevelRunner:
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
                local: executor.LocalJob | None = None, make_jobs=None,
                round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
-               job_batch: int = 0, unroll_pieces: bool = False):
+               job_batch: int = 0, unroll_pieces: bool = False, mesh=None):
     self.shape, self.job_batch, self.unroll_pieces = shape, int(job_batch), unroll_pieces
+    self.mesh = mesh
     self.traces = 0
     self.planner = planner_lib.Planner(shape, num_workers=num_workers,
                                        num_replicas=num_replicas, num_groups=num_groups,
@@ -88,7 +92,7 @@ class LevelRunner:
                                             stats_bytes, num_workers, num_replicas, shape,
                                             grad_clip=grad_clip, local=local, on_trace=count,
                                             packing=self.packing, job_batch=job_batch,
-                                            unroll_pieces=unroll_pieces)
+                                            unroll_pieces=unroll_pieces, mesh=mesh)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
@@ -118,7 +122,8 @@ class LevelRunner:
       return state
     for chunk in self.planner.take():
       plan = chunk_lib.pack(self.packing, chunk.device_tree())
-      state, done = self.chunk_fn(state, arrays, jax.device_put(plan))
+      plan = jax.device_put(plan) if self.mesh is None else devices_lib.place(plan, self.mesh)
+      state, done = self.chunk_fn(state, arrays, plan)
       if self._previous is not None:
         self._previous.block_until_ready()
       self._previous = done

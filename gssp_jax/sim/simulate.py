@@ -37,6 +37,7 @@ from gssp_jax import sync
 from gssp_jax.data import sharding
 from gssp_jax.sim import chunk as chunk_lib
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
 from gssp_jax.sim import levels
@@ -351,7 +352,10 @@ class Simulation:
     config, task, W, R = self.config, self.task, self.W, self.scheme.num_replicas
     inner = self.local.inner if self.local else None
     self.layout = None
+    self.mesh = None
     if runner == "levels":
+      self.mesh = devices_lib.mesh_for(devices_lib.count(config.get("devices", 1),
+                                                         jax.local_device_count()))
       self.layout = layout = flat_lib.make_layout(self.params, self.model_state)
       self.tx = local_lib.server_chain(config, self.scheme.transform, R,
                                        inner_view=flat_view(config, layout))
@@ -373,8 +377,9 @@ class Simulation:
       self.state = jax.eval_shape(init, self.params, self.model_state, self.train_rng)
       self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.train)
       return
-    self.state = jax.jit(init)(self.params, self.model_state, self.train_rng)
-    self.arrays = jax.device_put(task.train)
+    self.state = devices_lib.place(jax.jit(init)(self.params, self.model_state, self.train_rng),
+                                   self.mesh)
+    self.arrays = devices_lib.place(jax.device_put(task.train), self.mesh)
     if config.cluster.calibrate:
       state = self.state if runner == "rounds" else executor.init_state(
           self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
@@ -431,6 +436,8 @@ class Simulation:
     job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
+    if self.mesh is not None:
+      devices_lib.check_slots(self.mesh.size, shape.jobs)
     job_batch = levels.job_batch_for(config.get("level_job_batch", 0), backend)
     self.feed = levels.LevelRunner(
         layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
@@ -439,7 +446,7 @@ class Simulation:
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
         one_exchange=protocol.one_exchange_per_round, job_batch=job_batch,
-        unroll_pieces=unroll)
+        unroll_pieces=unroll, mesh=self.mesh)
     self.host["layout"] = "flat"
     logging.info("levels executor: %s", levels.describe(shape, job_batch, unroll))
 
@@ -486,7 +493,7 @@ class Simulation:
             f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
             f" --config.executor={written}")
       state, _ = self.checkpointer.restore(latest, self.state)
-      self.state = jax.device_put(state)
+      self.state = devices_lib.place(jax.device_put(state), self.mesh)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links)

@@ -27,6 +27,7 @@ from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
+from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sync import legs
 from gssp_jax.train import checkpoint as ckpt_lib
 from gssp_jax.train import interrupt
@@ -117,9 +118,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
   """``levels_per_call`` (0 or a power of two up to 64), ``level_job_slots`` and
-  ``level_job_batch`` (each 0..W).
+  ``level_job_batch`` (each 0..W), ``devices`` (0 = all local devices, or 1..their count).
 
-  Either set (not 0) is an error unless the run uses the ``levels`` executor.
+  Any of them set (not 0; ``devices`` not 1) is an error unless the run uses the ``levels``
+  executor.
 
   Args:
     config: the run's config.
@@ -137,9 +139,13 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
     if (isinstance(count, bool) or not isinstance(count, int)
         or not 0 <= count <= config.num_workers):
       checks.fail(key, count, f"0 ({default}) or 1..num_workers ({config.num_workers})")
-  for key, set_value in (("levels_per_call", value), *counts.items()):
+  devices = config.get("devices", 1)
+  devices_lib.count(devices, jax.local_device_count())   # an int in range, else ValueError
+  for key, set_value in (("levels_per_call", value), *counts.items(), ("devices", devices != 1)):
     if not set_value:
       continue
+    if key == "devices":
+      set_value = devices
     name = executor_name(config, backend)
     if name != "levels":
       raise ValueError(f"config.{key}={set_value} cannot apply: it sets the levels executor, and"

@@ -18,7 +18,8 @@ from gssp_jax import defaults
 _RESUME_MUTABLE = ("train.stop_after_updates", "data_dir", "data_download", "data_url",
                    "train.checkpoint_every", "train.checkpoint_every_seconds",
                    "train.max_checkpoints", "train.log_every",
-                   "levels_per_call")   # the levels executor's dispatch size, not its pieces
+                   "levels_per_call",   # the levels executor's dispatch size, not its pieces
+                   "devices")           # where a piece's jobs run, not what they compute
 # Keys added after runs were recorded: a recorded config without one ran as its default does,
 # so it still resumes and a sweep does not count its trials as changed.
 _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since older runs
@@ -26,7 +27,7 @@ _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since ol
                "train.virtual_budget": 0.0, "train.eval_every_seconds": 0.0,
                "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each",
                "cluster.server_update_time": 0.0, "compress.compute_time": 0.0,
-               "train.checkpoint_every_seconds": 0.0}   # such a run saved by count only
+               "train.checkpoint_every_seconds": 0.0, "devices": 1}   # such a run saved by count only
 
 
 def _mutable(key: str) -> bool:
