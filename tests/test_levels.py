@@ -142,8 +142,9 @@ def _assert_same_state(got, want):
 
 def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_pushes=40,
              shapes=(None,), job_batches=(0,), unroll_pieces=False):
-  """The level runner (one per shape, and per job batch on the first shape; its pieces unrolled
-  with ``unroll_pieces``) against one run of the round runner."""
+  """The level runner (one per shape, and per job batch on the first shape; with
+  ``unroll_pieces``, its pieces unrolled where the job batch is not one vmap) against one run of
+  the round runner."""
   scheme, tx, compressor, state, arrays, loss_fn, dense, stats, params, ms = _setup(
       name, comp_name, batch_norm, inter_group)
   steps = _steps(scheme, max_pushes, comp_name != "none")
@@ -157,7 +158,7 @@ def _compare(name, comp_name="none", batch_norm=False, inter_group="peer", max_p
                                                    scheme, params, ms, jax.random.key(3),
                                                    shape=shape, job_shape=(B,),
                                                    job_batch=job_batch,
-                                                   unroll_pieces=unroll_pieces)
+                                                   unroll_pieces=unroll_pieces and job_batch != 0)
     with jax.default_matmul_precision("highest"):
       # Two calls, split mid-run: pending jobs are computed at the end of each.
       half = len(steps) // 2
@@ -201,25 +202,16 @@ def test_level_runner_equals_round_runner_compressed(name, comp_name):
   _compare(name, comp_name)
 
 
-# A piece's 4 job slots one at a time (lax.map) and 3 at a time (a vmap of 3, then the one
-# left), with BatchNorm statistics and GDTopK's error feedback carried through the map; GSSP
-# with GDTopK also all 4 at once (one vmap), against the same reference run.
+# A piece's 4 job slots one at a time and 3 at a time (a vmap of 3, then the one left), traced
+# in turn, in the CPU's program (levels.unrolled_for: the pieces unrolled too), with BatchNorm
+# statistics and GDTopK's error feedback carried through; GSSP with GDTopK also all 4 at once
+# (one vmap, the pieces in a scan), against the same reference run.
 @pytest.mark.parametrize("name,comp_name,job_batches", [("gssp", "gdtopk", (0, 1, 3)),
                                                         ("ssp", "none", (1, 3))],
                          ids=["gssp-gdtopk", "ssp-none"])
 @pytest.mark.slow
 def test_level_runner_equals_round_runner_with_jobs_one_or_some_at_a_time(name, comp_name,
                                                                           job_batches):
-  _compare(name, comp_name, batch_norm=True, job_batches=job_batches)
-
-
-# The CPU's program (levels.unrolled_for): each piece traced in turn, no scan over pieces, and
-# its jobs one at a time or 3 at a time, unrolled; with BatchNorm and GDTopK's error feedback.
-@pytest.mark.parametrize("name,comp_name,job_batches", [("gssp", "gdtopk", (1,)),
-                                                        ("ssp", "none", (1, 3))],
-                         ids=["gssp-gdtopk", "ssp-none"])
-@pytest.mark.slow
-def test_level_runner_equals_round_runner_with_pieces_unrolled(name, comp_name, job_batches):
   runs = _compare(name, comp_name, batch_norm=True, job_batches=job_batches, unroll_pieces=True)
   assert all(r.shape.pieces > 1 for r in runs)   # several pieces per call were unrolled
 
