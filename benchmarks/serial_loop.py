@@ -70,6 +70,7 @@ def _define_flags() -> None:
                      "three)")
   flags.DEFINE_integer("local_steps", LOCAL_STEPS, "local.steps of the local-update schemes")
 
+
 def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float,
                local_steps: int = LOCAL_STEPS):
   """The simulated run's config: ``sim_efficiency``'s, with the model and local steps set."""

@@ -53,5 +53,6 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
 
 
 def place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
-  """``tree`` replicated on every device of ``mesh`` (as it is for None)."""
-  return tree if mesh is None else jax.device_put(tree, replicated(mesh))
+  """``tree`` (host or device values) on the device, replicated on every device of ``mesh``
+  (None: ``jax.device_put``'s default device; a device value stays where it is)."""
+  return jax.device_put(tree) if mesh is None else jax.device_put(tree, replicated(mesh))

@@ -122,8 +122,7 @@ class LevelRunner:
       return state
     for chunk in self.planner.take():
       plan = chunk_lib.pack(self.packing, chunk.device_tree())
-      plan = jax.device_put(plan) if self.mesh is None else devices_lib.place(plan, self.mesh)
-      state, done = self.chunk_fn(state, arrays, plan)
+      state, done = self.chunk_fn(state, arrays, devices_lib.place(plan, self.mesh))
       if self._previous is not None:
         self._previous.block_until_ready()
       self._previous = done

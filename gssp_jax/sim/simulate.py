@@ -379,7 +379,7 @@ class Simulation:
       return
     self.state = devices_lib.place(jax.jit(init)(self.params, self.model_state, self.train_rng),
                                    self.mesh)
-    self.arrays = devices_lib.place(jax.device_put(task.train), self.mesh)
+    self.arrays = devices_lib.place(task.train, self.mesh)
     if config.cluster.calibrate:
       state = self.state if runner == "rounds" else executor.init_state(
           self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
@@ -493,7 +493,7 @@ class Simulation:
             f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
             f" --config.executor={written}")
       state, _ = self.checkpointer.restore(latest, self.state)
-      self.state = devices_lib.place(jax.device_put(state), self.mesh)
+      self.state = devices_lib.place(state, self.mesh)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
       self.host = records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links)

@@ -141,11 +141,10 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
       checks.fail(key, count, f"0 ({default}) or 1..num_workers ({config.num_workers})")
   devices = config.get("devices", 1)
   devices_lib.count(devices, jax.local_device_count())   # an int in range, else ValueError
-  for key, set_value in (("levels_per_call", value), *counts.items(), ("devices", devices != 1)):
-    if not set_value:
+  unset = {"devices": 1}   # the others' default is 0
+  for key, set_value in (("levels_per_call", value), *counts.items(), ("devices", devices)):
+    if set_value == unset.get(key, 0):
       continue
-    if key == "devices":
-      set_value = devices
     name = executor_name(config, backend)
     if name != "levels":
       raise ValueError(f"config.{key}={set_value} cannot apply: it sets the levels executor, and"

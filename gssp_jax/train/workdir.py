@@ -27,7 +27,8 @@ _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since ol
                "train.virtual_budget": 0.0, "train.eval_every_seconds": 0.0,
                "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each",
                "cluster.server_update_time": 0.0, "compress.compute_time": 0.0,
-               "train.checkpoint_every_seconds": 0.0, "devices": 1}   # such a run saved by count only
+               "train.checkpoint_every_seconds": 0.0,   # such a run saved by count only
+               "devices": 1}
 
 
 def _mutable(key: str) -> bool:
