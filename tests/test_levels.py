@@ -469,7 +469,7 @@ def test_choose_shape_sizes_the_pieces_from_the_opening():
     rounds.extend(engine.step())
   shape = levels.choose_shape(rounds, np.arange(16), num_workers=16, num_replicas=1,
                               bounds=(1, 1), rounds_per_evaluation=128)
-  per_piece, pulls = levels.profile(rounds, np.arange(16), 16, 16)
+  per_piece, pulls, _ = levels.profile(rounds, np.arange(16), 16, 16)
   assert shape.jobs == 16 and shape.arrivals == 1 and shape.replicas == 1
   assert shape.rounds >= np.percentile(per_piece, 90) and shape.rounds & (shape.rounds - 1) == 0
   assert shape.pulls >= np.percentile(pulls, 99) and shape.rounds * shape.pulls >= 16
@@ -477,6 +477,38 @@ def test_choose_shape_sizes_the_pieces_from_the_opening():
   fixed = levels.choose_shape(rounds, np.arange(16), num_workers=16, num_replicas=1,
                               bounds=(1, 1), job_slots=4, pieces=8)
   assert (fixed.jobs, fixed.pieces) == (4, 8)
+
+
+def _opening(name: str, num_workers: int = 16, pushes: int = 256, **kwargs) -> list:
+  times = np.repeat([1.0, 1.5, 2.0, 3.0], max(1, num_workers // 4))[:num_workers]
+  scheme = sync.build_scheme(name, num_workers, worker_times=times, **kwargs)
+  engine = sync.TimelineEngine(scheme.make_protocol(), lambda w, k: times[w], record=False)
+  rounds = []
+  while engine.num_pushes < pushes:
+    rounds.extend(engine.step())
+  return rounds
+
+
+def test_padding_costs_halves_the_job_slots_until_the_opening_fills_them():
+  """Where an empty job slot costs a gradient (a CPU), J is the largest of 16, 8, 4 whose pieces
+  the opening fills to ``JOB_FILL``: BSP's 16 jobs a round keep 16, GSSP's pieces (two thirds of
+  16 slots) get 8; ``job_slots`` set, or no padding cost, keep the old rule."""
+  workers = np.arange(16)
+  bsp, gssp = _opening("bsp"), _opening("gssp", num_groups=4)
+  assert levels.job_fill(bsp, workers, 16, 16) == 1.0
+  assert levels.job_fill(gssp, workers, 16, 16) < levels.JOB_FILL <= levels.job_fill(
+      gssp, workers, 16, 8)
+  choose = lambda rounds, **kw: levels.choose_shape(rounds, workers, num_workers=16,
+                                                    num_replicas=4, bounds=(1, 3), **kw)
+  assert choose(bsp, padding_costs=True).jobs == 16
+  shape = choose(gssp, padding_costs=True)
+  per_piece, _, jobs = levels.profile(gssp, workers, 16, 8)
+  assert shape.jobs == 8 and shape.rounds == np.ceil(np.percentile(per_piece, 90))
+  assert jobs.max() <= 8 and jobs.sum() / (8 * len(jobs)) >= levels.JOB_FILL
+  assert choose(gssp).jobs == 16 and choose(gssp, padding_costs=True, job_slots=16).jobs == 16
+  # Never below MIN_JOB_SLOTS (nor above W): DSSP fills 4, a 2-worker run keeps 2.
+  assert choose(_opening("dssp"), padding_costs=True).jobs == levels.MIN_JOB_SLOTS
+  assert levels.job_slots_filled(_opening("asp", num_workers=2), np.arange(2), 2) == 2
 
 
 # -- the compiled chunk program --------------------------------------------------------------

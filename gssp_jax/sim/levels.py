@@ -42,6 +42,8 @@ MAX_JOB_SLOTS = 64     # default cap of J: a piece's jobs are one vmap (its acti
 MAX_PIECES = 64        # L: pieces per device call, at most
 DEFAULT_PIECES = 16    # L when the config leaves it to the run (levels_per_call=0)
 UNROLLED_PIECES = 2    # the same where pieces are unrolled (a CPU: unrolled_for), L x J jobs traced
+JOB_FILL = 0.9         # where a padded job slot costs a whole gradient: the opening fills this much
+MIN_JOB_SLOTS = 4      # ... of J's slots, J halved down to this (job_slots_filled)
 
 
 class LevelRunner:
@@ -207,8 +209,8 @@ def chunk_memory(runner: LevelRunner, state, arrays) -> dict[str, int]:
 
 
 def profile(rounds: Sequence, first_jobs: np.ndarray, num_workers: int, job_slots: int
-            ) -> tuple[np.ndarray, np.ndarray]:
-  """Rounds per piece (unbounded) and pulls per round of a run's opening.
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Rounds per piece (unbounded), pulls per round and jobs per piece of a run's opening.
 
   Args:
     rounds: the opening's protocol rounds, in order (their ``arrived`` and ``pulls``).
@@ -217,33 +219,39 @@ def profile(rounds: Sequence, first_jobs: np.ndarray, num_workers: int, job_slot
     job_slots: J.
 
   Returns:
-    ``(rounds of each piece, pulls of each round)``.
+    ``(rounds of each piece, pulls of each round, jobs of each piece)``, the pieces the
+    opening closed (all of it, if it closed none).
   """
-  pieces = []
+  pieces, jobs_of = [], []
+  count = {"rounds": 0, "jobs": 0, "fresh": 0}   # the open piece's, and the next one's jobs
 
   def on_cut():
-    pieces.append(cutter_rounds[0])
-    cutter_rounds[0] = 0
-  cutter_rounds = [0]
+    pieces.append(count["rounds"])
+    jobs_of.append(count["jobs"])
+    count.update(rounds=0, jobs=count["fresh"], fresh=0)
   cutter = planner_lib.Cutter(num_workers, job_slots, None, on_cut)
 
   def jobs(workers: list):
     start = 0
     while start < len(workers):
-      own, count = cutter.place_jobs(workers[start:])
-      cutter.take_jobs(workers[start:start + count], own)
-      start += count
+      own, n = cutter.place_jobs(workers[start:])
+      cutter.take_jobs(workers[start:start + n], own)
+      count["jobs" if own else "fresh"] += n
+      start += n
   jobs(np.asarray(first_jobs).tolist())
   pulls = []
   for rnd in rounds:
     pulled = rnd.pulls.nonzero()[0].tolist()
     cutter.place_round(rnd.arrived.nonzero()[0].tolist() + pulled, 1)
     cutter.take_round(1)
-    cutter_rounds[0] += 1
+    count["rounds"] += 1
     pulls.append(len(pulled))
     if pulled:
       jobs(pulled)
-  return np.asarray(pieces or [cutter_rounds[0]], np.int64), np.asarray(pulls or [0], np.int64)
+  if not pieces:
+    pieces, jobs_of = [count["rounds"]], [count["jobs"]]
+  return (np.asarray(pieces, np.int64), np.asarray(pulls or [0], np.int64),
+          np.asarray(jobs_of, np.int64))
 
 
 def _power_of_two_at_least(n: float) -> int:
@@ -255,26 +263,62 @@ def job_slots_for(job_slots: int, num_workers: int) -> int:
   return int(job_slots) or min(num_workers, MAX_JOB_SLOTS)
 
 
+def job_fill(rounds: Sequence, first_jobs: np.ndarray, num_workers: int, job_slots: int) -> float:
+  """The share of the job slots the opening ``rounds``' pieces fill with ``job_slots`` per
+  piece (:func:`profile`)."""
+  jobs = profile(rounds, first_jobs, num_workers, job_slots)[2]
+  return float(jobs.sum()) / (len(jobs) * job_slots)
+
+
+def job_slots_filled(rounds: Sequence, first_jobs: np.ndarray, num_workers: int) -> int:
+  """J where a padded job slot costs a whole gradient (jobs one at a time: a CPU): the largest of
+  ``min(W, MAX_JOB_SLOTS)`` halved down to ``MIN_JOB_SLOTS`` whose opening fills ``JOB_FILL``
+  of the slots, else the smallest.
+
+  Every job slot of a piece is computed, used or not. With one ``vmap`` of them all an
+  accelerator computes the padding beside the jobs; one job at a time, a CPU pays a gradient
+  for each. At 16 workers on the tiers cluster GSSP's pieces filled 64 % of 16 slots (94 % of
+  8), and LeNet-5's GSSP ran 115 and 95 simulated gradients/s with 16 slots against 164 and 146
+  with 8, two interleaved runs (2-core CPU, 2026-12-07; ``docs/PERFORMANCE.md``, "Job slots on
+  a CPU"); fewer than 4 cost more in pieces than they save (SSP: 2 slots 160, 4 slots 194).
+  """
+  J = job_slots_for(0, num_workers)
+  smallest = min(MIN_JOB_SLOTS, J)
+  while J > smallest and job_fill(rounds, first_jobs, num_workers, J) < JOB_FILL:
+    J = max(smallest, J // 2)
+  return J
+
+
 def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
                  num_replicas: int, bounds: tuple[int, int], job_slots: int = 0,
                  pieces: int = 0, rounds_per_evaluation: float | None = None,
-                 default_pieces: int = DEFAULT_PIECES) -> chunk_lib.Shape:
+                 default_pieces: int = DEFAULT_PIECES, padding_costs: bool = False
+                 ) -> chunk_lib.Shape:
   """The chunk shape for a run whose opening is ``rounds`` (see :func:`profile`).
 
-  * ``J`` (``job_slots``, 0: ``min(W, MAX_JOB_SLOTS)``).
+  ``padding_costs``: an empty job slot costs a gradient, as on a CPU, where jobs run one at a
+  time; otherwise (one ``vmap`` of the jobs: an accelerator) the slots are sized to hold a
+  piece's jobs.
+
+  * ``J`` (``job_slots``; 0: ``min(W, MAX_JOB_SLOTS)``, or with ``padding_costs``
+    :func:`job_slots_filled`).
   * ``Rr``: the 90th percentile of the opening's rounds per piece (a longer
     piece is cut in two).
   * ``Kp``: the 99th percentile of pulls per round (more pulls take further
     pull-only slots), at least ``W / Rr``: a round in which everyone pulls
-    fits one piece.
+    fits one piece. (Sized instead by a cost model of pull and round slots, LeNet-5's SSP
+    levels ran no faster: ``docs/PERFORMANCE.md``.)
   * ``Ka``, ``Kr``: the protocol's declared bounds (``Protocol.round_bounds``).
   * ``L`` (``pieces``, 0: ``default_pieces``, fewer where an evaluation
     interval holds fewer pieces, so short runs do not pad their chunks;
     ``UNROLLED_PIECES`` where the pieces are unrolled, :func:`unrolled_for`).
   """
   W = num_workers
-  J = job_slots_for(job_slots, W)
-  per_piece, pulls = profile(rounds, first_jobs, W, J)
+  if job_slots or not padding_costs:
+    J = job_slots_for(job_slots, W)
+  else:
+    J = job_slots_filled(rounds, first_jobs, W)
+  per_piece, pulls, _ = profile(rounds, first_jobs, W, J)
   Rr = max(int(np.ceil(np.percentile(per_piece, 90))), 1)
   Kp = min(W, max(int(np.ceil(np.percentile(pulls, 99))), -(-W // Rr)))
   Ka, Kr = bounds

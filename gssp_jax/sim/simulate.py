@@ -427,18 +427,19 @@ class Simulation:
     rounds, rounds_per_push = self._opening()
     backend = jax.default_backend()
     unroll = levels.unrolled_for(backend)
+    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), backend)
     shape = levels.choose_shape(
         rounds, np.arange(W), num_workers=W, num_replicas=scheme.num_replicas,
         bounds=protocol.round_bounds(), job_slots=config.get("level_job_slots", 0),
         pieces=config.get("levels_per_call", 0),
         rounds_per_evaluation=rounds_per_push * self.eval_pushes,
-        default_pieces=levels.UNROLLED_PIECES if unroll else levels.DEFAULT_PIECES)
+        default_pieces=levels.UNROLLED_PIECES if unroll else levels.DEFAULT_PIECES,
+        padding_costs=job_batch == 1 and self.mesh is None)
     job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
     if self.mesh is not None:
       devices_lib.check_slots(self.mesh.size, shape.jobs)
-    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), backend)
     self.feed = levels.LevelRunner(
         layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
         dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
