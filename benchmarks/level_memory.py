@@ -1,7 +1,10 @@
 r"""The level executor's device memory, compiled and not run: does a run fit its card?
 
     python -m benchmarks.level_memory [--model=resnet18] [--workers=16,256] [--schemes=gssp] \
-        [--level_job_slots=0] [--level_job_batch=0] [--one_vmap]
+        [--level_job_slots=0] [--level_job_batch=0] [--one_vmap] [--devices=1]
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+        python -m benchmarks.level_memory --devices=1,4
 
 ``--model``, ``--width``, ``--workers``, ``--schemes``, ``--level_job_slots`` and
 ``--level_job_batch`` are ``benchmarks.sim_efficiency``'s flags (one run per value of each;
@@ -19,6 +22,10 @@ batch set to the run's job slots, in place of ``--level_job_batch``). Buffer ass
 convolutions also take cuDNN workspace, and its client reserves part of the card), so a
 CPU's figure is an estimate of a GPU's: the arguments are the same bytes, the temporaries
 are XLA:CPU's.
+
+``--devices``: ``config.devices`` per run (``sim/devices.py``; on a CPU, several devices need
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``). The figures are per device: a piece's
+job slots are split over the devices, and the state is replicated on each.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from benchmarks import sim_rates
 
 GIB = 2 ** 30
 
+_DEVICES = flags.DEFINE_list("devices", ["1"], "config.devices of each run (0: all local "
+                              "devices)")
 _ONE_VMAP = flags.DEFINE_bool("one_vmap", False, "every job slot of a piece in one vmap, as an "
                               "accelerator runs them (the job batch = the job slots)")
 
@@ -55,7 +64,8 @@ def measure(config) -> dict:
     finally:
       sim.close()
     return {**memory, "shape": sim.feed.shape, "job_batch": sim.feed.job_batch,
-            "params": sim.layout.num_params}
+            "params": sim.layout.num_params,
+            "devices": 1 if sim.mesh is None else sim.mesh.size}
 
 
 def main(argv):
@@ -63,12 +73,13 @@ def main(argv):
   f = flags.FLAGS
   print(common.describe_backend())
   print(f"model {f.model}" + (f" width {f.width}" if f.model in common.CNNS else ""))
-  print("| workers | scheme | job slots, job batch | parameters P | worker weights + gradients"
-        " (2 x W x P x 4) | arguments | temporaries | peak |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| workers | scheme | devices | job slots, job batch | parameters P | worker weights +"
+        " gradients (2 x W x P x 4) | arguments | temporaries | peak, per device |")
+  print("|---|---|---|---|---|---|---|---|---|")
   batches = [None] if _ONE_VMAP.value else list(map(int, f.level_job_batch))
-  for w, scheme, slots, batch in itertools.product(
-      map(int, f.workers), f.schemes, map(int, f.level_job_slots), batches):
+  for w, scheme, slots, batch, devices in itertools.product(
+      map(int, f.workers), f.schemes, map(int, f.level_job_slots), batches,
+      map(int, _DEVICES.value)):
     if batch is None:   # --one_vmap: the job slots the run will have
       batch = levels.job_slots_for(slots, w)
     try:
@@ -76,9 +87,10 @@ def main(argv):
                                          job_batch=batch, job_slots=slots)
     except ValueError as e:
       raise app.UsageError(str(e)) from None
+    config.devices = devices
     r = measure(config)
     per_vmap = chunk.jobs_per_vmap(r["job_batch"], r["shape"].jobs)
-    print(f"| {w} | {scheme} | {r['shape'].jobs}, {per_vmap} | {r['params']:,} |"
+    print(f"| {w} | {scheme} | {r['devices']} | {r['shape'].jobs}, {per_vmap} | {r['params']:,} |"
           f" {2 * w * r['params'] * 4 / GIB:.2f} GiB | {r['arguments'] / GIB:.2f} GiB |"
           f" {r['temporaries'] / GIB:.2f} GiB | {r['peak'] / GIB:.2f} GiB |", flush=True)
 

@@ -492,7 +492,7 @@ def _opening(name: str, num_workers: int = 16, pushes: int = 256, **kwargs) -> l
 def test_padding_costs_halves_the_job_slots_until_the_opening_fills_them():
   """Where an empty job slot costs a gradient (a CPU), J is the largest of 16, 8, 4 whose pieces
   the opening fills to ``JOB_FILL``: BSP's 16 jobs a round keep 16, GSSP's pieces (two thirds of
-  16 slots) get 8; ``job_slots`` set, or no padding cost, keep the old rule."""
+  16 slots) get 8; ``job_slots`` set, or no padding cost, keep ``min(W, 64)``."""
   workers = np.arange(16)
   bsp, gssp = _opening("bsp"), _opening("gssp", num_groups=4)
   assert levels.job_fill(bsp, workers, 16, 16) == 1.0
@@ -506,9 +506,13 @@ def test_padding_costs_halves_the_job_slots_until_the_opening_fills_them():
   assert shape.jobs == 8 and shape.rounds == np.ceil(np.percentile(per_piece, 90))
   assert jobs.max() <= 8 and jobs.sum() / (8 * len(jobs)) >= levels.JOB_FILL
   assert choose(gssp).jobs == 16 and choose(gssp, padding_costs=True, job_slots=16).jobs == 16
-  # Never below MIN_JOB_SLOTS (nor above W): DSSP fills 4, a 2-worker run keeps 2.
-  assert choose(_opening("dssp"), padding_costs=True).jobs == levels.MIN_JOB_SLOTS
+  # Never below MIN_JOB_SLOTS (nor above W): DSSP asked to fill 95 % gets 4, 2 workers keep 2.
+  dssp = _opening("dssp")
+  assert levels.job_slots_filled(dssp, workers, 16, fill=0.95) == levels.MIN_JOB_SLOTS
   assert levels.job_slots_filled(_opening("asp", num_workers=2), np.arange(2), 2) == 2
+  # Split over devices, J stays a multiple of their count: 16 devices keep GSSP's 16 slots.
+  assert [levels.job_slots_filled(gssp, workers, 16, multiple_of=d) for d in (4, 8, 16)] == [
+      8, 8, 16]
 
 
 # -- the compiled chunk program --------------------------------------------------------------

@@ -42,7 +42,7 @@ MAX_JOB_SLOTS = 64     # default cap of J: a piece's jobs are one vmap (its acti
 MAX_PIECES = 64        # L: pieces per device call, at most
 DEFAULT_PIECES = 16    # L when the config leaves it to the run (levels_per_call=0)
 UNROLLED_PIECES = 2    # the same where pieces are unrolled (a CPU: unrolled_for), L x J jobs traced
-JOB_FILL = 0.9         # where a padded job slot costs a whole gradient: the opening fills this much
+JOB_FILL = 0.8         # where a padded job slot costs a whole gradient: the opening fills this much
 MIN_JOB_SLOTS = 4      # ... of J's slots, J halved down to this (job_slots_filled)
 
 
@@ -270,21 +270,28 @@ def job_fill(rounds: Sequence, first_jobs: np.ndarray, num_workers: int, job_slo
   return float(jobs.sum()) / (len(jobs) * job_slots)
 
 
-def job_slots_filled(rounds: Sequence, first_jobs: np.ndarray, num_workers: int) -> int:
+def job_slots_filled(rounds: Sequence, first_jobs: np.ndarray, num_workers: int,
+                     multiple_of: int = 1, fill: float = JOB_FILL) -> int:
   """J where a padded job slot costs a whole gradient (jobs one at a time: a CPU): the largest of
-  ``min(W, MAX_JOB_SLOTS)`` halved down to ``MIN_JOB_SLOTS`` whose opening fills ``JOB_FILL``
-  of the slots, else the smallest.
+  ``min(W, MAX_JOB_SLOTS)`` halved down to ``MIN_JOB_SLOTS`` (and to multiples of
+  ``multiple_of``: the devices the slots are split over) whose opening fills ``fill`` of the
+  slots, else the smallest.
 
   Every job slot of a piece is computed, used or not. With one ``vmap`` of them all an
   accelerator computes the padding beside the jobs; one job at a time, a CPU pays a gradient
-  for each. At 16 workers on the tiers cluster GSSP's pieces filled 64 % of 16 slots (94 % of
-  8), and LeNet-5's GSSP ran 115 and 95 simulated gradients/s with 16 slots against 164 and 146
-  with 8, two interleaved runs (2-core CPU, 2026-12-07; ``docs/PERFORMANCE.md``, "Job slots on
-  a CPU"); fewer than 4 cost more in pieces than they save (SSP: 2 slots 160, 4 slots 194).
+  for each, and each piece costs its own rounds' loop. At 16 workers on the tiers cluster the
+  pieces of GSSP, ASP and async Local-SGD fill 64 % of 16 slots and 94 % of 8, SSP's 85 % of 16.
+  Measured on a 2-core CPU (2026-12-07, ``docs/PERFORMANCE.md``, "Job slots on a CPU"): 8 slots
+  for GSSP ran LeNet-5 at 0.78 of the serial loop against 0.55 with 16, and async Local-SGD at
+  1.04 against 0.67; 8 for SSP gained nothing on LeNet-5 (0.87 against 0.83) and lost on a
+  near-free model (0.54 against 0.78): hence ``JOB_FILL`` 0.8.
   """
   J = job_slots_for(0, num_workers)
   smallest = min(MIN_JOB_SLOTS, J)
-  while J > smallest and job_fill(rounds, first_jobs, num_workers, J) < JOB_FILL:
+
+  def can_halve(j):
+    return j > smallest and max(smallest, j // 2) % multiple_of == 0
+  while can_halve(J) and job_fill(rounds, first_jobs, num_workers, J) < fill:
     J = max(smallest, J // 2)
   return J
 
@@ -292,8 +299,8 @@ def job_slots_filled(rounds: Sequence, first_jobs: np.ndarray, num_workers: int)
 def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
                  num_replicas: int, bounds: tuple[int, int], job_slots: int = 0,
                  pieces: int = 0, rounds_per_evaluation: float | None = None,
-                 default_pieces: int = DEFAULT_PIECES, padding_costs: bool = False
-                 ) -> chunk_lib.Shape:
+                 default_pieces: int = DEFAULT_PIECES, padding_costs: bool = False,
+                 devices: int = 1) -> chunk_lib.Shape:
   """The chunk shape for a run whose opening is ``rounds`` (see :func:`profile`).
 
   ``padding_costs``: an empty job slot costs a gradient, as on a CPU, where jobs run one at a
@@ -301,7 +308,7 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
   piece's jobs.
 
   * ``J`` (``job_slots``; 0: ``min(W, MAX_JOB_SLOTS)``, or with ``padding_costs``
-    :func:`job_slots_filled`).
+    :func:`job_slots_filled`, a multiple of ``devices``).
   * ``Rr``: the 90th percentile of the opening's rounds per piece (a longer
     piece is cut in two).
   * ``Kp``: the 99th percentile of pulls per round (more pulls take further
@@ -317,7 +324,7 @@ def choose_shape(rounds: Sequence, first_jobs: np.ndarray, *, num_workers: int,
   if job_slots or not padding_costs:
     J = job_slots_for(job_slots, W)
   else:
-    J = job_slots_filled(rounds, first_jobs, W)
+    J = job_slots_filled(rounds, first_jobs, W, multiple_of=devices)
   per_piece, pulls, _ = profile(rounds, first_jobs, W, J)
   Rr = max(int(np.ceil(np.percentile(per_piece, 90))), 1)
   Kp = min(W, max(int(np.ceil(np.percentile(pulls, 99))), -(-W // Rr)))

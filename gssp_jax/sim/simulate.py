@@ -434,7 +434,7 @@ class Simulation:
         pieces=config.get("levels_per_call", 0),
         rounds_per_evaluation=rounds_per_push * self.eval_pushes,
         default_pieces=levels.UNROLLED_PIECES if unroll else levels.DEFAULT_PIECES,
-        padding_costs=job_batch == 1 and self.mesh is None)
+        padding_costs=job_batch == 1, devices=1 if self.mesh is None else self.mesh.size)
     job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
