@@ -65,7 +65,9 @@ def default_config() -> ml_collections.ConfigDict:
   # dispatches: a resumed run may change it.
   c.levels_per_call = 0
   # levels executor: job slots per piece (the gradients of one vmap), 1..num_workers, or 0 =
-  # min(num_workers, 64). Bounds the activations in memory (ResNet-18 at 256 workers).
+  # min(num_workers, 64), halved down to 4 where jobs run one at a time (a CPU) while the run's
+  # opening fills under 80 % of them (levels.job_slots_filled). Bounds the activations in memory
+  # (ResNet-18 at 256 workers).
   c.level_job_slots = 0
   # levels executor: job slots computed together in one vmap; a piece's slots run as such
   # batches one after another. 1..num_workers, or 0 = chosen by the run: 1 on a CPU

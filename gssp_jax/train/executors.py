@@ -1,15 +1,16 @@
 """Executors: what advances a run's state between evaluations; the loop drives any of them.
 
-``train/loop.py`` builds one executor from the config and then only calls the
-methods of :class:`Executor`. Two classes exist:
+``train/loop.py`` builds one executor from the config (:func:`make_executor`, the one place
+an executor name becomes an object; ``auto`` resolves by :func:`executor_name`) and then only
+calls the methods of :class:`Executor`. Three classes implement it:
 
 * ``fused``: BSP data-parallel training with no cluster, one jitted chunk of
   updates per call (:class:`FusedBSP`); no virtual time.
 * ``rounds`` and ``levels``: any scheme on the simulated cluster
   (``gssp_jax.sim.simulate.Simulation``), with one device call per round and
-  job set, or one batched call per dependency level (``sim/levels.py``).
-
-A real multi-process runtime plugs in as one more class with these methods.
+  its jobs, or one compiled call per chunk of dependency pieces (``sim/levels.py``).
+* ``dist``: the real runtime's control plane (``gssp_jax.runtime.server.DistServer``), the
+  meshes and shards running in processes of their own (``docs/REAL_RUNS.md``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
       or value & (value - 1)):
     checks.fail("levels_per_call", value, "0 (chosen by the run) or a power of two from 1 to 64")
   counts = {}
-  for key, default in (("level_job_slots", "min(num_workers, 64)"),
+  for key, default in (("level_job_slots", "chosen by the run, at most min(num_workers, 64)"),
                        ("level_job_batch", "chosen by the run")):
     counts[key] = count = config.get(key, 0)
     if (isinstance(count, bool) or not isinstance(count, int)
