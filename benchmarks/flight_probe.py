@@ -121,8 +121,8 @@ def main(argv):
   common.run_with_allocator("benchmarks.flight_probe",
                             dist_transport._ALLOCATOR.value)  # pylint: disable=protected-access
   try:
-    import pyarrow  # pylint: disable=g-import-not-at-top,unused-import
-    from pyarrow import flight  # pylint: disable=g-import-not-at-top,unused-import
+    import pyarrow  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+    from pyarrow import flight  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError as e:
     raise SystemExit(f"this probe needs pyarrow with Flight ({e}); pip install pyarrow") from None
   num_bytes = int(_MB.value * 1e6) // 4 * 4

@@ -35,7 +35,6 @@ import tempfile
 
 from absl import app
 from absl import flags
-import jax
 
 from gssp_jax.sim import chunk
 from gssp_jax.sim import levels

@@ -25,7 +25,6 @@ import time
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

@@ -35,7 +35,7 @@ from gssp_jax.sync import legs as legs_lib
 from gssp_jax.report_labels import column_order as _column_order
 from gssp_jax.report_labels import context as _context
 from gssp_jax.report_labels import label
-from gssp_jax.report_labels import short_labels
+from gssp_jax.report_labels import short_labels  # noqa: F401  (re-exported: report.short_labels)
 from gssp_jax.sweep import GRID_FILE
 from gssp_jax.train import health
 from gssp_jax.train import workdir as workdir_lib

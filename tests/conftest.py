@@ -8,7 +8,7 @@ import tempfile
 
 # Importing gssp_jax sets XLA's deterministic-ops flag (gssp_jax.xla_env) before any test
 # starts a jax backend, so the bit-for-bit rerun and resume tests hold on a GPU too.
-import gssp_jax  # pylint: disable=unused-import
+import gssp_jax  # noqa: F401  # pylint: disable=unused-import
 import jax
 import pytest
 

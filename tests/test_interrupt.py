@@ -127,7 +127,7 @@ def test_sigterm_to_the_cli_saves_a_checkpoint_and_says_how_to_resume(tmp_path, 
   # One line at the end, no traceback: where the checkpoint is and the command that resumes.
   assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
   last = out.strip().splitlines()[-1]
-  assert last.startswith(f"interrupted by SIGTERM at updates ") and (
+  assert last.startswith("interrupted by SIGTERM at updates ") and (
       f"; its checkpoint is in {workdir}/checkpoints. To resume, run the same command: "
       "python -m experiments.main --config=configs/mnist_lenet5.py:smoke") in last, last
   log = (workdir / "log.txt").read_text()

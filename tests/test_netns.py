@@ -14,7 +14,7 @@ import time
 import pytest
 
 import netns
-from netns import netns_hosts  # pylint: disable=unused-import  (the fixture)
+from netns import netns_hosts  # noqa: F401  # pylint: disable=unused-import  (the fixture)
 
 PORT = 5000  # inside the namespaces: no other process on the machine can hold it
 

@@ -289,9 +289,10 @@ def test_any_optax_optimizer_by_name_or_a_users_function_with_its_arguments():
       "optimizer.name": "lion", "optimizer.args": "b1=0.95, b2=0.98"}))
   ours = optim.make_optimizer(cfg, 10, 100)
   theirs = optax.lion(0.01, b1=0.95, b2=0.98)
+  s1, s2 = ours.init(params), theirs.init(params)
   for _ in range(3):   # the same steps, bit for bit
-    u1, s1 = ours.update(grads, ours.init(params) if _ == 0 else s1, params)
-    u2, s2 = theirs.update(grads, theirs.init(params) if _ == 0 else s2, params)
+    u1, s1 = ours.update(grads, s1, params)
+    u2, s2 = theirs.update(grads, s2, params)
     for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
       np.testing.assert_array_equal(a, b)
   # Weight decay: the run's L2 (added to the gradient), not the constructor's own.

@@ -43,7 +43,6 @@ import threading
 from typing import Any, Iterator
 
 import grpc
-import msgpack
 import numpy as np
 
 from gssp_jax.runtime import auth
@@ -56,7 +55,7 @@ _CODES = {code.name: code for code in grpc.StatusCode}
 def available() -> bool:
   """Whether ``pyarrow.flight`` can be imported here."""
   try:
-    from pyarrow import flight  # pylint: disable=g-import-not-at-top,unused-import
+    from pyarrow import flight  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     return False
   return True

@@ -157,7 +157,7 @@ def time_to(history: Sequence[dict], metric: str, target: float | None, *,
     if value >= target:
       if not interpolate or prev is None:
         return float(t)
-      (v0, t0), frac = prev, (target - prev[0]) / (value - prev[0])
+      (_, t0), frac = prev, (target - prev[0]) / (value - prev[0])
       return float(t0 + frac * (t - t0))
     prev = (value, t)
   return None
