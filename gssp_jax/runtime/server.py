@@ -58,7 +58,8 @@ Concurrency (what each thread owns; one lock orders the control plane):
   for snapshots and checkpoints.
 
 Lock order: ``self.lock`` may be held while taking a shard's lock (to stage a
-slice or enqueue an op: both brief); a shard never takes ``self.lock``, and no
+slice or enqueue an op: bookkeeping, which never waits behind a shard's dispatch
+or copy, ``runtime/shard.py``); a shard never takes ``self.lock``, and no
 thread holds ``self.lock`` while it calls another process or copies from a
 device (``ShardLinks.register`` closes a replaced shard's link after releasing
 it; snapshots are fetched after it). ``self.lock`` is a plain lock

@@ -24,14 +24,27 @@ stream in its own process, hold exactly the state one server would.
 
 Threads: gRPC handlers stage gradients, enqueue ops and read pulls; one
 applier thread applies ops. ``self.cond`` (one lock) orders the staged
-gradients, the op queue, the applied count and the device state: a ``put`` or
-a ``round`` is dispatched under it (it donates the state's buffers, which a
-pull may be reading), waited for outside it. A ``snap``'s or a ``save``'s host
-copy is taken outside it: the applier is the only thread that applies ops, so
-nothing donates the state while it copies, and the control plane's
-``stage`` (called under ``server.lock``) never waits behind a checkpoint's
-copy. Nothing here calls the control plane, so no lock is held across
-processes.
+gradients, the op queue, the applied count, the reference to the device state
+and two counts of who is using that state: ``_readers`` (pulls reading a row of
+it) and ``_busy`` (the applier dispatching an op that donates it). Under the
+lock only bookkeeping runs: no dispatch, no device-to-host read, no call.
+
+* A pull takes the state's reference and counts itself a reader under the
+  lock, once ``applied`` reaches its watermark and no donating op is being
+  dispatched; without the lock it computes its row (a buffer of its own) from
+  that state, uncounts once the row is computed, and copies the row to the host.
+* The applier starts a ``put`` or a ``round`` only when no pull is reading
+  (a read dispatched from one thread raced with a donation from another on the
+  CPU backend, jax 0.10.2, and returned updated rows), marks itself busy,
+  dispatches without the lock, then stores the new state and unmarks.
+* A ``snap``'s or a ``save``'s host copy is taken by the applier without the
+  lock too: it is the only thread that donates the state, and pulls only read.
+
+So a pull holds back a donating op only while its row is computed on the
+device (not while it is copied to the host or sent), never another mesh's
+staging, and the control plane's ``stage`` and ``enqueue`` (called under
+``server.lock``) take this lock only for bookkeeping. Nothing here calls the
+control plane, so no lock is held across processes.
 """
 
 from __future__ import annotations
@@ -155,6 +168,8 @@ class ShardCore:
     self._to_save: collections.deque = collections.deque()   # (step, host copy of the state)
     self.error: Exception | None = None
     self.stopped = False
+    self._readers = 0           # pulls reading a row of self.state (without the lock)
+    self._busy = False          # the applier dispatching an op that donates self.state
     self._thread: threading.Thread | None = None
     self._saver: threading.Thread | None = None
 
@@ -261,26 +276,37 @@ class ShardCore:
   def _run(self) -> None:
     while True:
       with self.cond:
-        while not self.ops and not self.stopped:
+        # A donating op waits for the pulls reading the state; a copy does not.
+        while not self.stopped and (not self.ops or (
+            self.ops[0]["k"] not in _COPIES and self._readers)):
           self.cond.wait()
         if self.stopped:
           return
         op = self.ops.popleft()
-        if op["k"] not in _COPIES:   # a put or a round donates the state: under the lock
-          if not self._applied(op, _error_of(lambda: self._apply(op))):
-            return
-          continue
         state = self.state
-      # A snapshot's or a checkpoint's host copy, outside the lock: no op runs meanwhile (this
-      # thread applies them all), so nothing donates the state it reads; pulls read it too, and
-      # stages and enqueues go on.
+        donates, taken = op["k"] not in _COPIES, None
+        if donates:
+          try:
+            taken = self._consume(op)   # a put's staged slice, under the lock
+          except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
+            self._applied(op, e)
+            return
+          self._busy = True
+      # Outside the lock: a put's or a round's dispatch (no pull reads the state it donates:
+      # they wait for _busy), or a snapshot's or a checkpoint's host copy (pulls read it too,
+      # stages and enqueues go on).
       try:
-        copy, error = self._copy(op, state), None
+        result, error = (self._dispatch(op, state, taken) if donates
+                         else self._copy(op, state)), None
       except Exception as e:  # pylint: disable=broad-except  (reported to every waiter)
-        copy, error = None, e
+        result, error = None, e
       with self.cond:
-        if error is None:
-          error = _error_of(lambda: self._keep(op, state, copy))
+        if donates:
+          self._busy = False
+          if error is None:
+            self.state = result
+        elif error is None:
+          error = _error_of(lambda: self._keep(op, state, result))
         if not self._applied(op, error):
           return
 
@@ -316,27 +342,40 @@ class ShardCore:
     else:   # the saver thread writes it
       self._to_save.append((op["step"], copy))
 
-  def _apply(self, op: dict) -> None:
+  def _consume(self, op: dict):
+    """Checks ``op`` (a ``put``, a ``round`` or a ``noop``); a ``put``'s staged slice
+    ``(grads, stats)`` is taken and returned (under ``self.cond``; raises ShardError). The op
+    itself is not changed: the control plane's other shards' links send the same dict."""
     kind = op["k"]
     if kind == "put":
       w, seq, digest = op["w"], op["seq"], op["d"][self.index]
-      held = self.staged.get(w, {})   # (under self.cond: _run applies a put holding it)
+      held = self.staged.get(w, {})
       if seq != self.consumed[w] + 1 or digest not in held:
         raise ShardError(f"shard {self.index}: push {seq} of mesh {w} was never staged here "
                          "with the digest the mesh sent")
-      grads, stats = held[digest]
       del self.staged[w]   # the other candidates (a stranger's, a restarted mesh's) go too
       self.consumed[w], self.consumed_digest[w] = seq, digest
+      return held[digest]
+    if kind not in ("round", "noop"):
+      raise ShardError(f"unknown op {kind!r}")
+    return None
+
+  def _dispatch(self, op: dict, state, taken):
+    """The state after ``op`` (``taken``: what :meth:`_consume` returned), dispatched, not
+    waited for; ``state`` is donated (no lock: only the applier runs it, while no pull reads
+    ``state``)."""
+    kind = op["k"]
+    if kind == "put":
+      grads, stats = taken
       tree = {param_key(i): g for i, g in zip(self.layout.leaves(self.index), grads)}
       stats_tree = {stats_key(i): x for i, x in enumerate(stats)}
-      self.state = self.put_fn(self.state, np.int32(w), tree, stats_tree,
-                               np.float32(op["loss"]), np.int32(op["bytes"]))
-    elif kind == "round":
+      return self.put_fn(state, np.int32(op["w"]), tree, stats_tree,
+                         np.float32(op["loss"]), np.int32(op["bytes"]))
+    if kind == "round":
       args = dict(op["args"])
       args["learning_rate"] = np.float32(op["lr"])
-      self.state = self.round_fn(self.state, args)
-    elif kind != "noop":
-      raise ShardError(f"unknown op {kind!r}")
+      return self.round_fn(state, args)
+    return state
 
   def _wait(self, predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
@@ -360,12 +399,18 @@ class ShardCore:
     if not 0 <= w < self.W:
       raise wire.BadMessage(f"mesh={w} is invalid; allowed: 0..{self.W - 1}")
     with self.cond:
-      self._wait(lambda: self.applied >= watermark, timeout, f"op {watermark}")
-      # Completed under the lock: on the CPU backend (jax 0.10.2) a read dispatched from this
-      # thread raced with the applier's next op, which donates the state's buffers, and
-      # returned the updated rows (measured: every real GSSP run trained on wrong weights).
-      row = np.asarray(self.row_fn(self.state, np.int32(w)))
-    return self.layout.segments(self.index, row)
+      self._wait(lambda: self.applied >= watermark and not self._busy, timeout, f"op {watermark}")
+      state = self.state
+      self._readers += 1   # the applier donates no state while a pull reads it (module doc)
+    try:   # without the lock: the row, a buffer of its own, computed from the state
+      row = self.row_fn(state, np.int32(w))
+      row.block_until_ready()
+    finally:
+      with self.cond:
+        self._readers -= 1
+        self.cond.notify_all()
+    # Its copy to the host reads the row alone: ops and other pulls go on meanwhile.
+    return self.layout.segments(self.index, np.asarray(row))
 
   def snapshot(self, snap_id: int, timeout: float) -> tuple[np.ndarray, dict]:
     """The served weights of snapshot ``snap_id`` (flat) and, on shard 0, its loss sums."""
