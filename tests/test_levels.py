@@ -698,8 +698,11 @@ def test_levels_executor_equals_rounds_in_the_training_loop(tmp_path, data_dir, 
 
 
 @pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
-def test_levels_executor_resumes_exactly_and_levels_per_call_changes_nothing(tmp_path, data_dir):
-  """An interrupted run resumes bit for bit; pieces per call (1 or 4) change no figure."""
+def test_levels_executor_resumes_exactly_and_levels_per_call_changes_nothing(tmp_path, data_dir,
+                                                                            monkeypatch):
+  """An interrupted run resumes bit for bit; pieces per call (1 or 4) change no figure. The
+  resumed run keeps the job slots its checkpoint was planned with, where its own rule would
+  pick others (another device count or backend, or a checkpoint from an older rule)."""
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   for n in (1, 4):
     loop.train_and_evaluate(_run_config("gssp", "none", executor="levels", data_dir=data_dir,
@@ -710,8 +713,18 @@ def test_levels_executor_resumes_exactly_and_levels_per_call_changes_nothing(tmp
   assert first["status"] == "stopped" and first["totals"]["pushes"] == 11
   config.train.stop_after_updates = 0
   config.levels_per_call = 2   # a resumed run may change how often it dispatches
+  chosen, built = levels.choose_shape, []
+  monkeypatch.setattr(levels, "choose_shape",
+                      lambda *a, **k: chosen(*a, **k)._replace(jobs=2, rounds=8))
+  runner_init = levels.LevelRunner.__init__
+
+  def note_shape(self, *a, **k):
+    runner_init(self, *a, **k)
+    built.append(self.shape)
+  monkeypatch.setattr(levels.LevelRunner, "__init__", note_shape)
   summary = loop.train_and_evaluate(config, str(tmp_path / "split"))
   assert summary["status"] == "done"
+  assert [(s.jobs, s.rounds) for s in built][0] == (2, 8) and built[-1].jobs == 4, built
   strip = lambda lines: [{k: v for k, v in m.items() if k != "wall_time"} for m in lines]
   assert strip(_metric_lines(tmp_path / "split")) == strip(_metric_lines(tmp_path / "4"))
   assert strip(_metric_lines(tmp_path / "4")) == strip(_metric_lines(tmp_path / "1"))

@@ -109,7 +109,8 @@ class LevelRunner:
       self.planner.add_job_numbers(workers, ks, ids)
 
   def state_dict(self) -> dict:
-    return {"planner": self.planner.state_dict()}
+    """The planner's state and the shape it plans with (a resumed run keeps its slots)."""
+    return {"planner": self.planner.state_dict(), "shape": list(self.shape)}
 
   def load_state_dict(self, state: dict) -> None:
     if state.get("steps"):

@@ -422,34 +422,62 @@ class Simulation:
           self.job_fn, executor.make_round_fn(self.tx),
           executor.MAX_JOBS if self.local is None else executor.MAX_LOCAL_JOBS), self._make_jobs)
       return
+    self.host["layout"] = "flat"
+    self._make_level_feed(self._level_shape(padding_costs=self._job_batch() == 1))
+
+  def _job_batch(self) -> int:
+    return levels.job_batch_for(self.config.get("level_job_batch", 0), jax.default_backend())
+
+  def _level_shape(self, padding_costs: bool) -> chunk_lib.Shape:
+    """The level runner's chunk shape, sized by a dry run of the opening
+    (``levels.choose_shape``; ``padding_costs``: its job slots sized for a CPU's)."""
     config, W, scheme = self.config, self.W, self.scheme
     protocol = scheme.make_protocol()
     rounds, rounds_per_push = self._opening()
-    backend = jax.default_backend()
-    unroll = levels.unrolled_for(backend)
-    job_batch = levels.job_batch_for(config.get("level_job_batch", 0), backend)
+    unroll = levels.unrolled_for(jax.default_backend())
     shape = levels.choose_shape(
         rounds, np.arange(W), num_workers=W, num_replicas=scheme.num_replicas,
         bounds=protocol.round_bounds(), job_slots=config.get("level_job_slots", 0),
         pieces=config.get("levels_per_call", 0),
         rounds_per_evaluation=rounds_per_push * self.eval_pushes,
         default_pieces=levels.UNROLLED_PIECES if unroll else levels.DEFAULT_PIECES,
-        padding_costs=job_batch == 1, devices=1 if self.mesh is None else self.mesh.size)
-    job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
+        padding_costs=padding_costs, devices=1 if self.mesh is None else self.mesh.size)
     if config.compress.name == "dgc":   # its push times read the device: one piece per call
       shape = shape._replace(pieces=1)
+    return shape
+
+  def _make_level_feed(self, shape: chunk_lib.Shape) -> None:
+    """``self.feed``: a level runner of ``shape`` (its job slots checked against the devices)."""
+    config, scheme = self.config, self.scheme
+    protocol = scheme.make_protocol()
     if self.mesh is not None:
       devices_lib.check_slots(self.mesh.size, shape.jobs)
+    job_batch, unroll = self._job_batch(), levels.unrolled_for(jax.default_backend())
+    job_shape = (self.B,) if self.local is None else (self.local.max_steps, self.B)
     self.feed = levels.LevelRunner(
         layout=self.layout, loss_fn=self.task.loss, compressor=self.compressor, tx=self.tx,
-        dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=W,
+        dense_bytes=self.dense_bytes, stats_bytes=self.stats_bytes, num_workers=self.W,
         num_replicas=scheme.num_replicas, num_groups=protocol.num_groups, shape=shape,
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
         one_exchange=protocol.one_exchange_per_round, job_batch=job_batch,
         unroll_pieces=unroll, mesh=self.mesh)
-    self.host["layout"] = "flat"
     logging.info("levels executor: %s", levels.describe(shape, job_batch, unroll))
+
+  def _resume_shape(self, feed_state: dict) -> None:
+    """Keeps the slots a checkpoint's pieces were planned with (its noted jobs and rounds fill
+    them): a resumed run whose rule now picks others (another device count or backend, or a
+    checkpoint from before the job slots were sized by the opening) rebuilds its level runner
+    with the saved ones; only the pieces per call follow the config (``levels_per_call``)."""
+    saved = feed_state.get("shape")
+    saved = (chunk_lib.Shape(*saved) if saved is not None
+             else self._level_shape(padding_costs=False))   # the rule such checkpoints had
+    current = self.feed.shape
+    saved = saved._replace(pieces=current.pieces)
+    if saved != current:
+      logging.info("the checkpoint's pieces were planned with other slots (%s); keeping them",
+                   levels.describe(saved))
+      self._make_level_feed(saved)
 
   def _traffic(self, push_payload) -> traffic_lib.Traffic:
     """The run's ``traffic.Traffic`` with pushes of ``push_payload(worker, iteration)`` bytes."""
@@ -499,7 +527,10 @@ class Simulation:
       self.acct.load_state_dict(saved["acct"])
       self.host = records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links)
       # What was planned but not run (a checkpoint from before the feed: its steps).
-      self.feed.load_state_dict(saved.get("feed", {"steps": saved.get("steps", [])}))
+      feed_state = saved.get("feed", {"steps": saved.get("steps", [])})
+      if layout == "flat":
+        self._resume_shape(feed_state)
+      self.feed.load_state_dict(feed_state)
       logging.info("resumed from the checkpoint at %d pushes", latest)
     if "ratio_groups" in self.host:   # resumed after a regrouping
       self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
