@@ -6,6 +6,9 @@ replicated on all of them; each piece's ``J`` job slots are split ``J / D`` per 
 results gathered, one ``all_gather`` per job output per piece; every round then runs on
 every device on the same values. So the plan, and the results, are those of one device.
 Each device holds the whole state: memory is not split yet.
+
+Across processes (``sim/hosts.py``) the mesh is every process's devices, all of them: a
+process with none in the mesh could not take part in its programs.
 """
 
 from __future__ import annotations
@@ -18,19 +21,27 @@ import numpy as np
 AXIS = "jobs"
 
 
-def count(value: int, available: int) -> int:
-  """Devices a run uses: ``config.devices`` (0: all ``available``).
+def count(value: int, available: int, processes: int = 1) -> int:
+  """Devices a run uses: ``config.devices`` (0: all ``available``, every process's).
 
   Raises:
-    ValueError: not an int >= 0, or more than ``available``.
+    ValueError: not an int >= 0, or more than ``available``; across ``processes`` > 1, not all.
   """
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
     raise ValueError(f"config.devices={value!r} is invalid; allowed: 0 (all {available} local "
                      f"devices) or 1..{available}")
+  if processes > 1 and value not in (0, available):
+    raise ValueError(f"config.devices={value} is invalid across {processes} processes: the "
+                     f"simulation uses every process's devices; allowed: 0 or {available} (all)")
   if value > available:
     raise ValueError(f"config.devices={value} is invalid: this process has {available} local "
                      f"{jax.default_backend()} device(s); allowed: 0 (all) or 1..{available}")
   return int(value) or available
+
+
+def available() -> int:
+  """Devices a run may use: this process's, or every process's across ``jax.distributed``."""
+  return jax.device_count()
 
 
 def check_slots(devices: int, job_slots: int) -> None:
@@ -42,10 +53,11 @@ def check_slots(devices: int, job_slots: int) -> None:
 
 
 def mesh_for(devices: int) -> jax.sharding.Mesh | None:
-  """A one-axis mesh of the first ``devices`` local devices; None for one (no mesh at all)."""
-  if devices == 1:
+  """A one-axis mesh of the first ``devices`` devices (process by process); None for one (no
+  mesh at all)."""
+  if devices == 1 and jax.process_count() == 1:
     return None
-  return jax.sharding.Mesh(np.asarray(jax.local_devices()[:devices]), (AXIS,))
+  return jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), (AXIS,))
 
 
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
@@ -54,5 +66,21 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
 
 def place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
   """``tree`` (host or device values) on the device, replicated on every device of ``mesh``
-  (None: ``jax.device_put``'s default device; a device value stays where it is)."""
-  return jax.device_put(tree) if mesh is None else jax.device_put(tree, replicated(mesh))
+  (None: ``jax.device_put``'s default device; a device value stays where it is). A mesh across
+  processes takes host values (each process passes the same)."""
+  if mesh is None:
+    return jax.device_put(tree)
+  sharding = replicated(mesh)
+  if not sharding.is_fully_addressable:
+    tree = jax.device_get(tree)
+  return jax.device_put(tree, sharding)
+
+
+def local(tree: Any) -> Any:
+  """``tree`` with every replicated array spanning other processes as this process's copy
+  (on its first device), for programs this process runs alone (evaluation)."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return x.addressable_data(0)
+    return x
+  return jax.tree.map(one, tree)

@@ -21,6 +21,7 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -40,12 +41,14 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
+from gssp_jax.sim import hosts
 from gssp_jax.sim import levels
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import local as local_lib
 from gssp_jax.train import interrupt
 from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.train import host_state as host_state_lib
 from gssp_jax.train import optim
 from gssp_jax.train import run as run_lib
 from gssp_jax.train import step as step_lib
@@ -354,8 +357,8 @@ class Simulation:
     self.layout = None
     self.mesh = None
     if runner == "levels":
-      self.mesh = devices_lib.mesh_for(devices_lib.count(config.get("devices", 1),
-                                                         jax.local_device_count()))
+      self.mesh = devices_lib.mesh_for(devices_lib.count(
+          config.get("devices", 1), devices_lib.available(), hosts.processes()))
       self.layout = layout = flat_lib.make_layout(self.params, self.model_state)
       self.tx = local_lib.server_chain(config, self.scheme.transform, R,
                                        inner_view=flat_view(config, layout))
@@ -381,11 +384,13 @@ class Simulation:
                                    self.mesh)
     self.arrays = devices_lib.place(task.train, self.mesh)
     if config.cluster.calibrate:
-      state = self.state if runner == "rounds" else executor.init_state(
+      # The per-round runner's state and arrays; on one device (the levels runner's are flat,
+      # and may span processes). Across processes, process 0's time (sim/hosts.py).
+      state, arrays = (self.state, self.arrays) if runner == "rounds" else (executor.init_state(
           self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
-          self.compressor, W, R, self.train_rng, inner=inner)
-      self.calibrated = _calibrate(self.job_fn, jax.tree.map(jnp.copy, state), self.arrays,
-                                   self.B, self.local)
+          self.compressor, W, R, self.train_rng, inner=inner), task.train)
+      self.calibrated = hosts.agree_value(_calibrate(
+          self.job_fn, jax.tree.map(jnp.copy, state), arrays, self.B, self.local))
       self.cluster = cluster_lib.cluster_from_config(config, base_time=self.calibrated)
       logging.info("calibrated base_time: %.4f s per iteration of %d samples", self.calibrated,
                    self.B)
@@ -408,8 +413,9 @@ class Simulation:
                  "time_evals": 0,   # evaluations at multiples of train.eval_every_seconds
                  "iterations": 0, "layout": "tree",
                  "groups": [scheme.groups.tolist()]}
-    self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                              config.train.max_checkpoints)
+    # Across processes only process 0 keeps checkpoints (sim/hosts.py).
+    self.checkpointer = None if jax.process_index() else ckpt_lib.Checkpointer(
+        os.path.join(self.workdir, "checkpoints"), config.train.max_checkpoints)
     self.batches = sharding.WorkerBatches(self.shards, config.seed, self.B)
     self._session_start = time.perf_counter()
     self._eta = workdir_lib.Eta(0)
@@ -508,20 +514,48 @@ class Simulation:
 
   # -- the executor interface -----------------------------------------------------------------
 
+  def _read_checkpoint(self) -> tuple[int, dict, Any] | None:
+    """The latest checkpoint's step, host state and device state (host values), or None.
+
+    Across processes, process 0's (the one that keeps checkpoints), sent to every process
+    (``sim/hosts.py``); it alone reads the files and raises on a bad one.
+    """
+    found = None
+    if self.checkpointer is not None:
+      latest = self.checkpointer.latest_step()
+      if latest is not None:
+        saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
+        self._check_layout(saved["host"].get("layout", "tree"), latest)
+        found = latest, saved, self.checkpointer.restore(latest, self.state)[0]
+    if hosts.processes() == 1:
+      return found
+    template = jax.eval_shape(lambda s: s, self.state)
+    head = hosts.share_bytes(None if found is None else json.dumps(
+        [found[0], host_state_lib.encode(found[1])]).encode())
+    if head is None:
+      return None
+    latest, saved = json.loads(head)
+    state = hosts.tree_from_bytes(hosts.share_bytes(
+        None if found is None else hosts.tree_bytes(found[2])), template)
+    return latest, host_state_lib.decode(saved, f"process 0's checkpoint at {latest}"), state
+
+  def _check_layout(self, layout: str, latest: int) -> None:
+    """Raises ValueError unless a checkpoint's ``layout`` is this run's executor's."""
+    if layout != self.host["layout"]:
+      written = "levels" if layout == "flat" else "rounds"
+      raise ValueError(
+          f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
+          f"the {written!r} executor, and this run uses the other one (config.executor="
+          f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
+          f" --config.executor={written}")
+
+
   def restore(self) -> int:
     _refuse_abstract(self, "run")
-    latest = self.checkpointer.latest_step()
-    if latest is not None:
-      saved = self.checkpointer.restore_host(latest)   # first: it refuses an older format
+    found = self._read_checkpoint()
+    if found is not None:
+      latest, saved, state = found
       layout = saved["host"].get("layout", "tree")
-      if layout != self.host["layout"]:
-        written = "levels" if layout == "flat" else "rounds"
-        raise ValueError(
-            f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
-            f"the {written!r} executor, and this run uses the other one (config.executor="
-            f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
-            f" --config.executor={written}")
-      state, _ = self.checkpointer.restore(latest, self.state)
       self.state = devices_lib.place(state, self.mesh)
       self.engine.load_state_dict(saved["engine"])
       self.acct.load_state_dict(saved["acct"])
@@ -580,8 +614,10 @@ class Simulation:
         return True
       if done >= host["next_eval"] or done >= self.total_pushes:
         return True
-      if interrupt.requested():
-        return False   # between events: host and planned device steps are consistent
+      if interrupt.requested() and hosts.processes() == 1:
+        # Between events: host and planned device steps are consistent. Across processes a
+        # signal waits for the evaluation, where all agree (sim/hosts.py, train/loop.py).
+        return False
     return False
 
   def _next_rounds(self, limit: float) -> list:
@@ -609,7 +645,8 @@ class Simulation:
     if self.links.counts_device_pushes:   # else the legs count them (InHAD's, CASP's: sync.legs)
       host["pushed_per_worker"] += executor.push_bytes_total(pushed)
     blocked = engine.blocked_time_so_far()
-    results = self.task.evaluate(params_eval, ms_eval)
+    # Across processes each evaluates its own copy alone (the same weights: sim/hosts.py).
+    results = self.task.evaluate(*devices_lib.local((params_eval, ms_eval)))
     record = records.evaluation_record(
         pushes=engine.num_pushes, num_workers=W, spe=self.spe, updates=host["updates"],
         virtual_time=engine.now, wall_time=self._wall_time(), loss_sum=loss_sum,
@@ -647,12 +684,15 @@ class Simulation:
     # Orbax writes the host copy in the background, overlapping the simulation (a 16-worker
     # ResNet-18 state is about 2 GB); the next save and close() wait for it. A step is
     # complete or absent, and a resume truncates the metrics to the step it finds.
+    if self.checkpointer is None:   # another process than 0 (sim/hosts.py)
+      return
     self.checkpointer.save(step, self.state, {"pushes": step}, host={
         "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
         "feed": self.feed.state_dict()})
 
   def close(self) -> None:
-    self.checkpointer.close()
+    if self.checkpointer is not None:
+      self.checkpointer.close()
 
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
     self._account()

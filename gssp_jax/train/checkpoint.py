@@ -34,7 +34,18 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, max_to_keep: int = 2):
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    if jax.process_count() == 1:
+      options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    else:
+      # Across jax.distributed processes (sim/hosts.py) process 0 alone keeps the checkpoints
+      # (no barrier with the others, no shared file system), and sends what it restores.
+      if jax.process_index() != 0:
+        raise ValueError(f"process {jax.process_index()} has no checkpoints: across processes "
+                         f"process 0 keeps them (gssp_jax/sim/hosts.py)")
+      os.makedirs(directory, exist_ok=True)   # Orbax creates none for such a manager
+      only_0 = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+      options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
+                                             multiprocessing_options=only_0)
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 

@@ -119,7 +119,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | None = None) -> None:
   """``levels_per_call`` (0 or a power of two up to 64), ``level_job_slots`` and
-  ``level_job_batch`` (each 0..W), ``devices`` (0 = all local devices, or 1..their count).
+  ``level_job_batch`` (each 0..W), ``devices`` (0 = all local devices, or 1..their count;
+  across processes, ``sim/hosts.py``, 0 or every process's count: all of them).
 
   Any of them set (not 0; ``devices`` not 1) is an error unless the run uses the ``levels``
   executor.
@@ -141,7 +142,8 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
         or not 0 <= count <= config.num_workers):
       checks.fail(key, count, f"0 ({default}) or 1..num_workers ({config.num_workers})")
   devices = config.get("devices", 1)
-  devices_lib.count(devices, jax.local_device_count())   # an int in range, else ValueError
+  # An int in range (every process's devices, across processes), else ValueError.
+  devices_lib.count(devices, devices_lib.available(), jax.process_count())
   unset = {"devices": 1}   # the others' default is 0
   for key, set_value in (("levels_per_call", value), *counts.items(), ("devices", devices)):
     if set_value == unset.get(key, 0):

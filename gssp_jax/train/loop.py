@@ -21,6 +21,7 @@ from absl import logging
 import ml_collections
 
 from gssp_jax import config as config_lib
+from gssp_jax.sim import hosts
 from gssp_jax.sync import legs
 from gssp_jax.train import environment
 from gssp_jax.train import executors as executors_lib
@@ -72,6 +73,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   ``workdir/tensorboard`` (``train/observe.py``); from a notebook or a script
   they are printed too. ``load_trained(workdir)`` gives the trained model back.
 
+  Across processes (``jax.distributed``, ``sim/hosts.py``) every process calls it with the
+  same arguments; process ``i`` > 0 writes its copy to ``workdir/process_<i>``.
+
   Args:
     config: the run's config (``config.validate_config`` checks it first).
     workdir: where metrics, summary, logs and checkpoints go.
@@ -81,6 +85,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     clock: wall seconds, for ``train.checkpoint_every_seconds`` (tests pass their own).
   """
   config_lib.validate_config(config, allow_unread=allow_unread)   # no workdir for a bad config
+  workdir = hosts.process_workdir(workdir)
   with observe.run_output(workdir, progress), interrupt.deferred():
     return _train_and_evaluate(config, workdir, allow_unread, clock)
 
@@ -96,8 +101,11 @@ def _train_and_evaluate(config, workdir, allow_unread, clock) -> dict[str, Any]:
   every_seconds = config.train.get("checkpoint_every_seconds", 0.0)   # absent: recorded before it
   saved_at = clock()   # the session's start: what it restored is on disk
   status = "failed"  # until the loop says otherwise; the summary records why a run ended
+  # Across processes, a signal or a save any process's clock asks for is every process's, at
+  # an evaluation (hosts.agree_any: one process alone would leave the others in a collective).
+  stop = lambda: hosts.agree_any(bool(interrupt.requested()))
   try:
-    while not executor.finished() and not interrupt.requested():
+    while not executor.finished() and not stop():
       if not executor.advance():
         continue   # stopped between evaluations (train.stop_after_updates, or a signal)
       record = executor.evaluate()
@@ -105,13 +113,13 @@ def _train_and_evaluate(config, workdir, allow_unread, clock) -> dict[str, Any]:
       board.write(record)
       history.append(record)
       logging.info(executor.progress(record))
-      if should_checkpoint(executor.evaluations, config.train.checkpoint_every,
-                           clock() - saved_at, every_seconds):
+      if hosts.agree_any(should_checkpoint(executor.evaluations, config.train.checkpoint_every,
+                                           clock() - saved_at, every_seconds)):
         executor.save()
         saved_at = clock()
     executor.save()
-    if interrupt.requested() and not executor.finished():   # else the signal came as it ended
-      _interrupted(executor, workdir, interrupt.requested())
+    if not executor.finished() and stop():   # else the signal came as it ended
+      _interrupted(executor, workdir, interrupt.requested() or "another process's signal")
     status = "done" if executor.completed() else "stopped"
   except KeyboardInterrupt:
     status = "interrupted"  # rerun the same command to resume from the last checkpoint
