@@ -534,7 +534,7 @@ def _copies_at_least(text: str, elements: int) -> list[str]:
 
 @pytest.mark.parametrize("name,inter_group,job_batch,unroll", [
     ("ssp", "peer", 0, False), ("gssp", "global", 0, False), ("bsp", "peer", 0, False),
-    ("ssp", "peer", 1, False), ("gssp", "global", 1, True)])
+    ("ssp", "peer", 1, False), ("gssp", "global", 1, True), ("gssp", "peer", 1, True)])
 def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inter_group,
                                                                       job_batch, unroll):
   """Compiled HLO of a 16-worker chunk: static-trip loops only, and no ``[W, P]``-sized copy;
@@ -584,6 +584,9 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   loops = [line for line in text.splitlines() if " while(" in line]
   assert loops and all('"known_trip_count"' in line for line in loops), loops
   assert not _copies_at_least(text, num_workers * layout.num_params)
+  if name == "gssp":   # nor of a group buffer (pending, outbox: [G, P], G = 4) in a round
+    assert not _copies_at_least(text, 4 * layout.num_params), _copies_at_least(
+        text, 4 * layout.num_params)
   round_scans = sum(f'"known_trip_count":{{"n":"{shape.rounds}"}}' in line for line in loops)
   # Unrolled: no loop over pieces, each piece's round scan a loop of its own; else one, nested.
   assert round_scans == (shape.pieces if unroll else 1), loops

@@ -519,15 +519,17 @@ def _gssp_listed_exchange(updates, state, *, arrived, route, forward, deliver, a
   f32 = jnp.float32(scale)
   # Writes of rows read before them (two reads of a row a write changed made XLA copy the
   # [G, ...] buffer each round): pending rows r (the arrival's group) and x, outbox row x.
-  row = lambda a, i: lax.dynamic_index_in_dim(a, i, keepdims=False)
   mask_of = lambda m, like: m.reshape((-1,) + (1,) * like.ndim)
 
   def one(u, p, o):
     scaled = u[safe[0]].astype(jnp.float32) * f32                          # the arrival's row
-    # The rows as values of their own (a barrier to fusion), so no write is fused with a read of
-    # the other buffer. XLA:CPU, which expands the barrier, still copies both [G, ...] buffers
-    # once a round; an H100's HLO of this program copies neither (not measured without it).
-    p_r, p_x, sent = lax.optimization_barrier((row(p, r), row(p, x), row(o, x)))
+    # The rows as values of their own, gathered two at a time behind a barrier, so no write is
+    # fused with a read of the buffer it changes: read by dynamic slices instead (or one row of
+    # outbox alone), XLA:CPU copied both [G, ...] buffers twice a round (tests/test_levels.py's
+    # HLO test now rejects such a copy); an H100's HLO copied neither.
+    both, sent = lax.optimization_barrier((jnp.take(p, jnp.stack([r, x]), axis=0),
+                                           jnp.take(o, jnp.stack([x, x]), axis=0)))
+    p_r, p_x, sent = both[0], both[1], sent[0]
     p_r = jnp.where(take, p_r + scaled, p_r)                               # pending + contrib
     p_x = jnp.where(x == r, p_r, p_x)
     o_x = jnp.where(dlv, jnp.zeros_like(sent), sent)
