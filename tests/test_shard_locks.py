@@ -81,3 +81,37 @@ def test_a_slow_pull_does_not_hold_another_meshs_push(tmp_path):
   # Mesh 0 read the weights at op 0: the initial ones (no later op leaked into its row).
   np.testing.assert_array_equal(np.concatenate([np.ravel(x) for x in slow["row"]]),
                                 np.concatenate([np.zeros(3), np.ones(12)]).astype(np.float32))
+
+
+def test_the_servers_lock_never_waits_for_shard_0s_lock(tmp_path):
+  """What the server sends shard 0 under ``server.lock`` (a push's slice, then its ops) only
+  joins the link's outbox: it returns while another thread holds the shard's lock, and the
+  shard applies it, in order, once that lock is free. A slice the shard refuses ends the link
+  (its failure names it), as a failed remote shard does."""
+  from gssp_jax.runtime import shard_links  # pylint: disable=g-import-not-at-top
+  core = _core(tmp_path)
+  core.start()
+  link = shard_links.LocalShard(core)
+  grads = [np.full([3], 2.0, np.float32), np.full([4, 3], 2.0, np.float32)]
+  sent = threading.Event()
+
+  def server_side():   # what a Push does under server.lock
+    link.stage(1, 1, grads, [])
+    link.send(0, {"k": "put", "w": 1, "seq": 1, "loss": 0.5, "bytes": 60, "d": [b""]})
+    sent.set()
+
+  try:
+    with core.cond:   # the shard busy in its own bookkeeping
+      thread = threading.Thread(target=server_side, daemon=True)
+      thread.start()
+      assert sent.wait(TIMEOUT), "the server's side waited for the shard's lock"
+      assert core.enqueued == 0 and 1 not in core.staged   # nothing handed over yet
+    assert link.wait_handed_over(TIMEOUT)
+    core.pull(1, 1, timeout=TIMEOUT)   # answered once the put is applied
+    assert core.applied == 1 and int(core.consumed[1]) == 1 and link.failure() is None
+    link.stage(1, 5, grads, [])   # out of order: the shard refuses it
+    assert not link.wait_handed_over(2.0) or link.failure() is not None
+    assert "shard 0 refused a stage from the server" in (link.failure() or ""), link.failure()
+  finally:
+    link.close()
+  assert not link._thread.is_alive()   # pylint: disable=protected-access

@@ -131,7 +131,7 @@ class MeshCalls:
         return w, seq, None
       push_checks.check_in_order(push, host=core.host, waiting=core.waiting, layout=self.layout,
                                  credentials=self.credentials(), session=self.links.session)
-      self.core0.stage(w, seq, grads, stats)
+      self.links.stage(w, seq, grads, stats)   # appended to shard 0's link, in order
       self.members.last_seen[w] = time.monotonic()
       core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests, now=now)
       if self.at_end(core.iterations(), core.host["pushes"]):

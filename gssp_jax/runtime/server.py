@@ -42,7 +42,7 @@ Concurrency (what each thread owns; one lock orders the control plane):
   threads: a mesh's ``Push`` waiting for its release and its ``Heartbeat``,
   a shard's ``Register`` and ``Ready``, and spare ones. A ``Push`` checks its
   body without the lock, then takes ``self.lock`` to check the header against
-  the mesh table, stage shard 0's slice, run the protocol and emit ops; it
+  the mesh table, queue shard 0's slice, run the protocol and emit ops; it
   waits for its release on ``self.changed`` (the lock's condition), then,
   without the lock, reads its weights from shard 0 at its watermark.
 * The loop's thread (``advance``/``evaluate``/``save``) takes the lock only to
@@ -53,18 +53,19 @@ Concurrency (what each thread owns; one lock orders the control plane):
   streams alive (a ``noop`` op when idle).
 * The scheduler thread (``core.Scheduler``) delivers server-to-server messages
   after their emulated delay.
-* Shard 0's applier thread (``ShardCore``) and one sender thread per remote
+* Shard 0's feeder thread (``shard_links.LocalShard``) hands it its queued slices and ops;
+  shard 0's applier thread (``ShardCore``) and one sender thread per remote
   shard drain their op queues; a pool of S - 1 threads calls the other shards
   for snapshots and checkpoints.
 
-Lock order: ``self.lock`` may be held while taking a shard's lock (to stage a
-slice or enqueue an op: bookkeeping, which never waits behind a shard's dispatch
-or copy, ``runtime/shard.py``); a shard never takes ``self.lock``, and no
+Lock order: ``self.lock`` may be held while taking a link's own lock (to append a slice or
+an op to its outbox), never a shard's (``ShardCore.cond``: shard 0's feeder thread takes it
+without ``self.lock``); a shard never takes ``self.lock``, and no
 thread holds ``self.lock`` while it calls another process or copies from a
 device (``ShardLinks.register`` closes a replaced shard's link after releasing
 it; snapshots are fetched after it). ``self.lock`` is a plain lock
 (``runtime/locks.py``): taking it again on the thread that holds it raises,
-and the helpers that must run under it (``ShardLinks.emit``,
+and the helpers that must run under it (``ShardLinks.emit``/``stage``,
 ``ProtocolCore.react``/``accept``/``finish``/``count_refused``) check that
 they do. ``Membership.heartbeat`` takes no lock (a float store per beat).
 """
@@ -426,7 +427,7 @@ class DistServer:
     if self._grpc is not None:
       self._grpc.stop(grace=0.5).wait()
       self._grpc = None
-    self.core0.stop()
+    self.shard_links.close_local()   # what is queued for shard 0 first, then the shard stops
     self.checkpointer.close()
     if saved:
       logging.info("the server stopped; its checkpoint is at %d pushes", self.host["pushes"])

@@ -42,8 +42,9 @@ lock only bookkeeping runs: no dispatch, no device-to-host read, no call.
 
 So a pull holds back a donating op only while its row is computed on the
 device (not while it is copied to the host or sent), never another mesh's
-staging, and the control plane's ``stage`` and ``enqueue`` (called under
-``server.lock``) take this lock only for bookkeeping. Nothing here calls the
+staging; the control plane's slices and ops for shard 0 reach ``stage`` and ``enqueue``
+through its link's feeder thread (``shard_links.LocalShard``), so ``server.lock`` never waits
+for this lock. Nothing here calls the
 control plane, so no lock is held across processes.
 """
 

@@ -10,7 +10,8 @@ waits for checkpoints across the shards at once.
 
 Concurrency: ``emit``, ``next_snap_id`` and the registration's table changes
 run under the server's lock (``server.lock``, passed in); a link's own lock
-(``RemoteShard.cond``, ``ShardCore``'s) is taken under it only to enqueue an op.
+(``RemoteShard.cond``, ``LocalShard.cond``) is taken under it only to append to the link's
+outbox, never a shard's (``ShardCore.cond``: shard 0's feeder thread takes it).
 No call to another process is made under the server's lock: a replaced shard is
 closed after it is released; snapshots and checkpoint waits run without it.
 Snapshots and checkpoint waits call the shards at once, on a pool of S - 1 threads.
@@ -18,10 +19,12 @@ Snapshots and checkpoint waits call the shards at once, on a pool of S - 1 threa
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
 import threading
+import time
 from typing import Any, Callable
 
 from absl import logging
@@ -36,13 +39,64 @@ from gssp_jax.runtime import wire
 
 
 class LocalShard:
-  """Shard 0, in this process."""
+  """Shard 0, in this process: a feeder thread hands it the staged slices and ops in order.
+
+  Under the server's lock a push's slice (:meth:`stage`) and the ops (:meth:`send`) are only
+  appended to this link's outbox (its own lock, list appends): ``server.lock`` never waits
+  for the shard's lock (``ShardCore.cond``), which the feeder takes, without the server's, to
+  stage and enqueue them in the order they came. A stage or an enqueue the shard refuses ends
+  the link (:meth:`failure`), as a remote shard's failed call does.
+  """
 
   def __init__(self, core: shard_lib.ShardCore):
     self.core, self.index, self.address = core, 0, "(in the server)"
+    self.cond = threading.Condition()
+    self.outbox: collections.deque = collections.deque()   # ("stage" | "ops", args)
+    self.error: str | None = None
+    self.closed = False
+    self._thread = threading.Thread(target=self._run, name="shard0-feeder", daemon=True)
+    self._thread.start()
+
+  def stage(self, w: int, seq: int, grads: list, stats: list) -> None:
+    """Mesh ``w``'s checked push ``seq``, staged before the ops sent after it."""
+    with self.cond:
+      self.outbox.append(("stage", (w, seq, grads, stats)))
+      self.cond.notify()
 
   def send(self, index: int, op: dict) -> None:
-    self.core.enqueue(index, [op])
+    with self.cond:
+      self.outbox.append(("ops", (index, [op])))
+      self.cond.notify()
+
+  def _run(self) -> None:
+    while True:
+      with self.cond:
+        while not self.outbox and not self.closed:
+          self.cond.wait()
+        if not self.outbox:
+          return   # closed, everything handed over
+        kind, args = self.outbox.popleft()
+      try:   # without this link's lock (and never under the server's)
+        if kind == "stage":
+          self.core.stage(*args)
+        else:
+          self.core.enqueue(*args)
+      except Exception as e:  # pylint: disable=broad-except  (the run ends on a failed shard)
+        logging.error("shard 0 refused a %s from the server: %s", kind, e)
+        with self.cond:
+          self.error = f"shard 0 refused a {kind} from the server: {e}"
+          self.closed = True
+        return
+
+  def wait_handed_over(self, timeout: float = 10.0) -> bool:
+    """Waits until everything sent so far reached the shard (True), or fails or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      with self.cond:
+        if not self.outbox or self.error is not None:
+          return not self.outbox
+      time.sleep(0.001)
+    return False
 
   def snapshot(self, snap_id: int, timeout: float):
     return self.core.snapshot(snap_id, timeout)
@@ -51,9 +105,16 @@ class LocalShard:
     self.core.saved(step, timeout)
 
   def failure(self) -> str | None:
+    if self.error is not None:
+      return self.error
     return None if self.core.error is None else str(self.core.error)
 
   def close(self) -> None:
+    """Hands over what is queued, stops the feeder, then the shard."""
+    with self.cond:
+      self.closed = True
+      self.cond.notify()
+    self._thread.join(timeout=5)
     self.core.stop()
 
 
@@ -226,6 +287,16 @@ class ShardLinks:
     for link in self.links:
       if link is not None and getattr(link, "ready", True):
         link.send(index, op)
+
+  def stage(self, w: int, seq: int, grads: list, stats: list) -> None:
+    """Shard 0's slice of mesh ``w``'s accepted push ``seq``, ahead of the ops emitted after it
+    (under the server's lock; handed to the shard by its link's feeder)."""
+    self.lock.check("ShardLinks.stage")
+    self.links[0].stage(w, seq, grads, stats)
+
+  def close_local(self) -> None:
+    """Hands shard 0 what is queued for it, then stops it."""
+    self.links[0].close()
 
   def snap(self) -> int:
     """Emits a ``snap`` op (under the server's lock); returns its id (:meth:`fetch_snapshot`)."""
