@@ -38,7 +38,41 @@ from gssp_jax.runtime import shard as shard_lib
 from gssp_jax.runtime import wire
 
 
-class LocalShard:
+class _Outbox:
+  """A link's outbox and the one thread that drains it (``_run``). ``self.cond`` is the link's
+  own lock: held to append or take items, never across a call to the shard."""
+
+  def __init__(self, thread_name: str, outbox):
+    self.cond = threading.Condition()
+    self.outbox = outbox
+    self.error: str | None = None
+    self.closed = False
+    self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+    self._thread.start()
+
+  def _put(self, item) -> None:
+    with self.cond:
+      self.outbox.append(item)
+      self.cond.notify()
+
+  def _has_items(self) -> bool:
+    """Waits (under ``self.cond``) for an item or the close; False once closed and drained."""
+    while not self.outbox and not self.closed:
+      self.cond.wait()
+    return bool(self.outbox)
+
+  def _end_thread(self) -> None:
+    """Lets the thread hand over what is queued, then stops it (up to 5 s)."""
+    with self.cond:
+      self.closed = True
+      self.cond.notify()
+    self._thread.join(timeout=5)
+
+  def _run(self) -> None:
+    raise NotImplementedError
+
+
+class LocalShard(_Outbox):
   """Shard 0, in this process: a feeder thread hands it the staged slices and ops in order.
 
   Under the server's lock a push's slice (:meth:`stage`) and the ops (:meth:`send`) are only
@@ -50,30 +84,19 @@ class LocalShard:
 
   def __init__(self, core: shard_lib.ShardCore):
     self.core, self.index, self.address = core, 0, "(in the server)"
-    self.cond = threading.Condition()
-    self.outbox: collections.deque = collections.deque()   # ("stage" | "ops", args)
-    self.error: str | None = None
-    self.closed = False
-    self._thread = threading.Thread(target=self._run, name="shard0-feeder", daemon=True)
-    self._thread.start()
+    super().__init__("shard0-feeder", collections.deque())   # ("stage" | "ops", args)
 
   def stage(self, w: int, seq: int, grads: list, stats: list) -> None:
     """Mesh ``w``'s checked push ``seq``, staged before the ops sent after it."""
-    with self.cond:
-      self.outbox.append(("stage", (w, seq, grads, stats)))
-      self.cond.notify()
+    self._put(("stage", (w, seq, grads, stats)))
 
   def send(self, index: int, op: dict) -> None:
-    with self.cond:
-      self.outbox.append(("ops", (index, [op])))
-      self.cond.notify()
+    self._put(("ops", (index, [op])))
 
   def _run(self) -> None:
     while True:
       with self.cond:
-        while not self.outbox and not self.closed:
-          self.cond.wait()
-        if not self.outbox:
+        if not self._has_items():
           return   # closed, everything handed over
         kind, args = self.outbox.popleft()
       try:   # without this link's lock (and never under the server's)
@@ -111,41 +134,29 @@ class LocalShard:
 
   def close(self) -> None:
     """Hands over what is queued, stops the feeder, then the shard."""
-    with self.cond:
-      self.closed = True
-      self.cond.notify()
-    self._thread.join(timeout=5)
+    self._end_thread()
     self.core.stop()
 
 
-class RemoteShard:
+class RemoteShard(_Outbox):
   """Shard s in another process: a sender thread streams its ops; calls fetch what it made."""
 
   def __init__(self, index: int, address: str, client: endpoints.Client, session: str,
                layout: layout_lib.ShardLayout):
     self.index, self.address, self.client, self.session = index, address, client, session
     self.layout = layout
-    self.cond = threading.Condition()
-    self.outbox: list[tuple[int, dict]] = []
-    self.error: str | None = None
-    self.closed = False
     self.ready = False
-    self._thread = threading.Thread(target=self._run, name=f"shard{index}-sender", daemon=True)
-    self._thread.start()
+    super().__init__(f"shard{index}-sender", [])   # (index, op), kept until sent
 
   def send(self, index: int, op: dict) -> None:
     if op["k"] == "round":
       op = {**op, "args": shard_lib.encode_round(op["args"]), "lr": float(op["lr"])}
-    with self.cond:
-      self.outbox.append((index, op))
-      self.cond.notify()
+    self._put((index, op))
 
   def _run(self) -> None:
     while True:
       with self.cond:
-        while not self.outbox and not self.closed:
-          self.cond.wait()
-        if self.closed and not self.outbox:
+        if not self._has_items():
           return
         batch = self.outbox[:shard_lib.MAX_OPS_PER_CALL]
       body = np.frombuffer(msgpack.packb([op for _, op in batch], use_bin_type=True), np.uint8)
@@ -173,10 +184,7 @@ class RemoteShard:
 
   def close(self) -> None:
     """Lets the queued ops go out, tells the shard to stop, closes the link."""
-    with self.cond:
-      self.closed = True
-      self.cond.notify()
-    self._thread.join(timeout=5)
+    self._end_thread()
     if self.error is None:
       try:
         self.client.call("Stop", {"session": self.session}, timeout=5, retry=False)
