@@ -37,8 +37,11 @@ _PROCESS = textwrap.dedent(r"""
                                     **{"compress.name": "gdtopk", "devices": 0,
                                        "train.stop_after_updates": stop})
     summary = loop.train_and_evaluate(config, out, progress=False)
+    env = summary["environment"]
     print("SUMMARY", json.dumps({"status": summary["status"],
-                                 "pushes": summary["totals"]["pushes"]}))
+                                 "pushes": summary["totals"]["pushes"],
+                                 "processes": [env["num_processes"], env["process_index"],
+                                               env["num_devices"]]}))
     jax.distributed.shutdown()
     """)
 
@@ -86,9 +89,13 @@ def test_two_processes_stop_resume_and_end_with_one_devices_metrics_and_weights(
   from gssp_jax.train import loop, trained  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   first = _run_two(tmp_path, data_dir, stop=11)
-  assert first == [{"status": "stopped", "pushes": 11}] * 2, first
+  assert first == [{"status": "stopped", "pushes": 11, "processes": [2, i, 4]}
+                   for i in (0, 1)], first
   second = _run_two(tmp_path, data_dir, stop=0)
-  assert second == [{"status": "done", "pushes": 16}] * 2, second
+  assert second == [{"status": "done", "pushes": 16, "processes": [2, i, 4]}
+                    for i in (0, 1)], second
+  assert "cpu: 4 x cpu over 2 processes (this one 1)" in (
+      tmp_path / "run" / "process_1" / "log.txt").read_text()
 
   config = helpers.cluster_config("gssp", data_dir, executor="levels", model="helpers:TinyCNN",
                                   **{"compress.name": "gdtopk"})

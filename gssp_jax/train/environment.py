@@ -101,9 +101,10 @@ def _static() -> dict[str, Any]:
 def describe() -> dict[str, Any]:
   """Versions, machine and the devices jax runs on (``summary.json``'s ``environment``)."""
   import jax  # pylint: disable=g-import-not-at-top
-  devices = jax.devices()
+  devices = jax.devices()   # every process's, across jax.distributed (sim/hosts.py)
   return {**_static(), "backend": jax.default_backend(),
-          "devices": sorted({d.device_kind for d in devices}), "num_devices": len(devices)}
+          "devices": sorted({d.device_kind for d in devices}), "num_devices": len(devices),
+          "num_processes": jax.process_count(), "process_index": jax.process_index()}
 
 
 def one_line(env: dict[str, Any]) -> str:
@@ -112,5 +113,11 @@ def one_line(env: dict[str, Any]) -> str:
   return (f"environment: gssp_jax {env['gssp_jax']} ({env['commit'] or 'no git checkout'}), "
           f"python {env['python']}, jax {pkgs['jax']}, jaxlib {pkgs['jaxlib']}, flax "
           f"{pkgs['flax']}, optax {pkgs['optax']}; {env['backend']}: {env['num_devices']} x "
-          f"{', '.join(env['devices'])}; CPU {env['cpu']} ({env['cpu_count']} cores; "
+          f"{', '.join(env['devices'])}{_processes(env)}; CPU {env['cpu']} ({env['cpu_count']} cores; "
           f"{' '.join(env.get('cpu_features') or ['features unknown'])})")
+
+
+def _processes(env: dict[str, Any]) -> str:
+  """`` over N processes (this one i)`` for a run across processes; empty for one."""
+  count = env.get("num_processes", 1)
+  return f" over {count} processes (this one {env['process_index']})" if count > 1 else ""
