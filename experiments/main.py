@@ -24,8 +24,8 @@ from ml_collections import config_flags
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import train
-from gssp_jax.sim import hosts
 from gssp_jax import xla_env
+from gssp_jax.sim import hosts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
                                           lock_config=True)

@@ -24,7 +24,6 @@ import concurrent.futures
 import json
 import os
 import threading
-import time
 from typing import Any, Callable
 
 from absl import logging
@@ -110,16 +109,6 @@ class LocalShard(_Outbox):
           self.error = f"shard 0 refused a {kind} from the server: {e}"
           self.closed = True
         return
-
-  def wait_handed_over(self, timeout: float = 10.0) -> bool:
-    """Waits until everything sent so far reached the shard (True), or fails or times out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      with self.cond:
-        if not self.outbox or self.error is not None:
-          return not self.outbox
-      time.sleep(0.001)
-    return False
 
   def snapshot(self, snap_id: int, timeout: float):
     return self.core.snapshot(snap_id, timeout)

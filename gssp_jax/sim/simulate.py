@@ -549,7 +549,6 @@ class Simulation:
           f"{self.config.executor!r}, backend {jax.default_backend()}); allowed: resume it with"
           f" --config.executor={written}")
 
-
   def restore(self) -> int:
     _refuse_abstract(self, "run")
     found = self._read_checkpoint()

@@ -113,7 +113,8 @@ def one_line(env: dict[str, Any]) -> str:
   return (f"environment: gssp_jax {env['gssp_jax']} ({env['commit'] or 'no git checkout'}), "
           f"python {env['python']}, jax {pkgs['jax']}, jaxlib {pkgs['jaxlib']}, flax "
           f"{pkgs['flax']}, optax {pkgs['optax']}; {env['backend']}: {env['num_devices']} x "
-          f"{', '.join(env['devices'])}{_processes(env)}; CPU {env['cpu']} ({env['cpu_count']} cores; "
+          f"{', '.join(env['devices'])}{_processes(env)}; CPU {env['cpu']} "
+          f"({env['cpu_count']} cores; "
           f"{' '.join(env.get('cpu_features') or ['features unknown'])})")
 
 
