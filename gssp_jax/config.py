@@ -7,10 +7,18 @@ anything is compiled, and names the offending key, its value and what is
 allowed. It holds no check of its own but those of the run itself (seed,
 sizes, the training loop's keys): each part is validated where it is built,
 and this module calls them in order.
+
+A config is validated once a run: where the run begins (``experiments.main`` through
+``train_and_evaluate``, a sweep when it loads its trials, ``experiments.launch`` before it starts
+any process). :func:`validate_config` remembers what it accepted, by content, and
+:func:`ensure_valid` (``train_and_evaluate``'s entry) checks only a config it has not accepted in
+this process; nothing below the entry checks again.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 from typing import Collection
 
@@ -72,6 +80,7 @@ def validate_config(config: ml_collections.ConfigDict, *,
       although the scheme does not read them: what a sweep's base config sets
       for its other trials (``sweep.expand``). Their range checks still run.
   """
+  key = _fingerprint(config, allow_unread)
   tasks.validate(config)
   registry.check_name(config)
   compress.validate(config)
@@ -86,6 +95,34 @@ def validate_config(config: ml_collections.ConfigDict, *,
   executors.validate(config)
   _check_budget(config)
   _check_simulated_times(config)
+  _ACCEPTED[key] = None
+  while len(_ACCEPTED) > _ACCEPTED_KEPT:
+    _ACCEPTED.popitem(last=False)
+
+
+# Fingerprints of the configs validate_config accepted in this process (the newest kept).
+_ACCEPTED: collections.OrderedDict[str, None] = collections.OrderedDict()
+_ACCEPTED_KEPT = 4096
+
+
+def _fingerprint(config: ml_collections.ConfigDict, allow_unread: Collection[str]) -> str:
+  """A config's content (every key and value, sorted) with the keys it may leave unread."""
+  text = config.to_json_best_effort(sort_keys=True) + "\n" + ",".join(sorted(allow_unread))
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def ensure_valid(config: ml_collections.ConfigDict, *,
+                 allow_unread: Collection[str] = ()) -> bool:
+  """Validates ``config`` unless this process accepted the same content before; True if it ran.
+
+  What a run's entry calls (``train_and_evaluate``): a config its caller validated already (the
+  command line, a sweep loading its trials) is not checked twice, and a config changed since is
+  checked again (the fingerprint is its content, not the object).
+  """
+  if _fingerprint(config, allow_unread) in _ACCEPTED:
+    return False
+  validate_config(config, allow_unread=allow_unread)
+  return True
 
 
 def _check_run(config: ml_collections.ConfigDict) -> None:

@@ -241,3 +241,60 @@ def test_the_hetero_configs_local_update_args_set_each_schemes_optimizers():
     mnist_lenet5_hetero.get_config("diloco,halos")
   with pytest.raises(ValueError, match="unknown config arg 'dilcoo'; allowed: smoke, diloco"):
     mnist_lenet5_hetero.get_config("dilcoo")
+
+
+def _counting_cluster_checks(monkeypatch):
+  """Counts the calls of one builder's check (the cluster's), which every validation makes."""
+  from gssp_jax.sim import cluster
+  calls = []
+  real = cluster.validate
+  monkeypatch.setattr(cluster, "validate", lambda config: (calls.append(1), real(config))[1])
+  return calls
+
+
+def test_a_config_is_validated_once_a_run_and_again_when_it_changes(monkeypatch):
+  calls = _counting_cluster_checks(monkeypatch)
+  config = importlib.import_module("configs.mnist_lenet5").get_config("smoke")
+  config.seed = 12345   # content no other test validated in this process
+  config_lib.validate_config(config)   # where the run begins (experiments.main)
+  assert not config_lib.ensure_valid(config) and len(calls) == 1   # the loop trusts it
+  assert config_lib.ensure_valid(config, allow_unread=("sync.staleness",)) and len(calls) == 2
+  config.num_workers = 3   # changed since: checked again, and a bad change refused
+  assert config_lib.ensure_valid(config) and len(calls) == 3
+  config.num_workers = 0
+  with pytest.raises(ValueError, match="config.num_workers=0"):
+    config_lib.ensure_valid(config)
+  with pytest.raises(ValueError, match="config.num_workers=0"):   # a refusal is not remembered
+    config_lib.ensure_valid(config)
+
+
+def test_the_loop_does_not_validate_what_its_caller_validated(monkeypatch, tmp_path):
+  """``train_and_evaluate`` after ``validate_config`` (``experiments.main``'s order) runs the
+  builders' checks once in all: neither the loop's entry nor its run builder checks again."""
+  from gssp_jax.train import loop
+  calls = _counting_cluster_checks(monkeypatch)
+  built = []
+
+  def build(config, workdir):
+    built.append(workdir)
+    raise RuntimeError("stopped after the build")
+  monkeypatch.setattr(loop, "_build_valid_run", build)
+  config = importlib.import_module("configs.mnist_lenet5").get_config("smoke")
+  config.seed = 23456
+  config_lib.validate_config(config)
+  with pytest.raises(RuntimeError, match="stopped after the build"):
+    loop.train_and_evaluate(config, str(tmp_path / "run"), progress=False)
+  assert built and len(calls) == 1
+  config.seed = 34567   # a notebook's call with a config nobody checked: the loop checks it
+  with pytest.raises(RuntimeError, match="stopped after the build"):
+    loop.train_and_evaluate(config, str(tmp_path / "run2"), progress=False)
+  assert len(calls) == 2
+
+
+def test_a_sweeps_trials_are_validated_once_when_it_loads_them(monkeypatch):
+  from gssp_jax import sweep
+  calls = _counting_cluster_checks(monkeypatch)
+  trials = sweep.expand("configs/sweeps/tiny.py", {"train.max_checkpoints": 7})
+  assert len(calls) == len(trials) > 1
+  assert not any(config_lib.ensure_valid(t.config, allow_unread=t.allow_unread) for t in trials)
+  assert len(calls) == len(trials)

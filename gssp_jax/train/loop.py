@@ -42,7 +42,12 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *,
 
   ``allow_unread``: see ``config.validate_config`` (a sweep's base-config keys).
   """
-  config_lib.validate_config(config, allow_unread=allow_unread)
+  config_lib.ensure_valid(config, allow_unread=allow_unread)
+  return _build_valid_run(config, workdir)
+
+
+def _build_valid_run(config: ml_collections.ConfigDict, workdir: str) -> executors_lib.Executor:
+  """``build_run`` of a config validated already (``train_and_evaluate`` checked it)."""
   task = run_lib.prepare_run(config, workdir)
   return executors_lib.make_executor(config, task, workdir)
 
@@ -77,23 +82,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   same arguments; process ``i`` > 0 writes its copy to ``workdir/process_<i>``.
 
   Args:
-    config: the run's config (``config.validate_config`` checks it first).
+    config: the run's config (``config.ensure_valid`` checks it first, unless this process
+      accepted it already).
     workdir: where metrics, summary, logs and checkpoints go.
     allow_unread: sync keys a sweep's base config sets for its other trials
       (``config.validate_config``); empty for a single run.
     progress: False keeps the console quiet (``log.txt`` is written anyway).
     clock: wall seconds, for ``train.checkpoint_every_seconds`` (tests pass their own).
   """
-  config_lib.validate_config(config, allow_unread=allow_unread)   # no workdir for a bad config
+  config_lib.ensure_valid(config, allow_unread=allow_unread)   # no workdir for a bad config
   workdir = hosts.process_workdir(workdir)
   with observe.run_output(workdir, progress), interrupt.deferred():
-    return _train_and_evaluate(config, workdir, allow_unread, clock)
+    return _train_and_evaluate(config, workdir, clock)
 
 
-def _train_and_evaluate(config, workdir, allow_unread, clock) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir, clock) -> dict[str, Any]:
   env = environment.describe()
   logging.info(environment.one_line(env))
-  executor = build_run(config, workdir, allow_unread=allow_unread)
+  executor = _build_valid_run(config, workdir)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   position = executor.restore()
   history = workdir_lib.restart_metrics(metrics_path, position, key=executor.position_key)
