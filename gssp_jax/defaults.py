@@ -156,7 +156,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.speeds = ()               # per-worker slowdown factors (1 = base, 2 = twice as slow)
   c.cluster.tiers = (1.0, 1.5, 2.0, 3.0)  # 'tiers': workers split evenly over these factors
   c.cluster.sigma = 0.5               # 'lognormal': factors exp(sigma * N(0, 1)), seeded
-  c.cluster.trace_file = ""           # 'trace': CSV, one row per iteration, one column per worker
+  # 'trace': a CSV (one row per iteration, one column per replica) or a Parquet per-operation
+  # trace (.parquet, the straggler-analysis format); worker w is replica w (sim/traces.py).
+  c.cluster.trace_file = ""
+  c.cluster.trace_units = "relative"  # 'relative': times / the trace's median * base_time; 'seconds'
+  c.cluster.trace_map = "replica"     # more workers than replicas: 'cycle' (w follows w mod R)
   c.cluster.base_time = 0.05          # seconds per iteration at factor 1
   c.cluster.calibrate = False         # measure the real step time here and use it as base_time
   c.cluster.jitter = 0.0              # sigma of per-iteration log-normal noise

@@ -45,27 +45,36 @@ def test_bad_cluster_configs_rejected(changes, match):
     config_lib.validate_config(_config(**changes))
 
 
-def test_trace_with_the_wrong_number_of_workers_is_rejected(tmp_path):
+def test_trace_with_fewer_replicas_than_workers_is_rejected(tmp_path):
   path = tmp_path / "trace.csv"
   path.write_text("w0,w1,w2\n0.1,0.2,0.3\n0.1,0.25,0.3\n")
-  with pytest.raises(ValueError, match=r"4 columns.*got shape \(2, 3\)"):
+  with pytest.raises(ValueError, match=r"3 replica\(s\) for num_workers=4; allowed: "
+                                       r"num_workers <= 3, or cluster.trace_map='cycle'"):
     config_lib.validate_config(_config(**{"cluster.profile": "trace",
                                           "cluster.trace_file": str(path)}))
   path.write_text("0.1,0.2,0.3,0.4\n0.1,0.25,0.3,0.5\n")
-  cluster = cluster_lib.cluster_from_config(_config(**{"cluster.profile": "trace",
-                                                       "cluster.trace_file": str(path)}))
+  cluster = cluster_lib.cluster_from_config(_config(**{
+      "cluster.profile": "trace", "cluster.trace_file": str(path),
+      "cluster.trace_units": "seconds"}))
   assert [cluster.compute_time(3, k) for k in range(3)] == [0.4, 0.5, 0.4]
 
 
+@pytest.mark.parametrize("units", ["relative", "seconds"])
 @pytest.mark.parametrize("key,value", [
     ("speeds", (1.0, 2.0, 1.0, 1.0)), ("tiers", (1.0, 2.0)), ("sigma", 0.1),
     ("jitter", 0.1), ("straggler_prob", 0.01), ("straggler_slowdown", 3.0),
     ("straggler_duration", 4), ("base_time", 0.1), ("calibrate", True)])
-def test_trace_rejects_the_compute_time_model_keys(tmp_path, key, value):
+def test_trace_rejects_the_compute_time_model_keys(tmp_path, key, value, units):
+  """A trace gives every iteration's time; in relative units base_time (or calibrate) sets its
+  pace, in seconds nothing does."""
   path = tmp_path / "trace.csv"
   path.write_text("0.1,0.2,0.3,0.4\n")
-  changes = {"cluster.profile": "trace", "cluster.trace_file": str(path)}
+  changes = {"cluster.profile": "trace", "cluster.trace_file": str(path),
+             "cluster.trace_units": units}
   config_lib.validate_config(_config(**changes))
+  if units == "relative" and key in ("base_time", "calibrate"):
+    config_lib.validate_config(_config(**changes, **{f"cluster.{key}": value}))
+    return
   with pytest.raises(ValueError, match=rf"^config.cluster.{key}=.* cannot apply with "
                                        r"cluster.profile='trace': the trace gives"):
     config_lib.validate_config(_config(**changes, **{f"cluster.{key}": value}))
@@ -543,6 +552,7 @@ def test_gssp_regroups_by_measured_speed_at_epoch_ends(tmp_path, data_dir):
   path = tmp_path / "trace.csv"
   path.write_text("\n".join(",".join(r) for r in rows) + "\n")
   config = _sim_config("gssp", **{"cluster.profile": "trace", "cluster.trace_file": str(path),
+                                  "cluster.trace_units": "seconds",
                                   "cluster.tiers": (1.0, 1.5, 2.0, 3.0), "cluster.jitter": 0.0,
                                   "sync.regroup_every_epoch": True, "compress.name": "gdtopk",
                                   "train.num_epochs": 3.0, "train.eval_every": 1.0})

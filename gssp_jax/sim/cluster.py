@@ -13,21 +13,22 @@ bandwidth`` per push and pull, with bytes from the real payload.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import math
-import os
 
 import numpy as np
 
 from gssp_jax import checks
 from gssp_jax import defaults
+from gssp_jax.sim import traces
 
 PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
-# Keys of the compute-time model; a trace gives every iteration's time, so none applies to it.
+# Keys of the compute-time model; a trace gives every iteration's time, so none applies to it
+# (but base_time and calibrate, which set the pace of a trace in relative units).
 _MODEL_KEYS = ("speeds", "tiers", "sigma", "base_time", "calibrate", "jitter", "straggler_prob",
                "straggler_slowdown", "straggler_duration")
+_PACE_KEYS = ("base_time", "calibrate")
 _BLOCK = 1024   # iterations drawn at once per worker
 
 
@@ -49,24 +50,6 @@ def _non_negative(key, value):
   return float(value)
 
 
-def read_trace(path: str, num_workers: int) -> np.ndarray:
-  """``[T, W]`` iteration times from a CSV (one row per iteration, one column per worker)."""
-  if not os.path.exists(path):
-    _fail("trace_file", path, "an existing CSV file of per-worker iteration times")
-  with open(path) as f:
-    rows = [r for r in csv.reader(f) if r and not r[0].lstrip().startswith("#")]
-  try:
-    table = np.array([[float(x) for x in r] for r in rows], np.float64)
-  except ValueError:
-    table = np.array([[float(x) for x in r] for r in rows[1:]], np.float64)  # header row
-  if table.ndim != 2 or table.shape[0] == 0 or table.shape[1] != num_workers:
-    _fail("trace_file", path, f"a CSV with {num_workers} columns (one per worker, "
-          f"num_workers={num_workers}); got shape {tuple(table.shape)}")
-  if not np.all(np.isfinite(table)) or np.any(table <= 0):
-    _fail("trace_file", path, "positive finite iteration times")
-  return table
-
-
 @dataclasses.dataclass
 class Cluster:
   """Seeded per-worker compute times and link delays.
@@ -81,7 +64,9 @@ class Cluster:
       into the server from nodes (InHAD's aggregates).
     node_bandwidth, node_latency: the link inside a machine (PCIe/NVLink class)
       from a worker to its node's aggregator (InHAD).
-    trace: ``[T, W]`` iteration times replacing the model (cycled), or None.
+    trace: ``[T, W]`` iteration times in seconds replacing the model (cycled), or None
+      (``sim/traces.py``: read, mapped to the workers and scaled).
+    trace_scale: the factor the trace's recorded times were multiplied by (1: seconds).
     seed: the draws' seed.
     server_update_time: seconds a server spends applying one update (a round that
       changes its weights); its updates queue (``sync.TimelineEngine``).
@@ -99,6 +84,7 @@ class Cluster:
   node_bandwidth: float = 2.5e10
   node_latency: float = 5e-6
   trace: np.ndarray | None = None
+  trace_scale: float = 1.0
   seed: int = 0
   server_update_time: float = 0.0
 
@@ -184,7 +170,8 @@ class Cluster:
     ``server_update_time`` where it is not 0."""
     if self.trace is not None:
       out = {"profile": "trace", "trace_iterations": int(self.trace.shape[0]),
-             "trace_mean_iteration_time": self.trace.mean(0).tolist()}
+             "trace_mean_iteration_time": self.trace.mean(0).tolist(),
+             "trace_scale": self.trace_scale}
     else:
       out = {"speeds": self.speeds.tolist(), "base_time": self.base_time}
     if self.server_update_time:
@@ -217,17 +204,24 @@ def cluster_speeds(cfg, num_workers: int, seed: int) -> np.ndarray:
 
 
 def check_trace_keys(cfg) -> None:
-  """Rejects a compute-time model key set beside ``profile='trace'`` (the trace gives the times)."""
+  """Rejects a compute-time model key set beside ``profile='trace'`` (the trace gives the times;
+  ``base_time`` and ``calibrate`` set its pace, in ``trace_units='relative'`` only)."""
   cluster_defaults = defaults.default_config().cluster
+  relative = cfg.get("trace_units", "seconds") == "relative"
   for key in _MODEL_KEYS:
     value, default = cfg[key], cluster_defaults[key]
+    if relative and key in _PACE_KEYS:
+      continue
     if defaults.comparable(value) != defaults.comparable(default):
+      why = ("in seconds (cluster.trace_units='seconds')" if key in _PACE_KEYS
+             else "every iteration's time")
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile='trace':"
-                       f" the trace gives every iteration's time; leave it at {default!r}")
+                       f" the trace gives {why}; leave it at {default!r}")
 
 
 # Keys only one profile reads (and, for tiers and sigma, only while cluster.speeds is empty).
-PROFILE_KEYS = {"tiers": "tiers", "sigma": "lognormal", "trace_file": "trace"}
+PROFILE_KEYS = {"tiers": "tiers", "sigma": "lognormal", "trace_file": "trace",
+                "trace_units": "trace", "trace_map": "trace"}
 
 
 def check_profile_keys(cfg) -> None:
@@ -239,6 +233,8 @@ def check_profile_keys(cfg) -> None:
   """
   cluster_defaults = defaults.default_config().cluster
   for key, profile in PROFILE_KEYS.items():
+    if key not in cfg:   # a config recorded before the key
+      continue
     value, default = cfg[key], cluster_defaults[key]
     if defaults.comparable(value) == defaults.comparable(default):
       continue
@@ -246,7 +242,7 @@ def check_profile_keys(cfg) -> None:
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply with cluster.profile="
                        f"{cfg.profile!r}: only profile {profile!r} reads it; set cluster.profile="
                        f"{profile!r} or leave it at {default!r}")
-    if key != "trace_file" and len(cfg.speeds):
+    if key in ("tiers", "sigma") and len(cfg.speeds):
       raise ValueError(f"config.cluster.{key}={value!r} cannot apply beside cluster.speeds="
                        f"{tuple(cfg.speeds)!r}, which replace the profile's factors; set one of"
                        " them")
@@ -307,9 +303,14 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   prob = _non_negative("straggler_prob", cfg.straggler_prob)
   if prob > 1:
     _fail("straggler_prob", prob, "a probability in [0, 1]")
+  base_time = _positive("base_time", base_time if base_time is not None else cfg.base_time)
+  trace, scale = None, 1.0
+  if cfg.profile == "trace":
+    trace, scale = traces.load(cfg.trace_file, W, units=cfg.get("trace_units", "seconds"),
+                               trace_map=cfg.get("trace_map", "replica"), base_time=base_time,
+                               data_dir=config.get("data_dir", ""))
   return Cluster(
-      speeds=speeds,
-      base_time=_positive("base_time", base_time if base_time is not None else cfg.base_time),
+      speeds=speeds, base_time=base_time,
       jitter=_non_negative("jitter", cfg.jitter), straggler_prob=prob,
       straggler_slowdown=_positive("straggler_slowdown", cfg.straggler_slowdown),
       straggler_duration=duration, bandwidth=bandwidth, latency=np.asarray(cfg.latency),
@@ -317,5 +318,5 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
       server_latency=_non_negative("server_latency", cfg.server_latency),
       node_bandwidth=_positive("node_bandwidth", cfg.get("node_bandwidth", 2.5e10)),
       node_latency=_non_negative("node_latency", cfg.get("node_latency", 5e-6)),
-      trace=read_trace(cfg.trace_file, W) if cfg.profile == "trace" else None, seed=config.seed,
+      trace=trace, trace_scale=scale, seed=config.seed,
       server_update_time=_non_negative("server_update_time", cfg.get("server_update_time", 0.0)))

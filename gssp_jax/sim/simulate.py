@@ -893,8 +893,11 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
   """The simulator's opening log lines: the cluster, the groups and the scheme."""
   c, s = config.cluster, config.sync
   if cluster.trace is not None:
-    speed = (f"trace {c.trace_file} ({cluster.trace.shape[0]} iterations), mean iteration"
-             f" time {_counts(cluster.trace.mean(0))} s")
+    pace = ("in seconds" if c.get("trace_units", "seconds") == "seconds"
+            else f"scaled by {cluster.trace_scale:.4g} to a median of {cluster.base_time:.4g} s"
+            + (" (calibrated)" if calibrated else ""))
+    speed = (f"trace {c.trace_file} ({cluster.trace.shape[0]} iterations, {pace}), mean "
+             f"iteration time {_counts(cluster.trace.mean(0))} s")
   else:
     base = f"{cluster.base_time:.4g} s" + (" (calibrated)" if calibrated else "")
     speed = f"profile {c.profile}, slowdown {_counts(cluster.speeds)}, base_time {base}"

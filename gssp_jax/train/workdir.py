@@ -28,7 +28,7 @@ _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since ol
                "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each",
                "cluster.server_update_time": 0.0, "compress.compute_time": 0.0,
                "train.checkpoint_every_seconds": 0.0,   # such a run saved by count only
-               "devices": 1}
+               "devices": 1, "cluster.trace_map": "replica"}
 
 
 def _mutable(key: str) -> bool:
@@ -42,7 +42,10 @@ def _recorded(old: dict) -> dict:
   ``local.*`` (the local-update schemes, 2026-11-26) at its defaults is every earlier run.
   """
   local = flatten(json.loads(defaults.default_config().local.to_json()), "local.")
-  return {**_ADDED_KEYS, **local, **flatten(old)}
+  cluster = old.get("cluster", {})
+  # A trace before cluster.trace_units (2026-12-07) was read in seconds; no trace: the default.
+  units = "seconds" if cluster.get("profile") == "trace" else "relative"
+  return {**_ADDED_KEYS, "cluster.trace_units": units, **local, **flatten(old)}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
