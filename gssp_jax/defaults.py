@@ -187,6 +187,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.cluster.server_update_time = 0.0
   c.cluster.node_bandwidth = 2.5e10   # inside a machine, worker -> node aggregator (InHAD)
   c.cluster.node_latency = 5e-6
+  # A network topology (sim/topology.py): '' none; 'halos' (4 regions, the HALoS paper's
+  # bandwidths between them); 'oversubscribed' (4 racks, 4:1 uplinks); 'regions' (the keys below).
+  c.cluster.topology = ""
+  c.cluster.regions = ()              # 'regions': each worker's region, 0..R-1
+  c.cluster.region_bandwidth = ()     # 'regions': R x R bytes/s between regions (diagonal: inside)
+  c.cluster.region_latency = ()      # 'regions': R x R seconds between regions; () none
+  c.cluster.uplink_bandwidth = ()    # 'regions': R bytes/s, each region's uplink; () or 0 none
+  c.cluster.server_region = 0         # the one (or the global) server's region, with a topology
   c.compress = ml_collections.ConfigDict()
   c.compress.name = "none"
   c.compress.ratio = 0.01          # fraction of entries each worker sends (top-k, dgc)

@@ -92,3 +92,8 @@ def check_real_run(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.cluster.calibrate=True cannot apply to the real runtime: its "
                      "meshes compute for real (cluster timing keys only slow them down); set it"
                      " False and give cluster.base_time in seconds")
+  if config.cluster.get("topology", ""):
+    raise ValueError(f"config.cluster.topology={config.cluster.topology!r} cannot apply to the "
+                     "real runtime: its transfers cross the real network (impose a topology on "
+                     "it with the kernel, as benchmarks do), and emulating one by sleeping would "
+                     "not contend; leave it unset")

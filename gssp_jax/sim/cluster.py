@@ -21,6 +21,7 @@ import numpy as np
 
 from gssp_jax import checks
 from gssp_jax import defaults
+from gssp_jax.sim import topology as topology_lib
 from gssp_jax.sim import traces
 
 PROFILES = ("none", "homogeneous", "tiers", "lognormal", "trace")
@@ -67,6 +68,8 @@ class Cluster:
     trace: ``[T, W]`` iteration times in seconds replacing the model (cycled), or None
       (``sim/traces.py``: read, mapped to the workers and scaled).
     trace_scale: the factor the trace's recorded times were multiplied by (1: seconds).
+    topology: the network's regions and the links between them (``sim/topology.py``), or None:
+      every transfer crosses its worker's link and its server's interface alone.
     seed: the draws' seed.
     server_update_time: seconds a server spends applying one update (a round that
       changes its weights); its updates queue (``sync.TimelineEngine``).
@@ -85,6 +88,7 @@ class Cluster:
   node_latency: float = 5e-6
   trace: np.ndarray | None = None
   trace_scale: float = 1.0
+  topology: topology_lib.Topology | None = None
   seed: int = 0
   server_update_time: float = 0.0
 
@@ -176,6 +180,8 @@ class Cluster:
       out = {"speeds": self.speeds.tolist(), "base_time": self.base_time}
     if self.server_update_time:
       out["server_update_time"] = self.server_update_time
+    if self.topology is not None:
+      out["topology"] = self.topology.describe()
     return out
 
   def __hash__(self):   # lru_cache on a method needs a hashable self
@@ -309,8 +315,10 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
     trace, scale = traces.load(cfg.trace_file, W, units=cfg.get("trace_units", "seconds"),
                                trace_map=cfg.get("trace_map", "replica"), base_time=base_time,
                                data_dir=config.get("data_dir", ""))
+  topology = topology_lib.from_config(cfg, W, bandwidth if bandwidth.ndim else
+                                      np.full([W], float(bandwidth)))
   return Cluster(
-      speeds=speeds, base_time=base_time,
+      speeds=speeds, base_time=base_time, topology=topology,
       jitter=_non_negative("jitter", cfg.jitter), straggler_prob=prob,
       straggler_slowdown=_positive("straggler_slowdown", cfg.straggler_slowdown),
       straggler_duration=duration, bandwidth=bandwidth, latency=np.asarray(cfg.latency),

@@ -22,6 +22,11 @@ global server's interface to the other servers (``sync.legs``: ``route``,
 of the aggregates, the server's reply to a CASP leader, and every leg without
 ``shared``.
 
+With a network topology (``cluster.topology``, ``sim/topology.py``) a routed transfer's link
+is a path: the server's interface, then the links between the two ends' regions (a region's
+uplink, the pipe between the regions, the other's downlink), every one shared over the whole
+network (``sync.links.NetworkLinks``); an unrouted one takes its path's time alone.
+
 Byte counters (``host`` keys, ``sim.records.new_counters``):
 ``pushed_per_worker`` (to a server, by the worker), ``pulls_per_worker``
 (pulls from a server), ``server_bytes`` (between servers) and
@@ -63,6 +68,7 @@ class Traffic:
     self.legs = legs(cluster, push_payload, dense_payload, pull_bytes)
     self.compress_time = float(compress_time)
     self.cluster, self.shared, self.capacity = cluster, bool(shared), capacity
+    self.topology = getattr(cluster, "topology", None)   # sim/topology.py, or None
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
     self.push_delay, self.pull_delay = self.legs.push_delay, self.legs.pull_delay
     self.message_delay, self.count_round = self.legs.message_delay, self.legs.count_round
@@ -82,6 +88,9 @@ class Traffic:
     """A ``sync.TimelineEngine`` of ``protocol`` whose delays (and shared links) are these, with
     the cluster's ``server_update_time`` and this run's ``compress_time``."""
     from gssp_jax import sync  # pylint: disable=g-import-not-at-top  (looked up per call)
+    if self.topology is not None:   # servers placed by the fresh protocol's routes
+      self.legs.place_servers(self.topology.server_regions(protocol.route,
+                                                           protocol.num_replicas))
     engine = sync.TimelineEngine(
         protocol, compute_time,
         push_delay=lambda w, k: self.push_delay(engine.protocol, w, k),
@@ -93,6 +102,7 @@ class Traffic:
         message_route=((lambda m: self.legs.message_route(engine.protocol, m, engine.iteration))
                        if self.shared else None),
         equal_caps=bool(np.all(self.cluster.bandwidth == self.cluster.bandwidth[0])),
+        network=self.topology is not None,
         update_time=self.cluster.server_update_time,
         compress_time=self.compress_time)
     return engine

@@ -151,6 +151,10 @@ class ServerLegs:
       (``worker_to_server``); else this class counts the pushes.
     has_server: pushes and pulls go through a parameter server (the real
       runtime runs only such schemes).
+    supports_topology: its legs cross a network topology's regions (``cluster.topology``,
+      ``sim/topology.py``): pushes, pulls and the messages between servers go from the
+      sender's region to the receiver's. The legs whose transfers stay inside a node, a
+      community or a ring (InHAD, CASP, DS-Sync, BSP over a ring) do not model regions.
     dense_only: the legs move dense gradients only (a compressor cannot apply).
     local_class: the class that a checkpoint's ``local_bytes`` counter (before
       the classes existed) held, or None.
@@ -160,6 +164,7 @@ class ServerLegs:
   counts_device_pushes = True
   has_server = True
   dense_only = False
+  supports_topology = True
   local_class: str | None = None
 
   def __init__(self, cluster, push_payload: Callable[[int, int], int], dense_payload: int,
@@ -168,18 +173,37 @@ class ServerLegs:
     self.push_payload, self.dense_payload, self.pull_bytes = push_payload, dense_payload, pull_bytes
     # Per worker, as Python floats: a routed transfer reads them at every push and pull.
     self._caps, self._latencies = cluster.bandwidth.tolist(), cluster.latency.tolist()
+    self.topology = getattr(cluster, "topology", None)
+    self.server_region: list[int] | None = None   # with a topology: place_servers
+
+  def place_servers(self, regions) -> None:
+    """With a topology: each server's (replica's) region, fixed for the run (``Traffic``)."""
+    self.server_region = [int(r) for r in regions]
+
+  def _regions(self, worker: int, server: int, kind: str) -> tuple[int, int]:
+    """``(from, to)`` regions of a worker's push (to its server) or pull (from it)."""
+    if self.server_region is None:
+      raise RuntimeError("a topology's legs need their servers placed first (place_servers)")
+    w, s = int(self.topology.regions[worker]), self.server_region[server]
+    return (w, s) if kind == "push" else (s, w)
 
   # -- time -------------------------------------------------------------------------------------
 
+  def _worker_time(self, protocol, kind: str, worker: int, num_bytes: int) -> float:
+    """A push's or pull's time alone: over the worker's link, and across regions if any."""
+    if self.topology is None:
+      return self.cluster.link_time(worker, num_bytes)
+    a, b = self._regions(worker, protocol.route.item(worker), kind)
+    return self.topology.transfer_time(num_bytes, self._caps[worker], self._latencies[worker],
+                                       a, b)
+
   def push_delay(self, protocol, worker: int, iteration: int) -> float:
     """End of compute -> the push event (arrival at the server, or where the scheme says)."""
-    del protocol
-    return self.cluster.link_time(worker, self.push_payload(worker, iteration))
+    return self._worker_time(protocol, "push", worker, self.push_payload(worker, iteration))
 
   def pull_delay(self, protocol, worker: int) -> float:
     """Release -> the start of the worker's next iteration."""
-    del protocol
-    return self.cluster.link_time(worker, self.pull_bytes)
+    return self._worker_time(protocol, "pull", worker, self.pull_bytes)
 
   def message_delay(self, protocol, message, iteration: np.ndarray) -> float:
     """A server-to-server message's delay (``iteration``: pushes per worker so far)."""
@@ -192,11 +216,26 @@ class ServerLegs:
     ``sync.TimelineEngine``), or None: it takes :meth:`push_delay` / :meth:`pull_delay` alone.
 
     Here: the worker's server's interface, ``(server, kind)`` (the server's bandwidth),
-    at most the worker's bandwidth, then its latency.
+    at most the worker's bandwidth, then its latency. With a topology the link is a path:
+    the interface, then the links between the two regions (``topology.hops``), the cap at
+    most the region's own bandwidth inside one, the latency plus the regions'.
     """
     num_bytes = self.push_payload(worker, iteration) if kind == "push" else self.pull_bytes
-    return ((protocol.route.item(worker), kind), num_bytes, self._caps[worker],
-            self._latencies[worker])
+    server = protocol.route.item(worker)
+    if self.topology is None:
+      return ((server, kind), num_bytes, self._caps[worker], self._latencies[worker])
+    a, b = self._regions(worker, server, kind)
+    return self._path((server, kind), a, b, num_bytes, self._caps[worker],
+                      self._latencies[worker])
+
+  def _path(self, interface, a: int, b: int, num_bytes: int, cap: float, latency: float):
+    """A routed transfer across a topology: ``interface`` (its capacity the engine's), then
+    the hops from region ``a`` to ``b``."""
+    t = self.topology
+    if a == b:
+      cap = min(cap, float(t.bandwidth[a, a]))
+    return (((interface, None),) + t.hops(a, b), num_bytes, cap,
+            latency + float(t.latency[a, b]))
 
   def servers(self, protocol) -> int:
     """How many server interfaces the pushes cross (what ``cluster.server_capacity='split'``
@@ -227,6 +266,7 @@ class NodeLegs(ServerLegs):
   """InHAD: gradients to the node's aggregator, iteration numbers to the server (module doc)."""
 
   counts_per_round = True
+  supports_topology = False
   counts_device_pushes = False
   local_class = "worker_to_node"
 
@@ -269,6 +309,8 @@ class PeerLegs(ServerLegs):
   members' gradients over their own links: a member's push and pull cost its link's time alone
   (no server interface to share, so ``cluster.server_capacity`` divides nothing)."""
 
+  supports_topology = False
+
   def servers(self, protocol) -> int:
     del protocol
     return 0
@@ -302,13 +344,35 @@ class GroupLegs(ServerLegs):
     c = self.cluster
     # The global server's interface: a server interface like the others (the engine's
     # capacity: server_bandwidth, or its share under cluster.server_capacity='split').
-    return (("servers", G, kind), self.pull_bytes, c.server_bandwidth, c.server_latency)
+    if self.topology is None:
+      return (("servers", G, kind), self.pull_bytes, c.server_bandwidth, c.server_latency)
+    a, b = self._server_regions(message, G)
+    return self._path(("servers", G, kind), a, b, self.pull_bytes, c.server_bandwidth,
+                      c.server_latency)
+
+  def _server_regions(self, message, other: int) -> tuple[int, int]:
+    """``(from, to)`` regions of a message between group ``message.group``'s server and server
+    ``other``: a delivery leaves the group's, an adoption arrives there."""
+    g, o = self.server_region[message.group], self.server_region[other]
+    return (g, o) if message.kind == "deliver" else (o, g)
+
+  def message_delay(self, protocol, message, iteration):
+    """As the default's, across regions with a topology: to or from the global server, or a
+    peer delivery to every other group's server at once (the slowest of those transfers)."""
+    if self.topology is None or message.kind not in ("deliver", "adopt"):
+      return super().message_delay(protocol, message, iteration)
+    c, G = self.cluster, protocol.num_groups
+    others = [G] if protocol.num_replicas != G else [h for h in range(G) if h != message.group]
+    return max((self.topology.transfer_time(self.pull_bytes, c.server_bandwidth,
+                                            c.server_latency, *self._server_regions(message, o))
+                for o in others), default=0.0)
 
 
 class CommunityLegs(ServerLegs):
   """CASP: a community's members talk to its leader, the leader to the server (module doc)."""
 
   counts_per_round = True
+  supports_topology = False
   counts_device_pushes = False
   local_class = "member_leader"
 
@@ -394,6 +458,7 @@ class RingLegs(ServerLegs):
   counts_device_pushes = False
   has_server = False
   dense_only = True
+  supports_topology = False
 
   def __init__(self, cluster, push_payload, dense_payload, pull_bytes):
     super().__init__(cluster, push_payload, dense_payload, pull_bytes)

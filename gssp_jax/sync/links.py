@@ -1,4 +1,4 @@
-"""Links shared by the transfers that overlap on them: a server's network interface.
+"""Links shared by the transfers that overlap on them: a server's network interface, a topology.
 
 A parameter server receives every push through one network interface and
 sends every pull through it. When W workers push at once (BSP's incast) they
@@ -15,6 +15,10 @@ rate and its end is exact: :meth:`next_end` is when the first of them ends.
 A link's capacity is the links' ``capacity`` unless its first transfer names
 another (``start``'s ``capacity``: a node's local link, say), kept while the
 link exists.
+
+With a network topology (``sim/topology.py``) a transfer crosses several shared links (a
+region's uplink, the pipe between two regions, the server's interface): :class:`NetworkLinks`
+shares each link max-min fairly over the whole network (progressive filling).
 
 Host state only (plain Python and NumPy scalars), pickled with the timeline
 engine's checkpoint.
@@ -66,6 +70,12 @@ class SharedLinks:
   A link is named by any hashable key (the engine uses ``(server, "in")`` and
   ``(server, "out")``) and exists from its first transfer.
   """
+
+  @staticmethod
+  def event_key(key):
+    """The key the engine's events name for a transfer started on ``key``: the link itself
+    (its shares change only with its own transfers)."""
+    return key
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
@@ -184,6 +194,8 @@ class EqualShareLinks:
   bandwidth (``sim/traffic.py``).
   """
 
+  event_key = staticmethod(SharedLinks.event_key)
+
   def __init__(self, capacity: float):
     if not capacity > 0:
       raise ValueError(f"a shared link's bandwidth is {capacity!r}; allowed: > 0 bytes/s")
@@ -263,3 +275,128 @@ class EqualShareLinks:
   def tags(self) -> list:
     """Tags of every transfer in progress."""
     return [tag for link in self.links.values() for _, _, tag in link.heap]
+
+
+def network_rates(paths: list[tuple], caps: list[float], capacities: dict) -> list[float]:
+  """Max-min fair rates of transfers each crossing the links of its path (progressive filling).
+
+  Every transfer not yet fixed grows at one common level; a transfer stops at its own cap, and
+  every transfer on a link stops when that link is full. ``paths[i]``: the link keys transfer i
+  crosses; ``caps[i]``: its own bytes/s limit; ``capacities``: each link's bytes/s. With one
+  link per path this is :func:`max_min_rates`.
+  """
+  n = len(paths)
+  rates = [0.0] * n
+  active = set(range(n))
+  left = dict(capacities)
+  while active:
+    on = {}
+    for i in sorted(active):
+      for key in paths[i]:
+        on.setdefault(key, []).append(i)
+    shares = {key: left[key] / len(ids) for key, ids in on.items()}
+    level = min([caps[i] for i in active] + list(shares.values()))
+    slack = level * 1e-12
+    fixed = {i for i in active if caps[i] <= level + slack}
+    for key, share in shares.items():
+      if share <= level + slack:
+        fixed.update(on[key])
+    for i in sorted(fixed):
+      rates[i] = level
+      for key in paths[i]:
+        left[key] = max(left[key] - level, 0.0)
+    active -= fixed
+  return rates
+
+
+class NetworkLinks:
+  """Links shared by transfers that each cross several of them (a network topology's path).
+
+  A transfer's rate is its max-min fair share over every link of its path
+  (:func:`network_rates`), recomputed whenever a transfer starts or ends anywhere, so between
+  those events every transfer moves at a constant rate. Since one start can change the rates
+  on every link, the engine sees the network as one link: :meth:`event_key` names it
+  (``"network"``), one event is current at a time (the next end anywhere), and an event of
+  an older :attr:`version` is stale. ``start``'s ``key`` is the path: ``((link, bytes/s or
+  None), ...)``, None meaning the links' ``capacity`` (a server's interface); a link's
+  capacity is fixed by the first transfer that names it. Same interface as :class:`SharedLinks`
+  otherwise, and the same schedule where every path is one link.
+  """
+
+  NETWORK = "network"
+
+  def __init__(self, capacity: float):
+    self.capacity = _checked_capacity(capacity)
+    self.capacities: dict = {}
+    self.transfers: list = []   # [_Transfer, path] in start order
+    self.since = 0.0
+    self.version = {self.NETWORK: 0}
+
+  @classmethod
+  def event_key(cls, key):
+    del key
+    return cls.NETWORK
+
+  def _advance(self, now: float) -> None:
+    dt = now - self.since
+    if dt > 0:
+      for t, _ in self.transfers:
+        t.remaining -= t.rate * dt
+    self.since = max(self.since, now)
+
+  def _share(self) -> None:
+    paths = [path for _, path in self.transfers]
+    rates = network_rates(paths, [t.cap for t, _ in self.transfers], self.capacities)
+    for (t, _), rate in zip(self.transfers, rates):
+      t.rate = rate
+    self.version[self.NETWORK] += 1
+
+  def start(self, key, now: float, tag: Hashable, num_bytes: float, cap: float,
+            capacity: float | None = None) -> int:
+    """A transfer of ``num_bytes`` at most ``cap`` bytes/s starts on the path ``key``; returns
+    the network's version. ``capacity``: the first hop's bytes/s where the path leaves it None."""
+    if not cap > 0:
+      raise ValueError(f"transfer {tag!r} has a cap of {cap!r} bytes/s; allowed: > 0")
+    path = []
+    for i, (link, link_capacity) in enumerate(key):
+      if link not in self.capacities:
+        given = link_capacity if link_capacity is not None else (
+            capacity if i == 0 and capacity is not None else self.capacity)
+        self.capacities[link] = _checked_capacity(given)
+      path.append(link)
+    self._advance(now)
+    self.transfers.append((_Transfer(tag, float(num_bytes), float(cap)), tuple(path)))
+    self._share()
+    return self.version[self.NETWORK]
+
+  def next_end(self, key) -> float | None:
+    """When the first transfer anywhere ends at the present rates (None: none in progress)."""
+    del key
+    if not self.transfers:
+      return None
+    return self.since + min(max(t.remaining, 0.0) / t.rate for t, _ in self.transfers)
+
+  def finish(self, key, now: float) -> list:
+    """The tags of the transfers that have ended by ``now``, in start order."""
+    del key
+    self._advance(now)
+    done = [entry for entry in self.transfers
+            if entry[0].remaining <= entry[0].rate * _DONE_SECONDS]
+    if done:
+      ended = set(map(id, done))
+      self.transfers = [entry for entry in self.transfers if id(entry) not in ended]
+      self._share()
+    return [t.tag for t, _ in done]
+
+  def cancel(self, now: float, drop) -> list:
+    """Removes every transfer whose tag satisfies ``drop``; returns ``["network"]`` if any."""
+    if not any(drop(t.tag) for t, _ in self.transfers):
+      return []
+    self._advance(now)
+    self.transfers = [entry for entry in self.transfers if not drop(entry[0].tag)]
+    self._share()
+    return [self.NETWORK]
+
+  def tags(self) -> list:
+    """Tags of every transfer in progress."""
+    return [t.tag for t, _ in self.transfers]

@@ -353,6 +353,12 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
     checks.fail("compress.name", config.compress.name,
                 f"'none' with sync.scheme={config.sync.scheme!r} (its legs move dense gradients "
                 "only: a ring all-reduce sums dense chunks)")
+  topology = config.cluster.get("topology", "")
+  if topology and not scheme.legs.supports_topology:
+    checks.fail("cluster.topology", topology,
+                f"'' (none) with sync.scheme={config.sync.scheme!r}: its legs "
+                f"({scheme.legs.__name__}) keep transfers inside a node, a community or a ring, "
+                "which a topology's regions do not model (sync.legs: supports_topology)")
 
 
 def _check_staleness_range(key, value):

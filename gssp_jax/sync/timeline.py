@@ -75,6 +75,8 @@ class TimelineEngine:
     equal_caps: every routed transfer has the same cap (every worker's link the
       same bandwidth): the links are ``links.EqualShareLinks``, whose events
       cost ``O(log n)`` instead of ``O(n)`` in the transfers in progress.
+    network: routes name paths of several links (a topology's: ``((link, bytes/s | None),
+      ...)``), shared over the whole network (``links.NetworkLinks``).
     update_time: seconds a server spends on one update (``cluster.server_update_time``):
       see :meth:`_updates`. 0: every update is instantaneous.
     compress_time: seconds between the end of a worker's compute and its push's departure
@@ -88,11 +90,12 @@ class TimelineEngine:
                record: bool = True, route: Callable | None = None,
                message_route: Callable | None = None,
                link_bandwidth: float = 1.25e9, equal_caps: bool = False,
-               update_time: float = 0.0, compress_time: float = 0.0):
+               network: bool = False, update_time: float = 0.0, compress_time: float = 0.0):
     self.protocol = protocol
     self.update_time, self.compress_time = float(update_time), float(compress_time)
     self.route, self.message_route = route, message_route
-    links = links_lib.EqualShareLinks if equal_caps else links_lib.SharedLinks
+    links = (links_lib.NetworkLinks if network else
+             links_lib.EqualShareLinks if equal_caps else links_lib.SharedLinks)
     self.links = links(link_bandwidth) if route is not None else None
     self.compute_time, self.push_delay = compute_time, push_delay
     self.pull_delay, self.message_delay = pull_delay, message_delay
@@ -180,7 +183,8 @@ class TimelineEngine:
     """Starts a transfer on a shared link; ``then`` = (event kind, worker) follows its end."""
     link, num_bytes, cap, latency, *capacity = path
     version = self.links.start(link, time, (then, float(latency)), num_bytes, cap, *capacity)
-    self._schedule(self.links.next_end(link), "link", (link, version))
+    key = self.links.event_key(link)   # the link, or the whole network
+    self._schedule(self.links.next_end(key), "link", (key, version))
 
   def _link_event(self, link, version) -> None:
     """A link's first transfer ends (the caller checked that its shares did not change since:

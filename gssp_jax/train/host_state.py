@@ -71,7 +71,8 @@ def _allowed_classes() -> dict[str, type]:
   # pylint: enable=g-import-not-at-top
   own = [executor.Step, executor.Jobs, rounds.Round, base.Message, casp.ActorCritic,
          links.SharedLinks, links._Transfer,   # pylint: disable=protected-access
-         links.EqualShareLinks, links._Link]   # pylint: disable=protected-access
+         links.EqualShareLinks, links._Link,   # pylint: disable=protected-access
+         links.NetworkLinks]
   classes = [*own, sync.Protocol, *_subclasses(sync.Protocol)]
   return {**{_name(c): c for c in classes}, **_ALLOWED}
 

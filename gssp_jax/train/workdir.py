@@ -28,7 +28,10 @@ _ADDED_KEYS = {"executor": "auto", "optimizer.args": "",   # keys added since ol
                "optimizer.warmup_seconds": 0.0, "cluster.server_capacity": "each",
                "cluster.server_update_time": 0.0, "compress.compute_time": 0.0,
                "train.checkpoint_every_seconds": 0.0,   # such a run saved by count only
-               "devices": 1, "cluster.trace_map": "replica"}
+               "devices": 1, "cluster.trace_map": "replica",
+               "cluster.topology": "", "cluster.regions": [], "cluster.region_bandwidth": [],
+               "cluster.region_latency": [], "cluster.uplink_bandwidth": [],
+               "cluster.server_region": 0}
 
 
 def _mutable(key: str) -> bool:
