@@ -116,6 +116,17 @@ STUDIES = {s.name: s for s in (
           "LeNet-5/MNIST, BSP, SSP, GSSP and DiLoCo at fixed rates on 12 clusters (tier ratio "
           "1x, 2x, 4x and 2x with jitter; one push = 0.1, 1 or 10 base iterations), 5 seeds, "
           "3 epochs, target 97 %", 1.3, "fixed", "regimes"),
+    # Issue 62: clusters as researchers meet them (a real job's straggler trace, the HALoS
+    # paper's geo network), BSP against GSSP under a smaller form of the protocol.
+    Study("trace_ar", "configs/sweeps/clusters.py:trace_ar",
+          "LeNet-5/MNIST, 16 workers timed by a real job's trace (trace-AR: 4 of them 2.2x "
+          "stragglers), BSP and GSSP at the best of {0.05, 0.1} on a validation split over 2 "
+          "tuning seeds, reported on 3 others; equal server capacity; 16 virtual seconds; "
+          "target 97 %", 2.5, "tuned"),
+    Study("halos_network", "configs/sweeps/clusters.py:halos",
+          "LeNet-5/MNIST in the HALoS paper's setting (4 regions of 4 workers, 0.117-0.935 "
+          "Gb/s between regions, its workers' speeds, 1x to 8.5x), BSP and GSSP (a group per "
+          "region) tuned as `trace_ar`; 32 virtual seconds; target 97 %", 4.0, "tuned"),
     Study("tiny", "configs/sweeps/tiny_tune.py",
           "a pipeline check: 2 schemes x 2 rates x 2 seeds on 512 examples (not a result)",
           0.2, "tuned"),
@@ -125,6 +136,8 @@ STUDIES = {s.name: s for s in (
 DEFAULT_STUDIES = ("mnist_tuned", "mnist_authors", "local_update", "cifar10_tuned",
                    "local_update_long")
 # The rerun under issue 59's protocol (``--only=...``), to replace the default once complete.
+# Issue 62's studies (``configs/sweeps/clusters.py``).
+CLUSTER_STUDIES = ("trace_ar", "halos_network")
 PROTOCOL_STUDIES = ("mnist", "dssync_uniform", "dssync_bottleneck", "cifar10",
                     "local_update_protocol", "regime_map")
 
