@@ -241,6 +241,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.dist.save_timeout = 120.0     # seconds the launcher waits, after Ctrl-C/SIGTERM, for the server
                                   # to save its checkpoint and stop, before SIGKILL
   c.dist.emulate_cluster = True   # cluster.* timing keys slow the meshes down by sleeping
+  # With emulate_cluster: False leaves a mesh's pushes and pulls to the real network (a network
+  # imposed by the kernel, benchmarks/sim_vs_real.py); compute is still stretched by sleeping.
+  c.dist.emulate_network = True
+  c.dist.record_pushes = False    # summary.json's push_log: [seconds, mesh] of every applied push
   c.dist.num_servers = 1          # parameter shards (experiments.launch --num_servers sets it)
   c.dist.all_lost_timeout = 60.0  # seconds with every mesh lost before the run ends as failed
   # Where large bodies (pushes, pulls, joins of over 4 MiB) travel: 'flight' (Arrow Flight, no

@@ -138,6 +138,7 @@ class ProtocolCore:
     self.clock_started = False
     self._clock = clock
     self.messages = Scheduler(self.deliver_due, manual=manual_messages)
+    self.push_log: list | None = None   # [seconds, mesh] of each accepted push, when recorded
 
   # -- counting -------------------------------------------------------------------------------
 
@@ -171,6 +172,8 @@ class ProtocolCore:
     host["pushes_per_worker"][w] += 1
     host["wire_pushed_per_worker"][w] += wire_bytes
     now = self.now() if now is None else now
+    if self.push_log is not None:
+      self.push_log.append([float(now), int(w)])
     self.blocked_since[w] = now
     self.waiting[w] = True
     self.react(self.protocol.on_push(w, now), now)

@@ -209,6 +209,8 @@ class DistServer:
         watermark=lambda: self.shard_links.ops, lock=self.lock, changed=self.changed,
         clock=clock, manual_messages=manual_messages, budget=self.budget)
     self.core.host["next_eval"] = self.eval_pushes
+    if self.config.dist.get("record_pushes", False):
+      self.core.push_log = []
     self.membership = membership_lib.Membership(self.W, self.config.dist, self.core,
                                                 self.shard_links.all_ready, self.changed)
     self.failure: str | None = None            # why the run cannot go on (RunFailed)
@@ -463,6 +465,8 @@ class DistServer:
     fields["totals"].update(wire_bytes_pushed=wire_fields["wire_bytes_pushed"],
                             wire_bytes_pulled=wire_fields["wire_bytes_pulled"],
                             pushes_per_worker=wire_fields["pushes_per_worker"])
+    if core.push_log is not None:   # dist.record_pushes (this session's pushes)
+      fields["push_log"] = list(core.push_log)
     if self.failure:
       fields["failure"] = self.failure
     return fields

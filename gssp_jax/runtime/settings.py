@@ -35,8 +35,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
               "dist.hang_timeout", "dist.save_timeout", "dist.all_lost_timeout"):
     checks.positive(config, key)
   checks.positive(config, "dist.num_servers", int)
-  for key in ("emulate_cluster", "tls_client_auth"):
-    checks.check_bool(f"dist.{key}", config.dist[key])
+  for key in ("emulate_cluster", "tls_client_auth", "emulate_network", "record_pushes"):
+    if key in config.dist:   # the last two absent from a config recorded before them
+      checks.check_bool(f"dist.{key}", config.dist[key])
   _check_tls(config.dist)
   plane = config.dist.get("data_plane", "grpc")
   if plane not in defaults.DATA_PLANES:

@@ -25,7 +25,8 @@ description (``cluster.*``) and ``dist.emulate_cluster``, each iteration is
 stretched by sleeping to the cluster model's ``compute_time(w, k)``, each
 push waits its link time and each pull its transfer time, as the simulator
 charges them (the scheme's legs, ``sync.legs``; InHAD: the node link plus an
-8-byte iteration number).
+8-byte iteration number), unless ``dist.emulate_network=False`` leaves them to a network
+that imposes them itself (``benchmarks/sim_vs_real.py``: ``tc`` on the links).
 
 A local-update scheme's job (``local_sgd``, ``diloco``, ``async_local_sgd``)
 is the simulator's too: ``H_w`` inner optimizer steps (the job's ``steps``,
@@ -166,6 +167,8 @@ class MeshWorker:
     self.batches = sharding.WorkerBatches(plan.shards, config.seed, self.B)
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulate = config.dist.emulate_cluster and cluster_lib.cluster_is_set(config)
+    # Transfers sleep their modelled time too, unless the network itself imposes it.
+    self.emulate_links = self.emulate and config.dist.get("emulate_network", True)
     init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # Shapes only: the weights come from the servers (the server initialises them once).
     shapes = jax.eval_shape(self.task.init, init_rng)
@@ -346,7 +349,7 @@ class MeshWorker:
         if job["stop"]:
           break
         params, model_state, pulled = self._fetch_weights(job, shard0 if self.rank == 0 else None)
-        if self.emulate:
+        if self.emulate_links:
           time.sleep(self.links.pull_delay(None, self.w))
         started = time.perf_counter()
         loss, grad, new_ms, nbytes = self._compute(job, params, model_state)
@@ -378,7 +381,7 @@ class MeshWorker:
       return {"stop": True}, None
     heart.progress_at = time.monotonic()
     self._push_bytes = int(nbytes) + self.stats_bytes
-    if self.emulate:
+    if self.emulate_links:
       time.sleep(self.links.push_delay(None, self.w, job["iteration"]))
     heart.waiting = True
     header, body = self._request_push(job, loss, grad, model_state, nbytes)
