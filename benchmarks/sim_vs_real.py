@@ -119,8 +119,8 @@ def overrides(case: Case, latency: float = 1e-4) -> dict[str, Any]:
     keys.update({"cluster.profile": "trace", "cluster.trace_file": "stragglers/trace-AR.parquet",
                  "cluster.trace_map": "cycle"})
   elif case.cluster in ("tiers", "bottleneck"):   # the project's tiers, one mesh each at W = 4
-    keys.update({"cluster.profile": "tiers", "cluster.tiers": (1.0, 1.5, 2.0, 3.0),
-                 "cluster.jitter": JITTER})
+    tiers = (1.0, 1.5, 2.0, 3.0) if case.meshes % 4 == 0 else (1.0, 2.0)[:2 - case.meshes % 2]
+    keys.update({"cluster.profile": "tiers", "cluster.tiers": tiers, "cluster.jitter": JITTER})
   else:
     raise ValueError(f"cluster {case.cluster!r} is invalid; allowed: {', '.join(CLUSTERS)}")
   return keys
@@ -163,7 +163,12 @@ def _shape(host, port: str, switch: str, up: float, down: float) -> None:
 
 def real_run(case: Case, out: str, *, shaped: bool = True, timeout: float = 300.0) -> dict:
   """Runs ``case`` for real across namespaces; returns its ``summary.json`` (with a push log)."""
+  from gssp_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from gssp_jax.runtime import auth  # pylint: disable=g-import-not-at-top
+  check = make_config(case)
+  with check.unlocked():
+    check.executor = "dist"
+  config_lib.validate_config(check)   # a bad case stops here, before any process starts
   run_dir = os.path.join(out, case.name + ("" if shaped else "-unshaped"))
   os.makedirs(run_dir, exist_ok=True)
   workdir, logs = os.path.join(run_dir, "run"), os.path.join(run_dir, "logs")

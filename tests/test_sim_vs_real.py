@@ -27,12 +27,14 @@ def test_the_comparison_of_two_push_logs():
   assert sim_vs_real.tv_distance([1, 0], [0, 0, 1]) == 1.0
 
 
-def test_a_case_config_is_valid_for_every_scheme_and_cluster(data_dir):
+@pytest.mark.parametrize("meshes", [2, 4])
+def test_a_case_config_is_valid_for_every_scheme_and_cluster(data_dir, meshes):
   from gssp_jax import config as config_lib
   for scheme in sim_vs_real.SCHEMES:
     for cluster in sim_vs_real.CLUSTERS:
-      config = sim_vs_real.make_config(sim_vs_real.Case(scheme, cluster))
+      config = sim_vs_real.make_config(sim_vs_real.Case(scheme, cluster, meshes=meshes))
       config.data_dir = data_dir
+      config.executor = "dist"
       config_lib.validate_config(config)
       assert not config.dist.emulate_network and config.dist.record_pushes
 

@@ -903,6 +903,11 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
     speed = f"profile {c.profile}, slowdown {_counts(cluster.speeds)}, base_time {base}"
   extras = "".join(f", {k} {c[k]}" for k in ("jitter", "straggler_prob") if c[k])
   link = f"link {_counts(cluster.bandwidth / 1e6)} MB/s, latency {_counts(cluster.latency)} s"
+  if cluster.topology is not None:
+    t = cluster.topology
+    link += (f"; topology {t.name}: {t.num_regions} regions, "
+             f"{_counts(t.bandwidth[~np.eye(t.num_regions, dtype=bool)] / 1e6)} MB/s between "
+             f"them, the server in region {t.server_region}")
   groups = [np.flatnonzero(scheme.groups == g).tolist() for g in np.unique(scheme.groups)]
   # The bound counts clocks ahead of the slowest worker; the progress lines' measured staleness
   # counts updates of the gradient's server (docs/USAGE.md, "Staleness: the bound and the

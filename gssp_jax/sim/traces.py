@@ -65,7 +65,8 @@ def read_table(path: str) -> np.ndarray:
   """``[T, R]`` iteration times (seconds as recorded) of the trace at ``path``, checked."""
   if not os.path.isfile(path):
     checks.fail("cluster.trace_file", path, "an existing CSV file of per-replica iteration times "
-                "or a Parquet trace (.parquet) of per-operation times")
+                "or a Parquet trace (.parquet) of per-operation times (a relative path is also "
+                "looked up in the data directory: config.data_dir, else $GSSP_DATA_DIR)")
   table = _read_parquet(path) if path.endswith(".parquet") else _read_csv(path)
   if not np.all(np.isfinite(table)) or np.any(table <= 0):
     rows, cols = np.nonzero(~(np.isfinite(table) & (table > 0)))
