@@ -24,7 +24,7 @@ and 6 reporting trials per study.
 
 from configs.sweeps import mnist_protocol
 from gssp_jax.defaults import parse_arg
-from gssp_jax.sweep import product, report_on, sweep, tune
+from gssp_jax.sweep import sweep
 
 SCHEMES = ("bsp", "gssp")
 LEARNING_RATES = (0.05, 0.1)
@@ -70,8 +70,5 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   _cluster(arg)
-  return report_on(product(sweep("sync.scheme", SCHEMES),
-                           tune("optimizer.learning_rate", LEARNING_RATES,
-                                ladder=mnist_protocol.LADDER),
-                           sweep("seed", TUNING_SEEDS)),
-                   REPORTING_SEEDS)
+  return mnist_protocol.tuned_grid(sweep("sync.scheme", SCHEMES), LEARNING_RATES, TUNING_SEEDS,
+                                   REPORTING_SEEDS)

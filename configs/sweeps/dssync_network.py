@@ -22,7 +22,7 @@ cosine; target 98 %. 27 tuning trials, those the ladder adds and 15 reporting tr
 
 from configs.sweeps import mnist_protocol
 from gssp_jax.defaults import parse_arg
-from gssp_jax.sweep import product, report_on, sweep, tune
+from gssp_jax.sweep import sweep
 
 PUSH_BYTES = 246_824
 LINK = PUSH_BYTES / 0.01   # bytes/s: one push per base iteration (10 ms)
@@ -55,8 +55,4 @@ def get_config(arg=None):
 
 def get_sweep(arg=None):
   _network(arg)
-  return report_on(product(sweep("sync.scheme", SCHEMES),
-                           tune("optimizer.learning_rate", LEARNING_RATES,
-                                ladder=mnist_protocol.LADDER),
-                           sweep("seed", mnist_protocol.TUNING_SEEDS)),
-                   mnist_protocol.REPORTING_SEEDS)
+  return mnist_protocol.tuned_grid(sweep("sync.scheme", SCHEMES), LEARNING_RATES)

@@ -53,8 +53,13 @@ def get_config():
   return c
 
 
+def tuned_grid(schemes, rates, tuning_seeds=TUNING_SEEDS, reporting_seeds=REPORTING_SEEDS):
+  """The protocol's grid: every scheme at every rate (the ladder past a best at an edge) on the
+  tuning seeds, each chosen rate then on the reporting seeds alone (``sweep.report_on``)."""
+  return report_on(product(schemes, tune("optimizer.learning_rate", rates, ladder=LADDER),
+                           sweep("seed", tuning_seeds)), reporting_seeds)
+
+
 def get_sweep():
-  schemes = zipped(sweep("sync.scheme", SCHEMES), sweep("compress.name", COMPRESSORS))
-  return report_on(product(schemes, tune("optimizer.learning_rate", LEARNING_RATES,
-                                         ladder=LADDER), sweep("seed", TUNING_SEEDS)),
-                   REPORTING_SEEDS)
+  return tuned_grid(zipped(sweep("sync.scheme", SCHEMES), sweep("compress.name", COMPRESSORS)),
+                    LEARNING_RATES)
