@@ -126,6 +126,13 @@ _GOOD = dict(dp_rank=[0, 0, 1, 1, 0, 1], rank=[0, 0, 1, 1, 0, 1], step=[5, 5, 5,
 def test_a_small_parquet_trace_by_hand(tmp_path):
   path = _write(tmp_path / "t.parquet", **_GOOD, start_ts=[0.0] * 6)
   np.testing.assert_allclose(traces.read_table(path), [[0.3, 0.6], [0.1, 0.4]])
+  # Rows of other operations, or with no operation named, are not compute: left out.
+  extra = {k: v + [v[0]] for k, v in _GOOD.items()}
+  for optype in ("optimizer", None):
+    extra["optype"] = _GOOD["optype"] + [optype]
+    extra["duration"] = _GOOD["duration"] + [9.0]
+    path = _write(tmp_path / "t2.parquet", **extra)
+    np.testing.assert_allclose(traces.read_table(path), [[0.3, 0.6], [0.1, 0.4]])
 
 
 @pytest.mark.parametrize("change,match", [

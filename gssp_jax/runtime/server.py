@@ -209,7 +209,7 @@ class DistServer:
         watermark=lambda: self.shard_links.ops, lock=self.lock, changed=self.changed,
         clock=clock, manual_messages=manual_messages, budget=self.budget)
     self.core.host["next_eval"] = self.eval_pushes
-    if self.config.dist.get("record_pushes", False):
+    if self.config.dist.record_pushes:
       self.core.push_log = []
     self.membership = membership_lib.Membership(self.W, self.config.dist, self.core,
                                                 self.shard_links.all_ready, self.changed)

@@ -36,8 +36,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     checks.positive(config, key)
   checks.positive(config, "dist.num_servers", int)
   for key in ("emulate_cluster", "tls_client_auth", "emulate_network", "record_pushes"):
-    if key in config.dist:   # the last two absent from a config recorded before them
-      checks.check_bool(f"dist.{key}", config.dist[key])
+    checks.check_bool(f"dist.{key}", config.dist[key])
   _check_tls(config.dist)
   plane = config.dist.get("data_plane", "grpc")
   if plane not in defaults.DATA_PLANES:

@@ -168,7 +168,7 @@ class MeshWorker:
     self.cluster = cluster_lib.cluster_from_config(config)
     self.emulate = config.dist.emulate_cluster and cluster_lib.cluster_is_set(config)
     # Transfers sleep their modelled time too, unless the network itself imposes it.
-    self.emulate_links = self.emulate and config.dist.get("emulate_network", True)
+    self.emulate_links = self.emulate and config.dist.emulate_network
     init_rng, self.train_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # Shapes only: the weights come from the servers (the server initialises them once).
     shapes = jax.eval_shape(self.task.init, init_rng)

@@ -209,11 +209,16 @@ def cluster_speeds(cfg, num_workers: int, seed: int) -> np.ndarray:
   return np.exp(sigma * np.random.default_rng([seed, 3]).standard_normal(num_workers))
 
 
+def trace_units(cfg) -> str:
+  """``cluster.trace_units``; a config recorded before the key read its trace in seconds."""
+  return cfg.get("trace_units", "seconds")
+
+
 def check_trace_keys(cfg) -> None:
   """Rejects a compute-time model key set beside ``profile='trace'`` (the trace gives the times;
   ``base_time`` and ``calibrate`` set its pace, in ``trace_units='relative'`` only)."""
   cluster_defaults = defaults.default_config().cluster
-  relative = cfg.get("trace_units", "seconds") == "relative"
+  relative = trace_units(cfg) == "relative"
   for key in _MODEL_KEYS:
     value, default = cfg[key], cluster_defaults[key]
     if relative and key in _PACE_KEYS:
@@ -312,11 +317,10 @@ def cluster_from_config(config, base_time: float | None = None) -> Cluster:
   base_time = _positive("base_time", base_time if base_time is not None else cfg.base_time)
   trace, scale = None, 1.0
   if cfg.profile == "trace":
-    trace, scale = traces.load(cfg.trace_file, W, units=cfg.get("trace_units", "seconds"),
+    trace, scale = traces.load(cfg.trace_file, W, units=trace_units(cfg),
                                trace_map=cfg.get("trace_map", "replica"), base_time=base_time,
                                data_dir=config.get("data_dir", ""))
-  topology = topology_lib.from_config(cfg, W, bandwidth if bandwidth.ndim else
-                                      np.full([W], float(bandwidth)))
+  topology = topology_lib.from_config(cfg, W, np.broadcast_to(bandwidth, [W]))
   return Cluster(
       speeds=speeds, base_time=base_time, topology=topology,
       jitter=_non_negative("jitter", cfg.jitter), straggler_prob=prob,

@@ -893,7 +893,7 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
   """The simulator's opening log lines: the cluster, the groups and the scheme."""
   c, s = config.cluster, config.sync
   if cluster.trace is not None:
-    pace = ("in seconds" if c.get("trace_units", "seconds") == "seconds"
+    pace = ("in seconds" if cluster_lib.trace_units(c) == "seconds"
             else f"scaled by {cluster.trace_scale:.4g} to a median of {cluster.base_time:.4g} s"
             + (" (calibrated)" if calibrated else ""))
     speed = (f"trace {c.trace_file} ({cluster.trace.shape[0]} iterations, {pace}), mean "

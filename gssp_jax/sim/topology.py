@@ -34,6 +34,7 @@ its path's uncontended time (:meth:`Topology.transfer_time`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -84,14 +85,17 @@ class Topology:
       out.append((("down", b), float(self.uplink[b])))
     return tuple(out)
 
-  def cap(self, a: int, b: int) -> float:
-    """The most bytes/s one transfer from a to b can have on its own (inf inside a region whose
-    diagonal is not set lower)."""
-    return float(min([self.bandwidth[a, b]] + [c for _, c in self.hops(a, b)]))
+  def own_cap(self, a: int, b: int) -> float:
+    """A transfer's own bytes/s limit from a to b, besides its hops: inside one region the
+    diagonal's bandwidth (the fabric inside is not contended); across regions none (the pipe
+    between them is a shared hop)."""
+    return float(self.bandwidth[a, a]) if a == b else math.inf
 
   def transfer_time(self, num_bytes: float, cap: float, latency: float, a: int, b: int) -> float:
-    """A transfer's uncontended seconds: ``latency + latency[a][b] + bytes / min(cap, path)``."""
-    return latency + float(self.latency[a, b]) + num_bytes / min(cap, self.cap(a, b))
+    """A transfer's uncontended seconds: ``latency + latency[a][b] + bytes`` over the least of
+    ``cap``, :meth:`own_cap` and its hops' bandwidths."""
+    limit = min([cap, self.own_cap(a, b)] + [c for _, c in self.hops(a, b)])
+    return latency + float(self.latency[a, b]) + num_bytes / limit
 
   def server_regions(self, route: np.ndarray, num_servers: int) -> np.ndarray:
     """``[num_servers]`` each server's region. ``route``: each worker's server at the start (a

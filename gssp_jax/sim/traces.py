@@ -104,9 +104,9 @@ def _read_parquet(path: str) -> np.ndarray:
     _bad(path, f"missing column(s) {', '.join(missing)}",
          f"a Parquet trace with the columns {', '.join(PARQUET_COLUMNS)}")
   t = pq.read_table(path, columns=list(PARQUET_COLUMNS))
+  # A null optype is not in the set (is_in gives False for it, not null).
   compute = pc.is_in(pc.cast(t["optype"], pa.string()), pa.array(COMPUTE_OPS)).to_numpy(
       zero_copy_only=False)
-  compute &= ~np.asarray(t["optype"].is_null().to_numpy(zero_copy_only=False))
   if not compute.any():
     _bad(path, f"no {' or '.join(COMPUTE_OPS)} rows",
          "a trace with the compute operations of every replica at every step")

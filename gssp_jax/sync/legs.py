@@ -232,9 +232,7 @@ class ServerLegs:
     """A routed transfer across a topology: ``interface`` (its capacity the engine's), then
     the hops from region ``a`` to ``b``."""
     t = self.topology
-    if a == b:
-      cap = min(cap, float(t.bandwidth[a, a]))
-    return (((interface, None),) + t.hops(a, b), num_bytes, cap,
+    return (((interface, None),) + t.hops(a, b), num_bytes, min(cap, t.own_cap(a, b)),
             latency + float(t.latency[a, b]))
 
   def servers(self, protocol) -> int:
