@@ -81,7 +81,7 @@ class RealRun:
     self.jobs = [None] * len(self.meshes)
     self.computed = [0] * len(self.meshes)   # jobs each mesh computed
     for w, mesh in enumerate(self.meshes):
-      header, body = self.srv.on_join({"mesh": w, "instance": mesh.instance,
+      header, body = self.srv.calls.on_join({"mesh": w, "instance": mesh.instance,
                                        "config": server_lib.config_id(self.config)}, None, "test")
       self._released(w, header, body)
 
@@ -95,7 +95,7 @@ class RealRun:
     mesh = self.meshes[w]
     if self.pending[w] is not None:   # its previous push: released since, by the protocol
       self.pending[w] = None
-      header, body = self.srv.await_release(w, mesh.seq, timeout=30)
+      header, body = self.srv.calls.await_release(w, mesh.seq, timeout=30)
       assert "stop" not in header and "rejoin" not in header, header
       self._released(w, header, body)
     params, model_state = self.weights[w]
@@ -113,8 +113,8 @@ class RealRun:
     for w, mesh in enumerate(self.meshes):
       while self.computed[w] < dispatched[w]:
         with self.srv.lock:
-          seq, job = self.srv.releases[w]
-        self._released(w, *self.srv._reply_with_weights(w, seq, job))   # pylint: disable=protected-access
+          seq, job = self.srv.core.releases[w]
+        self._released(w, *self.srv.calls._reply_with_weights(w, seq, job))   # pylint: disable=protected-access
         self.pending[w] = None
         self.start(w)
 
@@ -138,7 +138,7 @@ class RealRun:
               "wire_bytes": sum(wire.body_bytes(b) for b, _ in bodies), "nnz": [n for _, n in bodies],
               "receipts": receipts,
               "digests": [wire.digest(bodies[s][0]) for s in range(1, len(bodies))]}
-    _, _, immediate = self.srv.accept_push(header, bodies[0][0])
+    _, _, immediate = self.srv.calls.accept_push(header, bodies[0][0])
     assert immediate == ({"stop": True} if expect_stop else None), immediate
 
   def replay(self, events) -> None:
@@ -158,7 +158,7 @@ class RealRun:
     """Waits until every shard applied every op the control plane emitted."""
     with self.srv.lock:
       self.srv._emit({"k": "noop"})   # pylint: disable=protected-access
-      ops = self.srv.ops
+      ops = self.srv.shard_links.ops
     for core in self.cores():
       core.pull(0, ops, timeout=60)
 
@@ -168,7 +168,7 @@ class RealRun:
   def close(self) -> None:
     # The replayed meshes are not processes that read a stop: the server need not wait 3 s
     # for them to (``DistServer.close``).
-    self.srv.told_stop[:] = True
+    self.srv.membership.told_stop[:] = True
     self.srv.close()   # its final checkpoint (every shard's), then Stop to the shards
     for handle in self.shards:
       shard_process.stop(handle)

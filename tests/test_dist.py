@@ -164,7 +164,7 @@ def _dist_server(tmp_path, data_dir, **changes):
 def _push_ones(srv, w, seq):
   leaves = [np.ones(shape, np.float32) for shape in srv.layout.shapes]
   body = srv.layout.pack_push(0, leaves, [], False)[0]
-  srv.accept_push({"mesh": w, "instance": "i", "session": srv.session, "seq": seq,
+  srv.calls.accept_push({"mesh": w, "instance": "i", "session": srv.shard_links.session, "seq": seq,
                    "iteration": seq - 1, "loss": 1.0, "bytes": 4,
                    "wire_bytes": wire.body_bytes(body),
                    "nnz": [-1], "receipts": [], "digests": []}, body)
@@ -173,7 +173,7 @@ def _push_ones(srv, w, seq):
 def _join_all(srv):
   from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
   for w in range(srv.W):
-    srv.on_join({"mesh": w, "instance": "i", "config": server.config_id(srv.config)}, None, "t")
+    srv.calls.on_join({"mesh": w, "instance": "i", "config": server.config_id(srv.config)}, None, "t")
 
 
 def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog):
@@ -188,7 +188,7 @@ def test_the_server_compiles_nothing_while_it_serves(tmp_path, data_dir, caplog)
       _join_all(srv)
       for w in (0, 3, 1):   # pushes: ops applied, meshes released (pulls)
         _push_ones(srv, w, 1)
-        reply, body = srv.await_release(w, 1, timeout=60)
+        reply, body = srv.calls.await_release(w, 1, timeout=60)
         assert "iteration" in reply and wire.body_bytes(body), reply
       for message in list(m for _, m in srv.core.messages.pending()):
         srv.deliver(message)   # forwards between groups, now
@@ -213,13 +213,13 @@ def test_the_servers_host_state_round_trips_through_its_checkpoint(tmp_path, dat
       _push_ones(srv, w, 1)
     srv.save()
     with srv.lock:
-      expected = host_state.to_tree({"protocol": srv.protocol, "host": srv.host,
-                                     "acct": srv.acct.state_dict()})
+      expected = host_state.to_tree({"protocol": srv.core.protocol, "host": srv.core.host,
+                                     "acct": srv.core.acct.state_dict()})
     step = srv.checkpointer.latest_step()
-    assert step == srv.host["pushes"] == 3
+    assert step == srv.core.host["pushes"] == 3
     restored = srv.checkpointer.restore_host(step)
     assert json.dumps(host_state.to_tree(restored)) == json.dumps(expected)
-    assert type(restored["protocol"]) is type(srv.protocol)
+    assert type(restored["protocol"]) is type(srv.core.protocol)
     assert restored["host"]["seq"].tolist() == [1, 1, 0, 1]
     with srv.core0.cond:
       want = [np.array(x) for x in jax.tree.leaves(srv.core0.state)]
@@ -438,7 +438,7 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
   restored = server.DistServer(config, run_lib.prepare_run(config, str(workdir)), str(workdir),
                                num_servers=2, credentials=dist_replay.CREDENTIALS)
   assert restored.restore() == summary["totals"]["pushes"]
-  assert restored.acct.version.tolist() == per_replica
+  assert restored.core.acct.version.tolist() == per_replica
   restored.close()
   # Agreement with the simulator on the same cluster, before the kill (docs/REAL_RUNS.md
   # justifies the tolerances): the staleness histograms within a total variation distance of

@@ -54,12 +54,12 @@ def _server(tmp_path, data_dir, scheme="bsp", num_workers=2, num_servers=1, **ch
 
 
 def _join(srv, w, instance="mesh-process"):
-  return srv.on_join({"mesh": w, "instance": instance,
+  return srv.calls.on_join({"mesh": w, "instance": instance,
                       "config": server_lib.config_id(srv.config)}, None, "test")
 
 
 def _push_header(srv, w, seq, nnz=-1, instance="mesh-process", **changes):
-  return {"mesh": w, "instance": instance, "session": srv.session, "seq": seq,
+  return {"mesh": w, "instance": instance, "session": srv.shard_links.session, "seq": seq,
           "iteration": seq - 1, "loss": 1.0, "bytes": srv.pull_bytes, "wire_bytes": 4,
           "nnz": [nnz] * srv.S, "receipts": [], "digests": [b"d" * 32] * (srv.S - 1),
           **changes}
@@ -77,7 +77,7 @@ def _state_leaves(srv):
 
 
 def _unchanged(srv, before, ops):
-  assert srv.host["pushes"] == 0 and srv.ops == ops
+  assert srv.core.host["pushes"] == 0 and srv.shard_links.ops == ops
   after = _state_leaves(srv)
   assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
@@ -94,7 +94,7 @@ def server(tmp_path, data_dir):
 
 def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(server):
   address = server.bind("127.0.0.1:0")
-  seen = server.last_seen.copy()
+  seen = server.membership.last_seen.copy()
   channel = grpc.insecure_channel(address)
   header = wire.encode_header({"mesh": 0, "instance": "x", "config": "{}", "body_bytes": 0})
   for method in ("Join", "Heartbeat", "Push", "Pull", "Register"):
@@ -110,19 +110,19 @@ def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(serve
   assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
   other.close()
   # Nothing reached a handler: no mesh joined or counted as alive, nothing refused as a push.
-  assert server.instance == [""] * server.W and not server.host["started"].any()
-  np.testing.assert_array_equal(server.last_seen, seen)
-  assert server.host["refused"] == {"nonfinite": 0, "malformed": 0, "duplicate": 0}
+  assert server.membership.instance == [""] * server.W and not server.core.host["started"].any()
+  np.testing.assert_array_equal(server.membership.last_seen, seen)
+  assert server.core.host["refused"] == {"nonfinite": 0, "malformed": 0, "duplicate": 0}
 
 
 def test_heartbeats_of_meshes_that_never_joined_and_refused_joins_are_no_sign_of_life(server):
-  before = server.last_seen.copy()
-  reply, _ = server.on_heartbeat({"mesh": 1, "instance": "never-joined",
-                                  "session": server.session}, None, "test")
+  before = server.membership.last_seen.copy()
+  reply, _ = server.calls.on_heartbeat({"mesh": 1, "instance": "never-joined",
+                                  "session": server.shard_links.session}, None, "test")
   assert reply["rejoin"] and not reply["stop"]
   with pytest.raises(wire.Refused, match="config differs"):
-    server.on_join({"mesh": 1, "instance": "x", "config": "{}"}, None, "test")
-  np.testing.assert_array_equal(server.last_seen, before)
+    server.calls.on_join({"mesh": 1, "instance": "x", "config": "{}"}, None, "test")
+  np.testing.assert_array_equal(server.membership.last_seen, before)
 
 
 def test_a_second_process_with_the_same_mesh_is_refused_with_a_message(server):
@@ -134,7 +134,7 @@ def test_a_second_process_with_the_same_mesh_is_refused_with_a_message(server):
   assert raised.value.code == grpc.StatusCode.ALREADY_EXISTS
   # ... and its pushes are refused too.
   with pytest.raises(wire.Refused, match="held by another process"):
-    server.accept_push(_push_header(server, 0, 1, instance="second"), _gradient(server))
+    server.calls.accept_push(_push_header(server, 0, 1, instance="second"), _gradient(server))
 
 
 # -- malformed pushes -----------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_a_second_process_with_the_same_mesh_is_refused_with_a_message(server):
 def test_scalars_float64_and_oversized_declarations_are_refused_and_change_nothing(server):
   for w in range(server.W):
     _join(server, w)
-  before, ops = _state_leaves(server), server.ops
+  before, ops = _state_leaves(server), server.shard_links.ops
   grad = _gradient(server)
   n = server.layout.grad_size(0)
   bad = {
@@ -153,40 +153,40 @@ def test_scalars_float64_and_oversized_declarations_are_refused_and_change_nothi
   }
   for what, body in bad.items():
     with pytest.raises(wire.BadMessage, match="expected"):
-      server.accept_push(_push_header(server, 0, 1), body)
+      server.calls.accept_push(_push_header(server, 0, 1), body)
   # A 100-byte body that declares every entry as a sparse one: checked against its own size,
   # nothing is allocated for the declared shape.
   with pytest.raises(wire.BadMessage, match="expected"):
-    server.accept_push(_push_header(server, 0, 1, nnz=n), np.zeros([100], np.uint8))
+    server.calls.accept_push(_push_header(server, 0, 1, nnz=n), np.zeros([100], np.uint8))
   with pytest.raises(wire.BadMessage, match="nnz"):
-    server.accept_push(_push_header(server, 0, 1, nnz=n + 1), np.zeros([100], np.uint8))
+    server.calls.accept_push(_push_header(server, 0, 1, nnz=n + 1), np.zeros([100], np.uint8))
   # Sparse indices out of range or repeated.
   idx = np.array([3, 3], np.int32).view(np.float32)
   body = np.concatenate([idx, np.ones(2, np.float32)]).view(np.uint8)
   with pytest.raises(wire.BadMessage, match="strictly increasing"):
-    server.accept_push(_push_header(server, 0, 1, nnz=2), body)
+    server.calls.accept_push(_push_header(server, 0, 1, nnz=2), body)
   for header in (_push_header(server, 0, 3), _push_header(server, 0, 1, iteration=5),
                  _push_header(server, 0, 1, bytes=-1), _push_header(server, 7, 1),
                  _push_header(server, 0, 1, loss="1.0"), _push_header(server, 0, 1, nnz=[-1, -1])):
     with pytest.raises(wire.BadMessage):
-      server.accept_push(header, grad)
+      server.calls.accept_push(header, grad)
   _unchanged(server, before, ops)
-  assert server.host["refused"]["malformed"] >= 8
+  assert server.core.host["refused"]["malformed"] >= 8
 
 
 def test_a_nan_gradient_with_a_zero_loss_is_refused_and_the_run_stops_as_diverged(server):
   for w in range(server.W):
     _join(server, w)
-  before, ops = _state_leaves(server), server.ops
+  before, ops = _state_leaves(server), server.shard_links.ops
   leaves = [np.full(shape, 0.5, np.float32) for shape in server.layout.shapes]
   leaves[-1].reshape(-1)[0] = np.nan
   body = server.layout.pack_push(0, leaves, [], False)[0]
-  _, _, reply = server.accept_push(_push_header(server, 0, 1, loss=0.0), body)
+  _, _, reply = server.calls.accept_push(_push_header(server, 0, 1, loss=0.0), body)
   assert reply["stop"] and "non-finite" in reply["refused"]
-  _, _, reply = server.accept_push(_push_header(server, 1, 1, loss=float("inf")), _gradient(server))
+  _, _, reply = server.calls.accept_push(_push_header(server, 1, 1, loss=float("inf")), _gradient(server))
   assert reply["stop"] and "non-finite loss" in reply["refused"]
   _unchanged(server, before, ops)
-  assert server.host["refused"]["nonfinite"] == 2
+  assert server.core.host["refused"]["nonfinite"] == 2
   with pytest.raises(FloatingPointError, match="mesh 0 pushed a non-finite gradient"):
     server.advance()
 
@@ -195,20 +195,20 @@ def test_the_same_push_twice_is_applied_once_and_answered_both_times(server):
   for w in range(server.W):
     _join(server, w)
   first = _gradient(server, 1.0)
-  server.accept_push(_push_header(server, 0, 1), first)
+  server.calls.accept_push(_push_header(server, 0, 1), first)
   # The retry (a connection that dropped mid-call) carries other bytes: they are not applied.
-  _, _, immediate = server.accept_push(_push_header(server, 0, 1), _gradient(server, 7.0))
-  assert immediate is None and server.host["refused"]["duplicate"] == 1
-  assert server.host["pushes"] == 1
-  server.accept_push(_push_header(server, 1, 1), _gradient(server, 1.0))   # BSP's barrier
-  reply_a, body_a = server.await_release(0, 1, timeout=30)
-  reply_b, body_b = server.await_release(0, 1, timeout=30)   # the retry's answer: the same
+  _, _, immediate = server.calls.accept_push(_push_header(server, 0, 1), _gradient(server, 7.0))
+  assert immediate is None and server.core.host["refused"]["duplicate"] == 1
+  assert server.core.host["pushes"] == 1
+  server.calls.accept_push(_push_header(server, 1, 1), _gradient(server, 1.0))   # BSP's barrier
+  reply_a, body_a = server.calls.await_release(0, 1, timeout=30)
+  reply_b, body_b = server.calls.await_release(0, 1, timeout=30)   # the retry's answer: the same
   assert reply_a == reply_b and wire.join(body_a) == wire.join(body_b)
-  assert server.host["pushes"] == 2 and reply_a["iteration"] == 1
+  assert server.core.host["pushes"] == 2 and reply_a["iteration"] == 1
   # BSP averaged two gradients of 1.0, not 1.0 and 7.0: the replica moved by lr * 1.0.
   weights = server.layout.unpack_pull(0, body_a)[0]
   start = server.init_leaves
-  lr = float(server.schedule(server.host["pushes"] // server.W))   # the round's learning rate
+  lr = float(server.schedule(server.core.host["pushes"] // server.W))   # the round's learning rate
   step = weights[0] - start[0]
   assert np.allclose(step, -lr * 1.0 - lr * server.config.optimizer.weight_decay * start[0],
                      rtol=1e-4, atol=1e-6), float(np.abs(step).max())
@@ -223,7 +223,7 @@ def test_a_join_refused_for_missing_shards_changes_nothing(tmp_path, data_dir):
       with pytest.raises(wire.Refused, match="parameter shards did not all start") as raised:
         _join(srv, 0)
       assert raised.value.code == grpc.StatusCode.UNAVAILABLE
-      assert not srv.host["started"][0] and srv.host["lost"] == [] and srv.host["rejoined"] == []
+      assert not srv.core.host["started"][0] and srv.core.host["lost"] == [] and srv.core.host["rejoined"] == []
   finally:
     srv.close()
 
@@ -239,7 +239,7 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
     close = lambda self: None
     saved = lambda self, step, timeout: None   # (its checkpoint: not part of this test)
 
-  srv.shards[1] = Link()
+  srv.shard_links.links[1] = Link()
   srv.shard_links._op_log = None   # pylint: disable=protected-access
   try:
     for w in range(srv.W):
@@ -247,17 +247,17 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
     grad = _gradient(srv)
     size = srv.layout.push_limit(1, -1)
     mine, theirs = [b"m" * 32], [b"t" * 32]   # the mesh's digest of its slice; another's
-    forged = auth.Credentials(os.urandom(32), "replay-run").receipt(1, 0, 1, srv.session, size,
+    forged = auth.Credentials(os.urandom(32), "replay-run").receipt(1, 0, 1, srv.shard_links.session, size,
                                                                       mine[0])
-    for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.session, size, mine[0])],
-                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size + 4, mine[0])],
-                     [CREDENTIALS.receipt(1, 0, 1, srv.session, size, theirs[0])]):
+    for receipts in ([], [forged], [CREDENTIALS.receipt(1, 0, 2, srv.shard_links.session, size, mine[0])],
+                     [CREDENTIALS.receipt(1, 0, 1, srv.shard_links.session, size + 4, mine[0])],
+                     [CREDENTIALS.receipt(1, 0, 1, srv.shard_links.session, size, theirs[0])]):
       with pytest.raises(wire.BadMessage, match="receipt"):
-        srv.accept_push(_push_header(srv, 0, 1, receipts=receipts, digests=mine), grad)
-    assert srv.host["pushes"] == 0
-    good = [CREDENTIALS.receipt(1, 0, 1, srv.session, size, mine[0])]
-    srv.accept_push(_push_header(srv, 0, 1, receipts=good, digests=mine), grad)
-    assert srv.host["pushes"] == 1
+        srv.calls.accept_push(_push_header(srv, 0, 1, receipts=receipts, digests=mine), grad)
+    assert srv.core.host["pushes"] == 0
+    good = [CREDENTIALS.receipt(1, 0, 1, srv.shard_links.session, size, mine[0])]
+    srv.calls.accept_push(_push_header(srv, 0, 1, receipts=good, digests=mine), grad)
+    assert srv.core.host["pushes"] == 1
   finally:
     srv.close()
 

@@ -161,12 +161,12 @@ def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path, fl
             _Inner(mesh._inner()), {"state": want})]   # pylint: disable=protected-access
       assert not bad, bad[:10]
       # The control plane counts what the simulator counts, exactly.
-      assert srv.acct.summary() == sim.acct.summary()
-      assert srv.acct.version.tolist() == sim.acct.version.tolist()
+      assert srv.core.acct.summary() == sim.acct.summary()
+      assert srv.core.acct.version.tolist() == sim.acct.version.tolist()
       for key in ("rounds", "updates", "server_bytes", "class_bytes"):
-        assert srv.host[key] == sim.host[key], key
-      np.testing.assert_array_equal(srv.host["pulls_per_worker"], sim.host["pulls_per_worker"])
+        assert srv.core.host[key] == sim.host[key], key
+      np.testing.assert_array_equal(srv.core.host["pulls_per_worker"], sim.host["pulls_per_worker"])
       if not srv.links.counts_device_pushes:   # InHAD: counted per round, as the simulator does
-        np.testing.assert_array_equal(srv.host["pushed_per_worker"], sim.host["pushed_per_worker"])
+        np.testing.assert_array_equal(srv.core.host["pushed_per_worker"], sim.host["pushed_per_worker"])
     finally:
       run.close()

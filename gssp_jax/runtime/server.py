@@ -219,28 +219,11 @@ class DistServer:
         pull_bytes=self.pull_bytes, core0=self.core0, links=self.shard_links, core=self.core,
         members=self.membership, lock=self.lock, changed=self.changed,
         credentials=lambda: self.credentials, at_end=self._at_end, failure=lambda: self.failure)
-    # The meshes' methods, as the gRPC table and tests call them.
-    self.on_join, self.on_push, self.on_heartbeat, self.on_pull = (
-        self.calls.on_join, self.calls.on_push, self.calls.on_heartbeat, self.calls.on_pull)
-    self.accept_push, self.await_release = self.calls.accept_push, self.calls.await_release
-    self._reply_with_weights = self.calls._reply_with_weights   # pylint: disable=protected-access
     self.checkpointer = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                               self.config.train.max_checkpoints)
     self._grpc = None
     self._eta = workdir_lib.Eta(0)
     self._threads: list[threading.Thread] = []
-
-  # The parts' state, as tests and tools read it.
-  host = property(lambda self: self.core.host)
-  protocol = property(lambda self: self.core.protocol)
-  acct = property(lambda self: self.core.acct)
-  releases = property(lambda self: self.core.releases)
-  session = property(lambda self: self.shard_links.session)
-  shards = property(lambda self: self.shard_links.links)
-  ops = property(lambda self: self.shard_links.ops)
-  instance = property(lambda self: self.membership.instance)
-  last_seen = property(lambda self: self.membership.last_seen)
-  told_stop = property(lambda self: self.membership.told_stop)
 
   def _emit(self, op: dict) -> None:
     self.shard_links.emit(op)
@@ -293,11 +276,11 @@ class DistServer:
     return self.layout.assemble(bodies, self.treedefs)
 
   def finished(self) -> bool:
-    return (self._at_end(self.host["evaluated_iterations"], self.host["evaluated"])
-            or self.host.get("evaluated_budget", False))
+    return (self._at_end(self.core.host["evaluated_iterations"], self.core.host["evaluated"])
+            or self.core.host.get("evaluated_budget", False))
 
   def completed(self) -> bool:
-    return self.core.iterations() >= self.total_pushes or self.host.get("budget_reached", False)
+    return self.core.iterations() >= self.total_pushes or self.core.host.get("budget_reached", False)
 
   def _at_end(self, iterations: int, pushes: int) -> bool:
     """The run's end, as the simulator's (``simulate.at_end``)."""
@@ -306,7 +289,7 @@ class DistServer:
 
   @property
   def position(self) -> int:
-    return int(self.host["pushes"])
+    return int(self.core.host["pushes"])
 
   def advance(self) -> bool:
     self._serve()
@@ -374,7 +357,7 @@ class DistServer:
 
   @property
   def evaluations(self) -> int:
-    return self.host["num_evals"]
+    return self.core.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
     rate = self._eta.rate(record["pushes"])
@@ -432,7 +415,7 @@ class DistServer:
     self.shard_links.close_local()   # what is queued for shard 0 first, then the shard stops
     self.checkpointer.close()
     if saved:
-      logging.info("the server stopped; its checkpoint is at %d pushes", self.host["pushes"])
+      logging.info("the server stopped; its checkpoint is at %d pushes", self.core.host["pushes"])
 
   def failure_of_a_shard(self) -> str | None:
     return self.shard_links.failure()
@@ -479,11 +462,11 @@ class DistServer:
       return self.address
     methods = [wire.Method("Register", self.on_register), wire.Method("Ready", self.on_ready),
                wire.Method("Tensors", self.on_tensors),
-               wire.Method("Join", self.on_join),
-               wire.Method("Push", self.on_push,
+               wire.Method("Join", self.calls.on_join),
+               wire.Method("Push", self.calls.on_push,
                            lambda header: push_checks.body_limit(header, self.layout),
                            parts=True),
-               wire.Method("Heartbeat", self.on_heartbeat), wire.Method("Pull", self.on_pull)]
+               wire.Method("Heartbeat", self.calls.on_heartbeat), wire.Method("Pull", self.calls.on_pull)]
     self._grpc, port = endpoints.make_server(methods, address, self.credentials,
                                              max_workers=2 * self.W + 2 * self.S + 8,
                                              **endpoints.server_settings(self.config.dist,
