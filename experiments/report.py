@@ -15,7 +15,7 @@ from absl import app
 from absl import flags
 
 from gssp_jax import cli
-from gssp_jax import report
+from gssp_jax.studies import report
 
 _OUT = flags.DEFINE_string("out", None, "where to write the report (default: DIR itself)")
 _TARGET = flags.DEFINE_float("target", None, "recompute time to this metric value (default: "

@@ -11,7 +11,7 @@ checkpoints; Ctrl-C or ``kill`` stops every trial (each records ``interrupted``)
 prints the plan, writes the reports and the claims table of what has finished, and runs
 nothing. On a GPU the
 trials' ``executor='auto'`` picks the GPU executor. Studies, claims and the rule that decides a
-claim: ``gssp_jax/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
+claim: ``gssp_jax/studies/reproduce.py``. ``--only=tiny`` checks the whole pipeline in minutes.
 --merge_from=DIR2 first adds the finished trials of another --out (run elsewhere, e.g. on a GPU:
 virtual time does not depend on the machine) that this one lacks (``reproduce.merge``).
 --publish copies the table and the studies' reports into the repository, with the finished
@@ -32,7 +32,7 @@ from absl import app
 from absl import flags
 
 from gssp_jax import cli
-from gssp_jax import reproduce
+from gssp_jax.studies import reproduce
 from gssp_jax import xla_env
 
 _OUT = flags.DEFINE_string("out", None, "where the runs, the reports and the claims table go",
@@ -53,9 +53,10 @@ _SAVE_RUNS = flags.DEFINE_string(
 _DOC = flags.DEFINE_string("doc", None, "with --publish: put the table into this Markdown file, "
                            "between its claims-table markers (e.g. docs/REPRODUCTION.md)")
 
-_MARK = flags.DEFINE_list("mark", [], "first mark these trials (<study>/<trial>) of --out as "
-                         "counted by the claims table despite their provenance (no commit, or a "
-                         "dirty tree), with --why; the table names them")
+_MARK = flags.DEFINE_multi_string(
+    "mark", [], "first mark this trial (<study>/<trial>; repeat the flag for more: a trial's "
+    "name holds commas) of --out as counted by the claims table despite its provenance (no "
+    "commit, or a dirty tree), with --why; the table names them")
 _WHY = flags.DEFINE_string("why", None, "with --mark: why those trials are kept")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,8 +17,8 @@ runs them again. Ctrl-C or
 --ray_cpus_per_trial and --ray_gpus_per_trial; Ray runs as many at once as they allow,
 resumable as with --parallel. A tuned key declared with a ladder
 (``tune(key, values, ladder=...)``) is extended where a configuration's best value is an end of
-those it tried, until none is (``gssp_jax.grid_edge``; the added trials are listed in
-DIR/extended.json). Everything is library code (``gssp_jax.sweep``).
+those it tried, until none is (``gssp_jax.studies.grid_edge``; the added trials are listed in
+DIR/extended.json). Everything is library code (``gssp_jax.studies.sweep``).
 """
 
 from absl import app
@@ -26,8 +26,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from gssp_jax import cli
-from gssp_jax import grid_edge
-from gssp_jax import sweep
+from gssp_jax.studies import grid_edge
+from gssp_jax.studies import sweep
 from gssp_jax import xla_env
 from gssp_jax.runtime import ray_launch
 

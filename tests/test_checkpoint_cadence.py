@@ -8,7 +8,7 @@ import pytest
 
 import helpers
 from gssp_jax import config as config_lib
-from gssp_jax import report
+from gssp_jax.studies import report
 from gssp_jax.train import executors
 from gssp_jax.train import loop
 from gssp_jax.train import workdir as workdir_lib

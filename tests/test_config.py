@@ -292,7 +292,7 @@ def test_the_loop_does_not_validate_what_its_caller_validated(monkeypatch, tmp_p
 
 
 def test_a_sweeps_trials_are_validated_once_when_it_loads_them(monkeypatch):
-  from gssp_jax import sweep
+  from gssp_jax.studies import sweep
   calls = _counting_cluster_checks(monkeypatch)
   trials = sweep.expand("configs/sweeps/tiny.py", {"train.max_checkpoints": 7})
   assert len(calls) == len(trials) > 1

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from gssp_jax import report
+from gssp_jax.studies import report
 from gssp_jax.studies import claims
 from gssp_jax.studies import evidence
 from tests.test_fair import _trial
@@ -224,7 +224,7 @@ def test_the_regime_map_sets_each_scheme_against_bsp_in_its_own_cell(tmp_path):
 def test_traffic_per_class_goes_into_the_table_and_the_report(tmp_path):
   """Records with bytes per class: the claims table's CSV has the scheme's median total and
   classes, the study's report a table of them; older records (no classes) have neither."""
-  from gssp_jax import reproduce  # pylint: disable=g-import-not-at-top
+  from gssp_jax.studies import reproduce  # pylint: disable=g-import-not-at-top
   root = tmp_path / "runs" / "tiny"
   _study(root, {s: _times(2.0) for s in range(5)})
   for name in root.iterdir():

@@ -12,8 +12,8 @@ import pytest
 
 from configs import mnist_lenet5
 from gssp_jax import cli
-from gssp_jax import report
-from gssp_jax import sweep
+from gssp_jax.studies import report
+from gssp_jax.studies import sweep
 from gssp_jax.train import health
 from gssp_jax.train import loop
 
@@ -156,7 +156,7 @@ def test_tune_declares_the_tuned_key_through_product_and_zipped(tmp_path):
   path = tmp_path / "t.py"
   path.write_text(textwrap.dedent("""
       from configs import mnist_lenet5
-      from gssp_jax.sweep import product, sweep, tune
+      from gssp_jax.studies.sweep import product, sweep, tune
       def get_config():
         return mnist_lenet5.get_config("smoke")
       def get_sweep():
@@ -173,7 +173,7 @@ def test_a_collapsed_trial_is_finished_and_not_rerun(tmp_path):
   path = tmp_path / "c.py"
   path.write_text(textwrap.dedent("""
       from configs import mnist_lenet5
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config():
         c = mnist_lenet5.get_config("smoke")
         c.data_dir, c.data_download = "/nonexistent/data", False   # a rerun would fail

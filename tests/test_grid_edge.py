@@ -1,4 +1,4 @@
-"""The grid-edge rule (``gssp_jax.grid_edge``): a winner at the end of the values tried is tried
+"""The grid-edge rule (``gssp_jax.studies.grid_edge``): a winner at the end of the values tried is tried
 beyond it, along the declared ladder, until it lies inside them or the ladder ends."""
 
 import json
@@ -9,10 +9,10 @@ import textwrap
 
 import pytest
 
-from gssp_jax import grid_edge
-from gssp_jax import report
-from gssp_jax import reproduce
-from gssp_jax import sweep
+from gssp_jax.studies import grid_edge
+from gssp_jax.studies import report
+from gssp_jax.studies import reproduce
+from gssp_jax.studies import sweep
 from tests.conftest import REPO
 from tests.test_fair import _trial
 
@@ -110,7 +110,7 @@ def test_ladders_are_checked_where_they_are_declared():
 
 _SWEEP_FILE = """
 from configs.sweeps import tiny
-from gssp_jax.sweep import Grid, product, sweep, tune
+from gssp_jax.studies.sweep import Grid, product, sweep, tune
 
 def get_config():
   c = tiny.get_config()

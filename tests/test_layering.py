@@ -83,7 +83,7 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_the_leaves_import_nothing_of_the_package():
   graph = _graph()
-  for leaf in ("gssp_jax.defaults", "gssp_jax.checks", "gssp_jax.report_labels"):
+  for leaf in ("gssp_jax.defaults", "gssp_jax.checks", "gssp_jax.studies.report_labels"):
     assert graph[leaf] == set(), leaf
 
 
@@ -97,7 +97,7 @@ def test_nothing_below_config_imports_it():
   """Validation goes down: config calls the builders, and no builder calls back up into it."""
   graph = _graph()
   importers = sorted(m for m, deps in graph.items() if "gssp_jax.config" in deps)
-  assert importers == ["gssp_jax.sweep", "gssp_jax.train.loop"]
+  assert importers == ["gssp_jax.studies.sweep", "gssp_jax.train.loop"]
 
 
 def test_validation_never_calls_back_up_the_imports(capsys, monkeypatch):

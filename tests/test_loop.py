@@ -7,7 +7,7 @@ import pytest
 
 import helpers
 from gssp_jax import config as config_lib
-from gssp_jax import sweep
+from gssp_jax.studies import sweep
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
 from gssp_jax.train import executors
@@ -136,7 +136,7 @@ def test_a_sweep_base_config_may_set_keys_for_its_other_trials(tmp_path):
     config_lib.validate_config(bsp.config)      # alone, it would be rejected
   path = tmp_path / "never_read.py"
   path.write_text(
-      "from configs import mnist_lenet5\nfrom gssp_jax.sweep import sweep\n"
+      "from configs import mnist_lenet5\nfrom gssp_jax.studies.sweep import sweep\n"
       "def get_config():\n  c = mnist_lenet5.get_config('smoke')\n  c.sync.group_size = 4\n"
       "  return c\n"
       "def get_sweep():\n  return sweep('sync.scheme', ['bsp', 'ssp'])\n")

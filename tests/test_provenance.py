@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gssp_jax import reproduce
+from gssp_jax.studies import reproduce
 from gssp_jax.studies import claims
 from gssp_jax.studies import provenance
 from tests.test_fair import _trial
@@ -103,5 +103,5 @@ def test_marks_travel_with_the_saved_records(tmp_path):
 
 
 def report_grid():
-  from gssp_jax import report  # pylint: disable=g-import-not-at-top
+  from gssp_jax.studies import report  # pylint: disable=g-import-not-at-top
   return report.GRID_FILE

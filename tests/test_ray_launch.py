@@ -113,7 +113,7 @@ def test_the_ray_launcher_refuses_a_secret_in_a_variable(tmp_path, data_dir):
 
 
 def _finished(workdir):
-  from gssp_jax import sweep  # pylint: disable=g-import-not-at-top
+  from gssp_jax.studies import sweep  # pylint: disable=g-import-not-at-top
   return sorted(n for n in (os.listdir(workdir) if workdir.exists() else ())
                 if sweep.trial_status(str(workdir / n)) in sweep.FINISHED)
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from configs import mnist_lenet5
-from gssp_jax import report
-from gssp_jax import report_figures
+from gssp_jax.studies import report
+from gssp_jax.studies import report_figures
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from gssp_jax import grid_edge
-from gssp_jax import report
-from gssp_jax import sweep
+from gssp_jax.studies import grid_edge
+from gssp_jax.studies import report
+from gssp_jax.studies import sweep
 from tests.test_fair import _trial
 from tests.test_grid_edge import run_sweep
 
@@ -91,7 +91,7 @@ def test_a_grid_that_keeps_no_seed_apart_says_so(tmp_path):
 
 _SWEEP_FILE = """
 from configs.sweeps import tiny
-from gssp_jax.sweep import product, report_on, sweep, tune
+from gssp_jax.studies.sweep import product, report_on, sweep, tune
 
 def get_config():
   c = tiny.get_config()

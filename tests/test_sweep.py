@@ -13,8 +13,8 @@ import time
 import pytest
 
 from gssp_jax import cli
-from gssp_jax import report
-from gssp_jax import sweep
+from gssp_jax.studies import report
+from gssp_jax.studies import sweep
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(REPO / "configs" / "sweeps" / "tiny.py")
@@ -33,7 +33,7 @@ def _sweep_file(tmp_path, grid: str, name="s.py"):
   path = tmp_path / name
   path.write_text(textwrap.dedent(f"""
       from configs import mnist_lenet5
-      from gssp_jax.sweep import product, sweep, zipped
+      from gssp_jax.studies.sweep import product, sweep, zipped
       def get_config():
         return mnist_lenet5.get_config("smoke")
       def get_sweep():
@@ -130,7 +130,7 @@ def test_sweep_file_args_and_the_paper_sweeps(tmp_path):
   path = tmp_path / "arg.py"
   path.write_text(textwrap.dedent("""
       from configs import mnist_lenet5
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config(arg=None):
         c = mnist_lenet5.get_config("smoke")
         c.num_workers = 8 if arg == "big" else 2
@@ -303,7 +303,7 @@ def test_parallel_trials_run_in_their_own_processes(tmp_path, data_dir, monkeypa
   path = tmp_path / "two.py"
   path.write_text(textwrap.dedent("""
       from configs.sweeps import tiny
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config():
         return tiny.get_config()
       def get_sweep():
@@ -337,7 +337,7 @@ def test_parallel_children_share_the_gpu_memory_and_get_the_determinism_flag(
   path.write_text(textwrap.dedent(f"""
       import json, os, sys
       from configs.sweeps import tiny
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config():
         if any(a.startswith("--only") for a in sys.argv):
           keys = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
@@ -402,7 +402,7 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir, how):
   path = tmp_path / "long.py"
   path.write_text(textwrap.dedent("""
       from configs.sweeps import tiny
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config():
         c = tiny.get_config()
         c.train.num_epochs = 100000.0   # runs until killed
@@ -463,7 +463,7 @@ def test_kill_of_a_parallel_sweep_stops_its_trials(tmp_path, data_dir, how):
 def _edited_sweep_file(path, epochs: float, learning_rate: float = 0.05):
   path.write_text(textwrap.dedent(f"""
       from configs.sweeps import tiny
-      from gssp_jax.sweep import sweep
+      from gssp_jax.studies.sweep import sweep
       def get_config():
         c = tiny.get_config()
         c.sync.num_groups = 4   # tiny's GSSP setting, unread by this BSP-only sweep: the default

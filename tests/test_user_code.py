@@ -95,7 +95,7 @@ def test_a_sweep_of_two_processes_runs_the_user_code(tmp_path):
   sweep_file = tmp_path / "user_sweep.py"
   sweep_file.write_text(f'''
 from configs import mnist_lenet5
-from gssp_jax.sweep import product, sweep
+from gssp_jax.studies.sweep import product, sweep
 
 def get_config(arg=None):
   c = mnist_lenet5.get_config("smoke")

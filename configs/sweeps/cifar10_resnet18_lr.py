@@ -16,7 +16,7 @@ before them 29 min one trial at a time, beside another run; docs/REPRODUCTION.md
 """
 
 from configs.sweeps import paper_cifar10_resnet18 as resnet_sweep
-from gssp_jax.sweep import product, sweep
+from gssp_jax.studies.sweep import product, sweep
 
 
 def get_config():

@@ -24,7 +24,7 @@ and 6 reporting trials per study.
 
 from configs.sweeps import mnist_protocol
 from gssp_jax.defaults import parse_arg
-from gssp_jax.sweep import sweep
+from gssp_jax.studies.sweep import sweep
 
 SCHEMES = ("bsp", "gssp")
 LEARNING_RATES = (0.05, 0.1)

@@ -22,7 +22,7 @@ cosine; target 98 %. 27 tuning trials, those the ladder adds and 15 reporting tr
 
 from configs.sweeps import mnist_protocol
 from gssp_jax.defaults import parse_arg
-from gssp_jax.sweep import sweep
+from gssp_jax.studies.sweep import sweep
 
 PUSH_BYTES = 246_824
 LINK = PUSH_BYTES / 0.01   # bytes/s: one push per base iteration (10 ms)

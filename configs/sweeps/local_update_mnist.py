@@ -39,7 +39,7 @@ Schemes (:data:`SCHEMES`), each with the settings of its paper where it has one:
   0.3, momentum 0.5, N = 2, merge weight 0.25 (the authors' settings). Tuned as DiLoCo.
 
 Tuning protocol: seed 0 runs every scheme at every rate of its grid; the report picks each
-scheme's rate (fewest unhealthy seeds, then time to target, then final accuracy: gssp_jax.report's
+scheme's rate (fewest unhealthy seeds, then time to target, then final accuracy: gssp_jax.studies.report's
 criterion, which on one seed is just that)
 on seed 0 alone (``tune_seeds``); seeds 1 and 2 run at that rate only (:data:`CHOSEN`, copied
 from the seed-0 report). 14 + 14 trials per cluster instead of 42: on this CPU the full grid
@@ -51,14 +51,14 @@ usual value (0.05 for this SGD recipe, ``docs/REPRODUCTION.md``; 1e-3 for Adam o
 one neighbour: for SGD the smaller 0.02, because with half an epoch of warm-up 0.1 broke SSP and
 GSSP (both collapsed on seed 0 of the tiers cluster in a first run of this sweep, which had
 {0.05, 0.1}; BSP at 0.1 was slower than at 0.05); for AdamW the larger 3e-3. Each scheme is reported at its best
-value by the report's criterion (``gssp_jax.report.TUNING_CRITERION``), chosen per cluster.
+value by the report's criterion (``gssp_jax.studies.report.TUNING_CRITERION``), chosen per cluster.
 
 ``long`` (declared on 2026-11-27, before any of its trials ran, after the 3-epoch ``tiers``
 study had shown that in 3 epochs only BSP and SSP reach the 98 % target, so the local-update
 schemes' speed claims could not be judged from it): the same cluster and schemes for 8 epochs
 (``mnist_tuned``'s budget), every rate of each grid on every seed (no seed-0 tuning: the best
 rate is chosen by the report's criterion over the 3 seeds), and each grid extended past a best
-at its edge along :data:`SGD_LADDER` or :data:`INNER_LADDER` (``gssp_jax.grid_edge``).
+at its edge along :data:`SGD_LADDER` or :data:`INNER_LADDER` (``gssp_jax.studies.grid_edge``).
 
 Cost, measured: see docs/REPRODUCTION.md (a trial is 1.5-3 min on this 2-core CPU; ``long``
 about 2.7 times that).
@@ -68,7 +68,7 @@ import statistics
 
 from configs import mnist_lenet5_hetero
 from gssp_jax.defaults import default_config, parse_arg
-from gssp_jax.sweep import Grid, product, report_on, sweep, tune
+from gssp_jax.studies.sweep import Grid, product, report_on, sweep, tune
 
 SEEDS = (0, 1, 2)
 SGD_RATES = (0.02, 0.05)
@@ -159,7 +159,7 @@ def _label(scheme: dict) -> str:
                                   else "")
 
 
-# Each scheme's rate as the report chose it on seed 0 (the criterion of gssp_jax.report), per
+# Each scheme's rate as the report chose it on seed 0 (the criterion of gssp_jax.studies.report), per
 # cluster: seeds 1 and 2 run at it alone. Filled in from the seed-0 trials' report
 # (results/local_update_<cluster>/report.md, "Tuning"); a scheme missing here runs seed 0
 # only.

@@ -26,7 +26,7 @@ measures it), so about 5-6 hours at --parallel=2.
 """
 
 from configs import mnist_lenet5_hetero
-from gssp_jax.sweep import product, report_on, sweep, tune, zipped
+from gssp_jax.studies.sweep import product, report_on, sweep, tune, zipped
 
 SCHEMES = ("bsp", "bsp_allreduce", "asp", "ssp", "dssp", "gssp", "gssp", "inhad", "dssync",
            "casp")

@@ -15,7 +15,7 @@ handicaps BSP. One trial, seed 0; 36 min on a 2-core CPU beside another run.
 """
 
 from configs.sweeps import paper_multi30k_seq2seq as seq2seq_sweep
-from gssp_jax.sweep import product, sweep
+from gssp_jax.studies.sweep import product, sweep
 
 
 def get_config():

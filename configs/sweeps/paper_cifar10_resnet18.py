@@ -30,7 +30,7 @@ evaluations of the 10,000 test images (an estimate; not run here).
 """
 
 from configs import cifar10_resnet18
-from gssp_jax.sweep import product, sweep, zipped
+from gssp_jax.studies.sweep import product, sweep, zipped
 
 ALL_SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "gssp", "inhad", "dssync", "casp")
 ALL_COMPRESSORS = ("none", "none", "none", "none", "none", "gdtopk", "none", "none", "none")

@@ -23,11 +23,11 @@ Schemes and their declared grids (declared before any run; every value runs on e
 Where a scheme's best rate is the lowest or highest it has tried, the sweep runs it one step
 further along its ladder (SGD: 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1; DiLoCo's inner rate:
 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2) on every seed, until its best lies inside the rates tried
-or the ladder ends (``gssp_jax.grid_edge``).
+or the ladder ends (``gssp_jax.studies.grid_edge``).
 
 Target, declared before the run: **35 % test accuracy** (the reduced sweep's 50 % is not
 reached in 4 epochs at every rate; 35 % is what the ablation used). The report picks each
-scheme's rate by the report's criterion (``gssp_jax.report.TUNING_CRITERION``: a rate where
+scheme's rate by the report's criterion (``gssp_jax.studies.report.TUNING_CRITERION``: a rate where
 any seed misses the target loses, then the mean time to it).
 
 5 schemes x 3 rates x 3 seeds = 45 trials, about 10 minutes each on a 2-core CPU (an estimate
@@ -36,13 +36,13 @@ from the reduced sweep's 21 minutes for 4 trials two at a time), so about 7.5 ho
 """
 
 from configs.sweeps import paper_cifar10_resnet18 as reduced
-from gssp_jax.sweep import Grid, product, report_on, sweep, tune
+from gssp_jax.studies.sweep import Grid, product, report_on, sweep, tune
 
 SEEDS = (0, 1, 2)
 SGD_RATES = (0.01, 0.03, 0.1)
 INNER_RATES = (3e-4, 1e-3, 3e-3)
 # A best rate at an end of those tried is tried one step beyond, on every seed, until it lies
-# inside them (gssp_jax.grid_edge; issue 35).
+# inside them (gssp_jax.studies.grid_edge; issue 35).
 SGD_LADDER = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 INNER_LADDER = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 TARGET = 0.35

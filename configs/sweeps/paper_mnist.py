@@ -34,7 +34,7 @@ scheme at its best rate and discloses the grid, the criterion and the choices.
 Where a scheme's best rate is the lowest or highest it has tried, the sweep
 runs it at the next rate of the ladder 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 on every seed, until its best lies inside the rates tried or the ladder ends
-(``gssp_jax.grid_edge``; the added trials are in the workdir's extended.json).
+(``gssp_jax.studies.grid_edge``; the added trials are in the workdir's extended.json).
 
 Target: 98 % test accuracy, evaluated every quarter epoch; time to target is in
 virtual (simulated cluster) seconds, interpolated linearly between the
@@ -49,14 +49,14 @@ those the grid's edges add.
 """
 
 from configs import mnist_lenet5_hetero
-from gssp_jax.sweep import product, sweep, tune, zipped
+from gssp_jax.studies.sweep import product, sweep, tune, zipped
 
 SCHEMES = ("bsp", "asp", "ssp", "dssp", "gssp", "gssp", "inhad", "dssync", "casp")
 COMPRESSORS = ("none", "none", "none", "none", "none", "gdtopk", "none", "none", "none")
 SEEDS = (0, 1, 2)
 LEARNING_RATES = (0.02, 0.05, 0.1)
 # Where a scheme's best rate is an end of those it tried, the sweep tries the next rate of this
-# ladder on every seed, until its best lies inside them (gssp_jax.grid_edge; issue 35).
+# ladder on every seed, until its best lies inside them (gssp_jax.studies.grid_edge; issue 35).
 LADDER = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 

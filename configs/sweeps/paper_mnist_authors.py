@@ -29,7 +29,7 @@ between the evaluations around it; speedups per seed against BSP.
 """
 
 from configs import mnist_lenet5_hetero
-from gssp_jax.sweep import product, sweep, zipped
+from gssp_jax.studies.sweep import product, sweep, zipped
 
 SCHEMES = ("bsp", "asp", "ssp", "gssp", "gssp")
 COMPRESSORS = ("none", "none", "none", "none", "gdtopk")

@@ -23,7 +23,7 @@ workers, all 29,000 pairs, 10 epochs, target BLEU 30, every scheme, seeds 0-2.
 
 from configs import multi30k_seq2seq
 from configs.sweeps import paper_cifar10_resnet18 as resnet_sweep
-from gssp_jax.sweep import product, sweep, zipped
+from gssp_jax.studies.sweep import product, sweep, zipped
 
 
 def get_config(arg=None):

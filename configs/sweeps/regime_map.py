@@ -23,7 +23,7 @@ chooses under it when that study is rerun. 12 cells x 4 schemes x 5 seeds = 240 
 
 from configs import mnist_lenet5_hetero
 from configs.sweeps import local_update_mnist
-from gssp_jax.sweep import product, sweep
+from gssp_jax.studies.sweep import product, sweep
 
 PUSH_BYTES = 246_824   # LeNet-5's 61,706 float32 parameters: one dense push
 BASE_TIME = 0.01

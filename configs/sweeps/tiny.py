@@ -8,7 +8,7 @@ target and speedups.
 """
 
 from configs import mnist_lenet5
-from gssp_jax.sweep import product, sweep
+from gssp_jax.studies.sweep import product, sweep
 
 TARGET = 0.4
 

@@ -7,7 +7,7 @@ target, 30 % test accuracy, is one these runs reach, so the claims table has spe
 """
 
 from configs.sweeps import tiny
-from gssp_jax.sweep import product, sweep, tune
+from gssp_jax.studies.sweep import product, sweep, tune
 
 TARGET = 0.3
 

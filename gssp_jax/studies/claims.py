@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gssp_jax import report
-from gssp_jax import report_figures
+from gssp_jax.studies import report
+from gssp_jax.studies import report_figures
 from gssp_jax.studies import evidence
 from gssp_jax.studies import provenance
 

@@ -28,8 +28,8 @@ from typing import Sequence
 
 from absl import logging
 
-from gssp_jax import report
-from gssp_jax import sweep as sweep_lib
+from gssp_jax.studies import report
+from gssp_jax.studies import sweep as sweep_lib
 
 
 def _configuration(overrides: dict, tuned: Sequence[str]) -> tuple:

@@ -17,7 +17,7 @@ are orphans, listed but left out.
 Fairness: a ``collapsed`` or ``diverged`` trial never counts as reaching the
 target; speedups are per seed (against BSP with the same seed and other swept
 values) and summarised by their median and min–max over seeds; in a sweep with
-tuned keys (``gssp_jax.sweep.tune``) every configuration is reported at its
+tuned keys (``gssp_jax.studies.sweep.tune``) every configuration is reported at its
 best tuned value (:func:`select_tuned`), disclosed in ``report.md``.
 """
 
@@ -30,13 +30,13 @@ import statistics
 from typing import Any
 
 from gssp_jax import defaults
-from gssp_jax import report_figures
+from gssp_jax.studies import report_figures
 from gssp_jax.sync import legs as legs_lib
-from gssp_jax.report_labels import column_order as _column_order
-from gssp_jax.report_labels import context as _context
-from gssp_jax.report_labels import label
-from gssp_jax.report_labels import short_labels  # noqa: F401  (re-exported: report.short_labels)
-from gssp_jax.sweep import GRID_FILE
+from gssp_jax.studies.report_labels import column_order as _column_order
+from gssp_jax.studies.report_labels import context as _context
+from gssp_jax.studies.report_labels import label
+from gssp_jax.studies.report_labels import short_labels  # noqa: F401  (re-exported: report.short_labels)
+from gssp_jax.studies.sweep import GRID_FILE
 from gssp_jax.train import health
 from gssp_jax.train import workdir as workdir_lib
 
@@ -64,7 +64,7 @@ def grid(workdir: str) -> list[str] | None:
 
 
 def ladders(workdir: str) -> dict[str, list]:
-  """The tuned keys' ladders the sweep declared (``sweep.json``; ``gssp_jax.grid_edge``)."""
+  """The tuned keys' ladders the sweep declared (``sweep.json``; ``gssp_jax.studies.grid_edge``)."""
   return dict((_grid_record(workdir) or {}).get("ladders", {}))
 
 
@@ -838,7 +838,7 @@ def _ladder_text(ladder: dict[str, list], rows: list[dict], added: set[str]) -> 
   n = sum(r["trial"] in added for r in rows)
   return (f" Declared ladder: {text}. Where a configuration's best value was an end of the "
           "values it had tried, the sweep ran it at the ladder's next value on every seed, and "
-          "again, until its best lay inside them or at the ladder's end (gssp_jax.grid_edge): "
+          "again, until its best lay inside them or at the ladder's end (gssp_jax.studies.grid_edge): "
           f"{n} trial(s) were added so (in `extended.json`).")
 
 
@@ -857,7 +857,7 @@ def _edge_cell(choice: dict, ladder: dict[str, list]) -> str:
 
 
 def plot(rows: list[dict], out_dir: str, notes: list[str] | None = None) -> list[str]:
-  """PNG figures, one question each (``gssp_jax.report_figures``); returns their file names.
+  """PNG figures, one question each (``gssp_jax.studies.report_figures``); returns their file names.
 
   What could not be drawn (e.g. no trial reached the target) is appended to
   ``notes`` (and warned about); its figure says so in words.

@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from gssp_jax import report_labels
+from gssp_jax.studies import report_labels
 
 # More distinct slowdown factors than this (e.g. a log-normal cluster) get a colour bar
 # instead of one legend entry each.

@@ -1,7 +1,7 @@
 """How a sweep's rows are named and matched: legend labels, column order, a trial's context.
 
-A leaf module (it imports nothing of the project), shared by ``gssp_jax.report`` and
-``gssp_jax.report_figures``.
+A leaf module (it imports nothing of the project), shared by ``gssp_jax.studies.report`` and
+``gssp_jax.studies.report_figures``.
 """
 
 from __future__ import annotations

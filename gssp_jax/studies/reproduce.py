@@ -2,8 +2,8 @@
 
 ``experiments.reproduce`` runs the declared :data:`STUDIES` (each a sweep file, resumable: a
 rerun skips finished trials and resumes the rest from their checkpoints; a tuned key with a
-ladder is extended past a winner at the grid's edge, ``gssp_jax.grid_edge``), writes each one's
-report (``gssp_jax.report``) and then the claims table (:func:`write_claims`): for every claim of
+ladder is extended past a winner at the grid's edge, ``gssp_jax.studies.grid_edge``), writes each one's
+report (``gssp_jax.studies.report``) and then the claims table (:func:`write_claims`): for every claim of
 :data:`CLAIMS` (``gssp_jax.studies.claims``), the figures of each study that has its scheme,
 each a median over the reported seeds with its 95 % interval (``gssp_jax.studies.evidence``),
 and its verdict, one of three, with the reasons; the trials' provenance
@@ -35,9 +35,9 @@ from typing import Any, Sequence
 
 from absl import logging
 
-from gssp_jax import grid_edge
-from gssp_jax import report
-from gssp_jax import sweep as sweep_lib
+from gssp_jax.studies import grid_edge
+from gssp_jax.studies import report
+from gssp_jax.studies import sweep as sweep_lib
 from gssp_jax.studies import claims as claims_lib
 from gssp_jax.studies import provenance
 from gssp_jax.studies import regimes
@@ -215,7 +215,7 @@ def describe_plan(rows: list[dict[str, Any]], parallel: int) -> str:
                    f"rule; it may add up to {r['may_extend']} more (each "
                    f"{r['minutes_per_trial']:.1f} min) where a best rate sits at the edge of "
                    "those tried, and each chosen rate on the reporting seeds it keeps apart "
-                   "(gssp_jax.grid_edge)")
+                   "(gssp_jax.studies.grid_edge)")
     elif r["extended"]:
       lines.append(f"{r['study']}: {r['extended']} of its trials were added by the grid-edge "
                    "rule; it can add no more (every best rate lies inside the rates tried or "

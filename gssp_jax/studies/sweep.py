@@ -27,7 +27,7 @@ records them.
 An axis declared with :func:`tune` instead of :func:`sweep` (e.g. the learning
 rate) is a hyperparameter to tune, not a factor to compare: every trial
 records the tuned keys in its ``trial.json`` and the report shows each
-configuration at its best tuned value (``gssp_jax.report``).
+configuration at its best tuned value (``gssp_jax.studies.report``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from gssp_jax.sync import registry
 
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
 GRID_FILE = "sweep.json"   # the current grid: what `report` reports
-EXTENDED_FILE = "extended.json"   # trials the grid-edge rule added (``gssp_jax.grid_edge``)
+EXTENDED_FILE = "extended.json"   # trials the grid-edge rule added (``gssp_jax.studies.grid_edge``)
 STALE_DIR = "_stale"       # changed trials moved aside by `rerun_changed`
 MAX_NAME = 200             # characters of a trial directory's name (file names: 255 bytes)
 
@@ -76,11 +76,11 @@ class Grid(list):
 
   ``ladders``: per tuned key, the increasing values it may be extended to (:func:`tune`'s
   ``ladder``): where a configuration's best value is an end of those it tried, the runner adds
-  the ladder's next value on that side (``gssp_jax.grid_edge``).
+  the ladder's next value on that side (``gssp_jax.studies.grid_edge``).
 
   ``report_seeds`` (:func:`report_on`): seeds kept apart for reporting. The grid's own seeds
   tune (every value, ladders included); once a configuration's tuning has settled, the runner
-  adds its chosen value on each reporting seed (``gssp_jax.grid_edge``), and the report and
+  adds its chosen value on each reporting seed (``gssp_jax.studies.grid_edge``), and the report and
   the claims table count those seeds alone.
   """
 
@@ -172,7 +172,7 @@ def tune(key: str, values: Sequence[Any], ladder: Sequence[float] | None = None)
   ``ladder`` (increasing numbers holding ``values``, e.g. ``(0.005, 0.01, 0.02, 0.05, 0.1,
   0.2, 0.5)``): where a configuration's best value is the lowest (highest) it has tried, the
   runner also runs it at the ladder's next lower (higher) value, every seed, until its best
-  lies inside the values tried or the ladder ends (``gssp_jax.grid_edge``).
+  lies inside the values tried or the ladder ends (``gssp_jax.studies.grid_edge``).
   """
   if key == "seed":
     raise ValueError("tune('seed', ...) is invalid; allowed: any config key but seed (seeds "
