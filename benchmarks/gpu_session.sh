@@ -60,7 +60,7 @@ fi
 if want meshes; then
   stage meshes 70 python3 -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke --workdir=/tmp/real \
       --config.num_workers=2 --config.sync.num_groups=2 "--config.cluster.tiers=(1.0,3.0)" \
-      --config.cluster.base_time=0.05 --num_meshes=2 --processes_per_mesh=1 --num_servers=1
+      --config.cluster.base_time=0.05 --processes_per_mesh=1
   cat /tmp/real/summary.json >> $OUT/meshes.txt 2>&1; nvidia-smi >> $OUT/meshes.txt 2>&1
 fi
 want lenet_calls && stage lenet 80 $P benchmarks.sim_efficiency --executor=levels --workers=256 --schemes=gssp --levels_per_call=4,16 --epochs=0.25

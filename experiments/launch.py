@@ -3,15 +3,20 @@ r"""Trains one configuration for real: a parameter server and meshes of worker p
 One host (the server and M x P worker processes on loopback, free ports):
 
   python -m experiments.launch --config=configs/mnist_lenet5_hetero.py:smoke \
-      --workdir=/tmp/real --num_meshes=4 --processes_per_mesh=1
+      --workdir=/tmp/real --config.num_workers=4 --processes_per_mesh=1
 
 A cluster, one command per process (roles from flags or GSSP_* variables):
 
   python -m experiments.launch --role=server --config=... --workdir=DIR \
-      --server_address=0.0.0.0:5000
+      --config.dist.server_address=node0:5000
   python -m experiments.launch --role=worker --mesh=3 --config=... --workdir=DIR \
-      --server_address=node0:5000 [--processes_per_mesh=2 --rank=0 \
+      --config.dist.server_address=node0:5000 [--processes_per_mesh=2 --rank=0 \
       --coordinator_address=node3:6000]
+
+The run's shape is the config's, as in a simulation: ``num_workers`` meshes,
+``dist.num_servers`` parameter shards, the server at ``dist.server_address``
+(it binds that address, and every process reaches it there). The flags say only
+where a process belongs in it.
 
 With several processes per mesh and no --rank/--coordinator_address,
 jax.distributed detects them (SLURM, Open MPI, Kubernetes).
@@ -19,7 +24,8 @@ jax.distributed detects them (SLURM, Open MPI, Kubernetes).
 A Ray cluster, from its head node (or a local Ray instance without --ray_address):
 
   python -m experiments.launch --launcher=ray [--ray_address=ADDR] --config=... \
-      --workdir=DIR --num_meshes=4 --num_servers=2 [--ray_gpus_per_process=1]
+      --workdir=DIR --config.num_workers=4 --config.dist.num_servers=2 \
+      [--ray_gpus_per_process=1]
 """
 
 import json
@@ -47,16 +53,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary and checkpoints.")
 _ROLE = flags.DEFINE_enum("role", None, launch.ROLES,
                           "local (default): start everything here; server; worker.")
-_NUM_MESHES = flags.DEFINE_integer("num_meshes", 0, "Meshes (= config.num_workers; 0: that).")
 _PPM = flags.DEFINE_integer("processes_per_mesh", 1, "Processes per mesh (split the batch).")
 _MESH = flags.DEFINE_integer("mesh", None, "worker: the mesh (protocol worker) of this process.")
 _RANK = flags.DEFINE_integer("rank", None, "worker: this process's rank in its mesh.")
-_SERVER = flags.DEFINE_string("server_address", None,
-                              "host:port of the parameter server (local: 127.0.0.1:0).")
 _COORD = flags.DEFINE_string("coordinator_address", None,
                              "worker, P > 1: the mesh's jax.distributed coordinator host:port.")
-_NUM_SERVERS = flags.DEFINE_integer("num_servers", None,
-                                    "Parameter shards S (the server holds shard 0; default 1).")
 _SHARD = flags.DEFINE_integer("shard", None, "shard: this process's shard, 1..S-1.")
 _SHARD_ADDRESS = flags.DEFINE_string("shard_address", None,
                                      "shard: the host:port it binds (default 127.0.0.1:0).")
@@ -95,7 +96,7 @@ def _enter_private_network(topo) -> None:
                          "--launcher=local): a cluster's processes reach each other over the "
                          "network; keep it private with a firewall (docs/REAL_RUNS.md)")
   try:
-    private_net.check_addresses({"--server_address": _SERVER.value,
+    private_net.check_addresses({launch.SERVER_KEY: topo.server_address,
                                  "--coordinator_address": _COORD.value})
     if not private_net.inside():
       private_net.check_available()
@@ -113,11 +114,9 @@ def main(argv):
   xla_env.use_compilation_cache()   # restarted meshes and resumed runs skip compilation
   config = _CONFIG.value
   topo = launch.Topology.from_env(role=_ROLE.value, mesh=_MESH.value, rank=_RANK.value,
-                                  server_address=_SERVER.value,
                                   coordinator_address=_COORD.value,
-                                  num_meshes=_NUM_MESHES.value,
-                                  processes_per_mesh=_PPM.value, num_servers=_NUM_SERVERS.value,
-                                  shard=_SHARD.value, shard_address=_SHARD_ADDRESS.value)
+                                  processes_per_mesh=_PPM.value, shard=_SHARD.value,
+                                  shard_address=_SHARD_ADDRESS.value)
   launch.check_topology(topo, config)
   if _PRIVATE.value:
     _enter_private_network(topo)

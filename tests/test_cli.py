@@ -312,7 +312,7 @@ def test_ray_flags_where_they_do_not_apply_are_refused_not_ignored(tmp_path):
       ("experiments.launch", [hetero, "--ray_cpus_per_process=2"], "with --launcher=local"),
       ("experiments.launch", [hetero, "--ray_address=head:6379"], "with --launcher=local"),
       ("experiments.launch", [hetero, "--role=worker", "--mesh=0",
-                              "--server_address=127.0.0.1:1", "--launcher=ray"],
+                              "--config.dist.server_address=127.0.0.1:1", "--launcher=ray"],
        "with --role=worker"),
       ("experiments.sweep", ["--sweep=configs/sweeps/tiny.py", "--ray_gpus_per_trial=1"],
        "with --launcher=local")):

@@ -60,19 +60,48 @@ def _config(**changes):
   return config_lib.override(c, changes)
 
 
-@pytest.mark.parametrize("topo, match", [
-    (dict(num_meshes=3), r"--num_meshes=3 does not fit config.num_workers=4"),
-    (dict(processes_per_mesh=3), r"--processes_per_mesh=3 does not divide config.batch_size=32"),
-    (dict(processes_per_mesh=0), r"--processes_per_mesh=0 is invalid"),
-    (dict(server_address="localhost"), r"--server_address='localhost' is invalid"),
-    (dict(server_address="h:99999"), r"--server_address='h:99999' is invalid"),
-    (dict(role="worker", mesh=4, server_address="127.0.0.1:1"), r"--mesh=4 is invalid.*0\.\.3"),
-    (dict(role="worker", mesh=0), r"--server_address is required"),
-    (dict(role="boss"), r"--role='boss' is invalid"),
+@pytest.mark.parametrize("topo, changes, match", [
+    (dict(processes_per_mesh=3), {}, r"--processes_per_mesh=3 does not divide config.batch_size=32"),
+    (dict(processes_per_mesh=0), {}, r"--processes_per_mesh=0 is invalid"),
+    ({}, {"dist.server_address": "localhost"},
+     r"config.dist.server_address='localhost' is invalid"),
+    ({}, {"dist.server_address": "h:99999"}, r"config.dist.server_address='h:99999' is invalid"),
+    (dict(role="worker", mesh=4), {"dist.server_address": "127.0.0.1:1"},
+     r"--mesh=4 is invalid.*0\.\.3"),
+    (dict(role="worker", mesh=0), {}, r"config.dist.server_address is required"),
+    (dict(role="shard", shard=2), {"dist.num_servers": 2, "dist.server_address": "127.0.0.1:1"},
+     r"--shard=2 is invalid; allowed: 1\.\.1 \(config.dist.num_servers=2"),
+    (dict(role="boss"), {}, r"--role='boss' is invalid"),
 ])
-def test_bad_topology_names_the_value(topo, match):
+def test_bad_topology_names_the_value(topo, changes, match):
   with pytest.raises(ValueError, match=match):
-    launch.check_topology(launch.Topology(**topo), _config())
+    launch.check_topology(launch.Topology(**topo), _config(**changes))
+
+
+def test_the_runs_shape_is_the_configs_and_no_launch_flag_repeats_a_config_key():
+  """The meshes, shards and server address come from the config (one source, as in a
+  simulation); the launcher's flags say only where a process belongs."""
+  topo = launch.check_topology(launch.Topology(role="worker", mesh=1), _config(
+      **{"dist.num_servers": 3, "dist.server_address": "127.0.0.1:5000"}))
+  assert (topo.num_meshes, topo.num_servers, topo.server_address) == (4, 3, "127.0.0.1:5000")
+  listed = subprocess.run(
+      [sys.executable, "-c", "import experiments.launch; from absl import flags; "
+       "by = flags.FLAGS.flags_by_module_dict(); print(' '.join(f.name for m in "
+       "('experiments.launch', 'gssp_jax.runtime.ray_launch') for f in by.get(m, [])))"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert listed.returncode == 0, listed.stderr[-2000:]
+  names = set(listed.stdout.split())
+  assert {"config", "workdir", "role", "mesh", "processes_per_mesh"} <= names, names
+  keys = set()
+
+  def walk(d, prefix=""):
+    for k, v in d.items():
+      keys.add(k)
+      keys.add(prefix + k)
+      if hasattr(v, "items"):
+        walk(v, prefix + k + ".")
+  walk(config_lib.default_config())
+  assert names & keys == set(), names & keys
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -142,11 +171,11 @@ def test_the_launcher_refuses_bad_input_before_starting_anything(tmp_path, data_
   workdir = tmp_path / "run"
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.launch", f"--config={HETERO}", f"--workdir={workdir}",
-       "--config.num_workers=4", "--config.sync.num_groups=2", "--num_meshes=3"],
+       "--config.num_workers=4", "--config.sync.num_groups=2", "--processes_per_mesh=3"],
       cwd=REPO, capture_output=True, text=True, timeout=120,
       env={**os.environ, "GSSP_DATA_DIR": data_dir})
   assert proc.returncode != 0
-  assert "--num_meshes=3 does not fit config.num_workers=4" in proc.stderr
+  assert "--processes_per_mesh=3 does not divide config.batch_size=32" in proc.stderr
   assert not (workdir / "logs").exists()
 
 
@@ -326,8 +355,8 @@ def _simulated_first_eval(config_changes, tmp_path) -> dict:
 def _role(workdir, data_dir, role_flags, config_flags, secret_env, log):
   """A process of one role, as on a cluster (its own session; output to ``log``)."""
   return subprocess.Popen(
-      [sys.executable, "-m", "experiments.launch", *role_flags, f"--config={HETERO}",
-       f"--workdir={workdir}", *config_flags], cwd=REPO, stdout=open(log, "ab"),
+      [sys.executable, "-m", "experiments.launch", f"--config={HETERO}",
+       f"--workdir={workdir}", *config_flags, *role_flags], cwd=REPO, stdout=open(log, "ab"),
       stderr=subprocess.STDOUT, start_new_session=True,
       env={**os.environ, "GSSP_DATA_DIR": data_dir, **secret_env})
 
@@ -372,7 +401,7 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
   changes = {"cluster.base_time": 0.2, "train.num_epochs": 7.0, "train.eval_every": 1.0,
              "dist.heartbeat_timeout": 5.0}
   flags = ["--config.num_workers=4", "--config.sync.num_groups=2",
-           "--config.cluster.tiers=(1.0,3.0)", "--num_meshes=4", "--num_servers=2"] + [
+           "--config.cluster.tiers=(1.0,3.0)", "--config.dist.num_servers=2"] + [
                f"--config.{k}={v}" for k, v in changes.items()]
   config_flags = [f for f in flags if f.startswith("--config")]
   groups = _groups(_config(**changes))
@@ -392,10 +421,10 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
     victim = int(np.flatnonzero(groups == groups[-1])[-1])   # a mesh of the slow group
     os.kill(pids[f"mesh{victim}_rank0"], signal.SIGKILL)
     procs.append(_role(workdir, data_dir, ["--role=worker", f"--mesh={victim}",
-                                           f"--server_address={address}"], config_flags,
+                                           f"--config.dist.server_address={address}"], config_flags,
                        secret, tmp_path / "restarted.txt"))
     duplicate = _role(workdir, data_dir, ["--role=worker", "--mesh=0",
-                                          f"--server_address={address}"], config_flags, secret,
+                                          f"--config.dist.server_address={address}"], config_flags, secret,
                       tmp_path / "duplicate.txt")
     procs.append(duplicate)
     assert _exits(duplicate, 120) == 1
@@ -481,7 +510,7 @@ def test_a_server_restart_is_rejoined_within_two_seconds_and_losing_every_mesh_e
                   "--config.train.eval_every=0.25", "--config.dist.heartbeat_timeout=2.0",
                   "--config.dist.all_lost_timeout=4.0",
                   "--config.train.checkpoint_every=1"]   # a checkpoint before the kill
-  server_flags = ["--role=server", f"--server_address={address}"]
+  server_flags = ["--role=server", f"--config.dist.server_address={address}"]
   procs = []
   try:
     with socket.socket() as taken:   # the port is in use: refused at once, nothing written
@@ -499,7 +528,7 @@ def test_a_server_restart_is_rejoined_within_two_seconds_and_losing_every_mesh_e
     procs.append(_role(workdir, data_dir, server_flags, config_flags, secret, server_log))
     for m in (0, 1):
       procs.append(_role(workdir, data_dir, ["--role=worker", f"--mesh={m}",
-                                             f"--server_address={address}"], config_flags,
+                                             f"--config.dist.server_address={address}"], config_flags,
                          secret, tmp_path / f"mesh{m}.txt"))
     _wait_for(lambda: len(_metrics(workdir)) >= 2, 300, "two evaluations", procs)
     procs[0].kill()
@@ -859,7 +888,7 @@ def test_a_stranger_flooding_every_port_of_a_gssp_run_with_refused_calls_does_no
   workdir = tmp_path / "real"
   procs = [_launch(workdir, data_dir, "--config.num_workers=4", "--config.sync.num_groups=2",
                    "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
-                   "--config.train.num_epochs=4", "--num_meshes=4", "--num_servers=2",
+                   "--config.train.num_epochs=4", "--config.dist.num_servers=2",
                    "--config.dist.tls_mode=none")]
   stranger = None
   try:
@@ -997,7 +1026,7 @@ def test_a_stranger_sending_a_gib_to_every_port_of_a_gssp_run_grows_no_process_a
   procs = [_launch(workdir, data_dir, "--config.num_workers=4", "--config.sync.num_groups=2",
                    "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
                    "--config.train.num_epochs=4", "--config.train.eval_every=0.5",
-                   "--num_meshes=4", "--num_servers=2")]
+                   "--config.dist.num_servers=2")]
   stranger = rss = None
   try:
     _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
@@ -1066,7 +1095,7 @@ def test_a_run_on_a_private_network_is_out_of_every_other_processs_reach(tmp_pat
   procs = [_launch(workdir, data_dir, "--config.num_workers=2", "--config.sync.scheme=asp",
                    "--config.cluster.profile=none", "--config.train.num_epochs=2.0",
                    "--config.train.eval_every=1.0",   # too few evaluations to judge a collapse
-                   "--processes_per_mesh=2", "--num_servers=2", "--private_network")]
+                   "--processes_per_mesh=2", "--config.dist.num_servers=2", "--private_network")]
   try:
     _wait_for(lambda: _metrics(workdir), 300, "the first evaluation", procs)
     pids = _pids(workdir)

@@ -859,7 +859,7 @@ def test_bad_dist_settings_are_refused_with_the_reason(changes, match):
 
 def test_a_layout_of_more_shards_than_tensors_is_refused():
   params = {"a": np.zeros([3], np.float32), "b": np.zeros([5], np.float32)}
-  with pytest.raises(ValueError, match=r"--num_servers=3 is invalid.*1\.\.2"):
+  with pytest.raises(ValueError, match=r"config.dist.num_servers=3 is invalid.*1\.\.2"):
     layout_lib.ShardLayout.balanced(params, {}, 3)
   layout = layout_lib.ShardLayout.balanced(params, {}, 2)
   assert layout.bounds == ((0, 1), (1, 2))
@@ -1157,7 +1157,7 @@ def test_no_other_user_can_take_a_port_the_launcher_hands_a_child(tmp_path, monk
   finally:
     launcher._release_ports()   # pylint: disable=protected-access
     launcher._remove_secret()   # pylint: disable=protected-access
-  # A port the user gives (--server_address=HOST:PORT) is held the same way, from the launcher's
+  # A port the user gives (config.dist.server_address=HOST:PORT) is held the same way, from the launcher's
   # check to the end: a squatter cannot bind it before the server does and take the calls (and
   # the token) of the shards and meshes that start meanwhile.
   given = launch.free_port()

@@ -92,14 +92,16 @@ def test_multi_host_for_real_on_one_machine(tmp_path, data_dir):
     prefix = a.name[:-len("h0")]   # every namespace of this network, the switch included
     server = f"{a.address}:{SERVER_PORT}"
     launch = lambda host, name, *role: procs.setdefault(name, host.popen(
-        [sys.executable, "-m", "experiments.launch", *role, *FLAGS, f"--workdir={workdir}"],
+        [sys.executable, "-m", "experiments.launch", *FLAGS, *role, f"--workdir={workdir}"],
         env=env, cwd=REPO, log=logs / f"{name}.txt"))
-    launch(a, "server", "--role=server", f"--server_address={server}", "--num_servers=2")
-    launch(b, "shard1", "--role=shard", "--shard=1", "--num_servers=2",
-           f"--server_address={server}", f"--shard_address={b.address}:{SHARD_PORT}")
+    # One config for every process, as on a cluster: the server binds the address the others
+    # reach it at, and the run's two shards are the config's.
+    at = [f"--config.dist.server_address={server}", "--config.dist.num_servers=2"]
+    launch(a, "server", "--role=server", *at)
+    launch(b, "shard1", "--role=shard", "--shard=1", *at,
+           f"--shard_address={b.address}:{SHARD_PORT}")
     for mesh, host in enumerate((c, d)):
-      launch(host, f"mesh{mesh}", "--role=worker", f"--mesh={mesh}",
-             f"--server_address={server}")
+      launch(host, f"mesh{mesh}", "--role=worker", f"--mesh={mesh}", *at)
     logs_text = lambda: "\n".join(_tail(logs / f"{name}.txt") for name in procs)
 
     # The server writes its address once it serves (before the meshes have joined).

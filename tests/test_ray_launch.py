@@ -30,7 +30,7 @@ FLAGS = ["--config.num_workers=4", "--config.sync.num_groups=2",
          # Two evaluations: too few for the collapse rule (train/health.py) to judge a run of
          # 64 pushes, whose accuracy after a killed mesh is the timing's, not the launcher's.
          "--config.train.num_epochs=4.0", "--config.train.eval_every=2.0",
-         "--config.dist.heartbeat_timeout=5.0", "--num_meshes=4", "--num_servers=2"]
+         "--config.dist.heartbeat_timeout=5.0", "--config.dist.num_servers=2"]
 KILL_ACTOR = """
 import sys, ray
 ray.init(address="auto", namespace="gssp", log_to_driver=False)

@@ -129,7 +129,7 @@ def test_two_meshes_of_the_real_runtime_train_the_user_code(tmp_path):
            "--config.num_workers=2", "--config.sync.num_groups=2",
            "--config.cluster.tiers=(1.0,2.0)", "--config.cluster.base_time=0.02",
            "--config.optimizer.learning_rate=0.05", "--config.train.num_epochs=2",
-           "--num_meshes=2", "--processes_per_mesh=1", "--num_servers=2",
+           "--processes_per_mesh=1", "--config.dist.num_servers=2",
            f"--workdir={workdir}"], tmp_path)
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["status"] == "done" and summary["final"]["meshes_alive"] == 2

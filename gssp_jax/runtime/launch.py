@@ -3,7 +3,7 @@
 * ``server``: the parameter server; runs the training loop with the ``dist``
   executor (``server.DistServer``) and writes the workdir's metrics, summary
   and checkpoints.
-* ``shard``: parameter shard ``s`` (``1..S-1`` of ``--num_servers=S``; shard 0
+* ``shard``: parameter shard ``s`` (``1..S-1`` of ``config.dist.num_servers=S``; shard 0
   lives in the server): its tensors of every replica, fed the server's op
   stream (``runtime/shard.py``).
 * ``worker``: one process (rank ``r``) of mesh ``m``; a mesh of several
@@ -36,16 +36,26 @@ from gssp_jax.runtime import wire
 ROLES = ("local", "server", "shard", "worker")
 PIDS_FILE = "pids.json"
 SECRET_FILE = ".secret"   # the local launcher's run secret (mode 0600), removed when it exits
+# A process's place in the run (the run's own shape, its worker count, shards and server address,
+# is the config's: ``num_workers``, ``dist.num_servers``, ``dist.server_address``).
 ENV = {"role": "GSSP_ROLE", "mesh": "GSSP_MESH", "rank": "GSSP_RANK",
-       "server_address": "GSSP_SERVER_ADDRESS", "coordinator_address": "GSSP_COORDINATOR_ADDRESS",
-       "shard": "GSSP_SHARD", "shard_address": "GSSP_SHARD_ADDRESS",
-       "num_servers": "GSSP_NUM_SERVERS"}
+       "coordinator_address": "GSSP_COORDINATOR_ADDRESS", "shard": "GSSP_SHARD",
+       "shard_address": "GSSP_SHARD_ADDRESS"}
 # glibc's malloc in every process the launcher starts (a value already in its environment wins;
 # set these yourself for processes you start by hand): buffers up to 64 MB come from the heap
 # and up to 256 MB of freed heap stays mapped, so a body's buffers do not fault in fresh pages
 # on every push and pull. Without it, a ResNet-18 push + pull took 1.1-1.3x as long over
 # Flight and 1.6-1.9x over gRPC streams (docs/PERFORMANCE.md). Ignored by other C libraries.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+
+
+SERVER_KEY = "config.dist.server_address"
+
+
+def server_flag(address: str) -> str:
+  """The flag that tells a child process the server's address: the config key, after the
+  user's own ``--config.*`` flags (the last of a flag given twice wins)."""
+  return f"--{SERVER_KEY}={address}"
 
 
 def with_allocator_env(env: dict[str, str]) -> dict[str, str]:
@@ -55,18 +65,20 @@ def with_allocator_env(env: dict[str, str]) -> dict[str, str]:
 
 @dataclasses.dataclass
 class Topology:
-  """Who is who in a real run (flags, else the environment, else the defaults).
+  """Who is who in a real run: a process's place from flags, else the environment, else the
+  defaults; the run's shape from the config (:func:`check_topology` fills it).
 
   Attributes:
-    role: ``local``, ``server`` or ``worker``.
+    role: ``local``, ``server``, ``shard`` or ``worker``.
     num_meshes: M, one per protocol worker (``config.num_workers``).
     processes_per_mesh: P; the worker's batch is split over them.
     mesh, rank: a worker process's mesh and rank in it (-1: from the environment
       or, for the rank, from ``jax.distributed``'s cluster detection).
-    server_address: the parameter server's ``host:port``.
+    server_address: the parameter server's ``host:port`` (``config.dist.server_address``).
     coordinator_address: the mesh's ``jax.distributed`` coordinator (P > 1;
       '' lets ``jax.distributed.initialize`` detect SLURM, Open MPI, Kubernetes).
-    num_servers: S, the parameter shards (the server holds shard 0).
+    num_servers: S, the parameter shards (``config.dist.num_servers``; the server holds
+      shard 0).
     shard: a shard process's index, ``1..S-1``.
     shard_address: the ``host:port`` a shard process binds (and tells the server).
   """
@@ -88,23 +100,21 @@ class Topology:
     for key, value in flags.items():
       if value is None and key in ENV and os.environ.get(ENV[key]):
         value = os.environ[ENV[key]]
-        value = int(value) if key in ("mesh", "rank", "shard", "num_servers") else value
+        value = int(value) if key in ("mesh", "rank", "shard") else value
       if value is not None:
         values[key] = value
     return cls(**values)
 
 
 def check_topology(topo: Topology, config: ml_collections.ConfigDict) -> Topology:
-  """Checks the topology against the config; fills ``num_meshes``. Raises ValueError naming it."""
+  """Checks the topology against the config and fills the run's shape from it (meshes, shards,
+  the server's address: no flag repeats a config key). Raises ValueError naming the bad value."""
   if topo.role not in ROLES:
     raise ValueError(f"--role={topo.role!r} is invalid; allowed: {', '.join(ROLES)}")
   num_workers = config.num_workers
-  if topo.num_meshes == 0:
-    topo.num_meshes = num_workers
-  if topo.num_meshes != num_workers:
-    raise ValueError(f"--num_meshes={topo.num_meshes} does not fit config.num_workers="
-                     f"{num_workers}: each mesh is one protocol worker; set both equal "
-                     f"(e.g. --config.num_workers={topo.num_meshes})")
+  topo.num_meshes = num_workers   # each mesh is one protocol worker
+  topo.num_servers = int(config.dist.get("num_servers", 1))
+  topo.server_address = str(config.dist.get("server_address", ""))
   if topo.processes_per_mesh < 1:
     raise ValueError(f"--processes_per_mesh={topo.processes_per_mesh} is invalid; allowed: an "
                      "integer >= 1")
@@ -112,28 +122,26 @@ def check_topology(topo: Topology, config: ml_collections.ConfigDict) -> Topolog
     raise ValueError(f"--processes_per_mesh={topo.processes_per_mesh} does not divide "
                      f"config.batch_size={config.batch_size} (a mesh splits its worker's batch"
                      " over its processes); allowed: a divisor of the batch size")
-  if topo.num_servers == 0:
-    topo.num_servers = int(config.dist.get("num_servers", 1))
   if topo.num_servers < 1:
-    raise ValueError(f"--num_servers={topo.num_servers} is invalid; allowed: an integer >= 1 "
-                     "(parameter shards; the server holds shard 0)")
+    raise ValueError(f"config.dist.num_servers={topo.num_servers} is invalid; allowed: an "
+                     "integer >= 1 (parameter shards; the server holds shard 0)")
   if topo.server_address:
-    wire.check_address("--server_address", topo.server_address)
+    wire.check_address(SERVER_KEY, topo.server_address)
   if topo.role == "shard":
     if not 1 <= topo.shard < topo.num_servers:
       raise ValueError(f"--shard={topo.shard} is invalid; allowed: 1..{topo.num_servers - 1} "
-                       f"(--num_servers={topo.num_servers}; shard 0 is the server's)")
+                       f"(config.dist.num_servers={topo.num_servers}; shard 0 is the server's)")
     if not topo.server_address:
-      raise ValueError("--server_address is required for --role=shard (host:port of the "
-                       f"parameter server, or {ENV['server_address']})")
+      raise ValueError(f"{SERVER_KEY} is required for --role=shard (host:port of the "
+                       "parameter server)")
     wire.check_address("--shard_address", topo.shard_address or "127.0.0.1:0")
   if topo.role == "worker":
     if not 0 <= topo.mesh < num_workers:
       raise ValueError(f"--mesh={topo.mesh} is invalid; allowed: 0..{num_workers - 1} "
                        f"(or {ENV['mesh']})")
     if not topo.server_address:
-      raise ValueError("--server_address is required for --role=worker (host:port of the "
-                       f"parameter server, or {ENV['server_address']})")
+      raise ValueError(f"{SERVER_KEY} is required for --role=worker (host:port of the "
+                       "parameter server)")
     if topo.processes_per_mesh > 1 and topo.coordinator_address:
       wire.check_address("--coordinator_address", topo.coordinator_address)
   return topo
@@ -165,7 +173,7 @@ def reserve_port(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     s.bind((host, port))
   except OSError as e:
     s.close()
-    raise ValueError(f"--server_address={host}:{port}: port {port} cannot be bound here "
+    raise ValueError(f"{SERVER_KEY}={host}:{port}: port {port} cannot be bound here "
                      f"({e.strerror}); allowed: a free port, or 0 for any") from None
   return s
 
@@ -220,12 +228,11 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
 def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
   """The server role: the training loop with the ``dist`` executor (and shard 0)."""
   address = topo.server_address or "127.0.0.1:0"
-  check_bindable("--server_address", address)
+  check_bindable(SERVER_KEY, address)
   auth.load_credentials()   # no secret or run id: one line, before anything is built
   from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
   config.executor = "dist"
   config.dist.server_address = address
-  config.dist.num_servers = topo.num_servers
   return loop.train_and_evaluate(config, workdir)
 
 
@@ -376,7 +383,8 @@ class LocalLauncher:
     self.reserved = []
 
   def _command(self, role_flags: list[str]) -> list[str]:
-    return [sys.executable, "-m", "experiments.launch", *role_flags, *self.argv_config,
+    # The role's flags after the user's --config flags: its server address is the one given.
+    return [sys.executable, "-m", "experiments.launch", *self.argv_config, *role_flags,
             f"--workdir={self.workdir}"]
 
   def _spawn(self, name: str, role_flags: list[str], gpu: str | None = None,
@@ -426,32 +434,30 @@ class LocalLauncher:
     The meshes start at once beside it: they retry until it serves, so their
     start-up (imports, data, compilation) overlaps the server's.
     """
-    host, port = wire.check_address("--server_address", self.topo.server_address or
-                                    "127.0.0.1:0")
+    host, port = wire.check_address(SERVER_KEY, self.topo.server_address or "127.0.0.1:0")
     # Held from here until the launcher ends, the user's port as one it picks (port 0): no one
     # else can take it between this check and the server's own bind, and be called with the
     # run's token by the meshes and shards that start meanwhile.
     port = self._reserve(host, port)
     extra = {wire.RESERVED_PORT_ENV: str(port)}
     address = f"{host}:{port}"
-    self._spawn("server", ["--role=server", f"--server_address={address}",
-                           f"--num_servers={self.topo.num_servers}"], self._gpu(0), extra)
+    self._spawn("server", ["--role=server", server_flag(address)], self._gpu(0), extra)
     return address
 
   def start_shard(self, shard: int, server_address: str) -> subprocess.Popen:
     """Starts shard ``shard``'s process (no GPU: it applies rounds). It binds a free loopback
     port itself (port 0) and tells the server the one it got."""
     return self._spawn(f"shard{shard}", [
-        "--role=shard", f"--shard={shard}", f"--num_servers={self.topo.num_servers}",
-        f"--server_address={server_address}", "--shard_address=127.0.0.1:0"],
+        "--role=shard", f"--shard={shard}", server_flag(server_address),
+        "--shard_address=127.0.0.1:0"],
         self._gpu(0))
 
   def start_mesh(self, mesh: int, server_address: str) -> list[subprocess.Popen]:
     """Starts mesh ``mesh``'s processes (P > 1: a coordinator port this launcher holds until it
     ends, which jax's coordination service binds beside the reservation)."""
     P = self.topo.processes_per_mesh
-    flags = ["--role=worker", f"--mesh={mesh}", f"--server_address={server_address}",
-             f"--processes_per_mesh={P}", f"--num_meshes={self.topo.num_meshes}"]
+    flags = ["--role=worker", f"--mesh={mesh}", server_flag(server_address),
+             f"--processes_per_mesh={P}"]
     if P > 1:
       flags.append(f"--coordinator_address=127.0.0.1:{self._reserve('127.0.0.1')}")
     return [self._spawn(f"mesh{mesh}_rank{r}", flags + [f"--rank={r}"], self._gpu(mesh * P + r))

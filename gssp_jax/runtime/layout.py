@@ -1,6 +1,6 @@
 """How a real run splits the model over its parameter-server shards, and how a shard's bytes look.
 
-``--num_servers=S`` splits the parameters over S shard processes, balanced by
+``config.dist.num_servers=S`` splits the parameters over S shard processes, balanced by
 bytes. A shard holds **whole tensors** (a contiguous range of the parameter
 leaves, in ``jax.tree.leaves`` order), not an arbitrary slice of the
 flattened vector. That is a deliberate choice: a shard then runs, tensor by
@@ -90,8 +90,8 @@ class ShardLayout:
     shapes = tuple(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(params))
     stats = tuple(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(model_state))
     if not 1 <= num_shards <= len(shapes):
-      raise ValueError(f"--num_servers={num_shards} is invalid for a model of {len(shapes)} "
-                       f"tensors; allowed: 1..{len(shapes)} (a shard holds whole tensors)")
+      raise ValueError(f"config.dist.num_servers={num_shards} is invalid for a model of "
+                       f"{len(shapes)} tensors; allowed: 1..{len(shapes)} (a shard holds whole tensors)")
     sizes = [math.prod(s) for s in shapes]
     stats_size = sum(math.prod(s) for s in stats)
     return cls(shapes, stats, _partition(sizes, stats_size, num_shards))

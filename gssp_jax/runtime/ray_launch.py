@@ -243,8 +243,7 @@ class RayLauncher(launch.LocalLauncher):
     host = proxy.call("node")
     port = proxy.call("reserve", host)   # held by the actor; its child binds beside it
     address = f"{host}:{port}"
-    self._start(proxy, ["--role=server", f"--server_address={address}",
-                        f"--num_servers={self.topo.num_servers}"],
+    self._start(proxy, ["--role=server", launch.server_flag(address)],
                 {wire.RESERVED_PORT_ENV: str(port)})
     return address
 
@@ -252,8 +251,8 @@ class RayLauncher(launch.LocalLauncher):
     proxy = self._actor(f"shard{shard}")
     host = proxy.call("node")
     return self._start(proxy, [
-        "--role=shard", f"--shard={shard}", f"--num_servers={self.topo.num_servers}",
-        f"--server_address={server_address}", f"--shard_address={host}:0"])
+        "--role=shard", f"--shard={shard}", launch.server_flag(server_address),
+        f"--shard_address={host}:0"])
 
   def start_mesh(self, mesh: int, server_address: str) -> list[ActorProcess]:
     from ray.util import scheduling_strategies  # pylint: disable=g-import-not-at-top
@@ -268,8 +267,8 @@ class RayLauncher(launch.LocalLauncher):
                            scheduling_strategy=scheduling_strategies.PlacementGroupSchedulingStrategy(
                                placement_group=group, placement_group_bundle_index=r))
                for r in range(P)]
-    flags = ["--role=worker", f"--mesh={mesh}", f"--server_address={server_address}",
-             f"--processes_per_mesh={P}", f"--num_meshes={self.topo.num_meshes}"]
+    flags = ["--role=worker", f"--mesh={mesh}", launch.server_flag(server_address),
+             f"--processes_per_mesh={P}"]
     extra = {}
     if P > 1:
       host = proxies[0].call("node")

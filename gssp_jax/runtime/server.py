@@ -471,7 +471,7 @@ class DistServer:
                                              max_workers=2 * self.W + 2 * self.S + 8,
                                              **endpoints.server_settings(self.config.dist,
                                                                       self.credentials))
-    host, _ = wire.check_address("--server_address", address)
+    host, _ = wire.check_address("config.dist.server_address", address)
     self.address = f"{host}:{port}"
     workdir_lib.write_json(os.path.join(self.workdir, ADDRESS_FILE),
                            {"address": self.address, "pid": os.getpid(),
