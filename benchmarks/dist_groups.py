@@ -49,7 +49,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from gssp_jax.train import health
+from gssp_jax.base import health
 
 from benchmarks import common
 

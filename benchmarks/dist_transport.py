@@ -81,7 +81,7 @@ from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import shard_process
 from gssp_jax.runtime import wire
 from gssp_jax.runtime import worker as worker_lib
-from gssp_jax.train import step as step_lib
+from gssp_jax.base import step as step_lib
 
 from benchmarks import common
 

@@ -39,7 +39,7 @@ from absl import flags
 from gssp_jax.sim import chunk
 from gssp_jax.sim import levels
 from gssp_jax.sim import simulate
-from gssp_jax.train import tasks
+from gssp_jax.base import tasks
 
 from benchmarks import common
 from benchmarks import sim_efficiency  # noqa: F401  (its flags)

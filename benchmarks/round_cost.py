@@ -25,7 +25,7 @@ from configs import multi30k_seq2seq
 from gssp_jax import models
 from gssp_jax import sync
 from gssp_jax.sim import executor
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 
 from benchmarks import common
 

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import optax
 
 from gssp_jax.sync import local as local_lib
-from gssp_jax.train import executors
-from gssp_jax.train import optim
-from gssp_jax.train import tasks
+from gssp_jax import executors
+from gssp_jax.base import optim
+from gssp_jax.base import tasks
 
 from benchmarks import common
 from benchmarks import sim_rates

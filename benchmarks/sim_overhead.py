@@ -55,8 +55,8 @@ from gssp_jax import models
 from gssp_jax.sim import chunk as chunk_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sim import watch
-from gssp_jax.train import executors
-from gssp_jax.train import run as run_lib
+from gssp_jax import executors
+from gssp_jax.base import run as run_lib
 
 from benchmarks import common
 

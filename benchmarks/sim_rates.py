@@ -18,9 +18,9 @@ from configs import mnist_lenet5
 from gssp_jax import config as config_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sync import local as local_lib
-from gssp_jax.train import executors
+from gssp_jax import executors
 from gssp_jax.train import loop
-from gssp_jax.train import tasks
+from gssp_jax.base import tasks
 
 from benchmarks import common
 

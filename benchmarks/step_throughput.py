@@ -32,9 +32,9 @@ from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
 from gssp_jax import models as models_lib
 from gssp_jax.data import sharding
-from gssp_jax.train import optim
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import tasks
+from gssp_jax.base import optim
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import tasks
 
 from benchmarks import common
 

@@ -127,9 +127,10 @@ def main(argv):
   workdir = _WORKDIR.value
   if topo.role == "server":
     from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
+    from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
     with (cli.log_to_file(os.path.join(workdir, "log.txt")), cli.sigterm_as_interrupt()):
       try:
-        summary = launch.run_server(config, workdir, topo)
+        summary = loop.train_and_evaluate(launch.server_config(config, topo), workdir)
       except server.RunFailed:   # logged once where it happened; summary.json says why
         print(f"status failed; workdir {workdir}")
         _exit_now(1)

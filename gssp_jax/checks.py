@@ -6,8 +6,8 @@ A leaf like :mod:`gssp_jax.defaults`. Each check names the key with its
   config.optimizer.momentum=1.5 is invalid; allowed: a number in [0, 1)
 
 The builders (``sync/registry.py``, ``sync/local.py``, ``sim/cluster.py``,
-``train/optim.py``, ``compress/topk.py``, ``runtime/settings.py``,
-``train/executors.py``, ``train/tasks.py``) call these with the dotted key
+``base/optim.py``, ``compress/topk.py``, ``runtime/settings.py``,
+``executors.py``, ``base/tasks.py``) call these with the dotted key
 under ``config``; :func:`gssp_jax.config.validate_config` calls the builders in order.
 """
 

@@ -94,7 +94,7 @@ def child_process(env: dict[str, str], signum: int = signal.SIGTERM) -> dict[str
   foreground process group) reaches only the parent, which then sends each child
   a single SIGTERM. Were the child in the group, it would take that SIGTERM as a
   second signal and stop at once, without the checkpoint its first one asked
-  for (``train/interrupt.py``). Out of the group it no longer gets the
+  for (``base/interrupt.py``). Out of the group it no longer gets the
   terminal's hang-up, so it asks for ``signum`` when the parent dies instead
   (:func:`stop_with_parent`, called by :func:`run_main`, so the child must be a
   gssp_jax command). That is done in the child, not in a ``preexec_fn``: code run
@@ -348,7 +348,7 @@ def final_line(summary: dict[str, Any], workdir: str) -> str:
   DIR``: a simulated run names the seconds its modelled cluster took (virtual) beside the
   seconds this machine took (wall); a run without a simulated cluster (BSP in the fused loop)
   and a real run, whose events follow wall time, name wall time alone. A run that cannot have
-  learned says why after its status (``summary["warnings"]``, ``train/health.py``), and a
+  learned says why after its status (``summary["warnings"]``, ``base/health.py``), and a
   collapsed one its reason.
   """
   final, metric = summary.get("final") or {}, summary.get("metric")
@@ -424,7 +424,7 @@ def interrupted_in_one_line(argv: Sequence[str]):
   except KeyboardInterrupt as e:
     if _verbose_requested(argv):
       raise
-    from gssp_jax.train import interrupt  # pylint: disable=g-import-not-at-top
+    from gssp_jax.base import interrupt  # pylint: disable=g-import-not-at-top
     if isinstance(e, interrupt.Interrupted):
       what = str(e)
     else:   # a second signal stopped it at once, or it came before any run started

@@ -31,9 +31,9 @@ from gssp_jax.runtime import settings as runtime_settings
 from gssp_jax.sim import cluster
 from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import registry
-from gssp_jax.train import executors
-from gssp_jax.train import optim
-from gssp_jax.train import tasks
+from gssp_jax import executors
+from gssp_jax.base import optim
+from gssp_jax.base import tasks
 
 # The public names of the contract (config files and notebooks use them from here too).
 default_config = defaults.default_config

@@ -25,7 +25,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
 # auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
-# CPU and the dependency-level batched runner on an accelerator (train/executors.py).
+# CPU and the dependency-level batched runner on an accelerator (executors.py).
 # dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/runtime).
 EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
 DATA_PLANES = ("flight", "grpc")

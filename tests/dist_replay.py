@@ -27,7 +27,7 @@ from gssp_jax.runtime import shard_process
 from gssp_jax.runtime import wire
 from gssp_jax.runtime import worker as worker_lib
 from gssp_jax.sim import simulate
-from gssp_jax.train import run as run_lib
+from gssp_jax.base import run as run_lib
 
 RUN_ID = "replay-run"
 CREDENTIALS = auth.Credentials(bytes(range(32)), RUN_ID)

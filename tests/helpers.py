@@ -165,7 +165,7 @@ def recorded_without(config, tmp_path, *keys):
   """``config`` as a run recorded before its dotted ``keys`` existed: asserts that it counts as
   unchanged (``workdir.config_changes``) and resumes (``check_resumable``); returns the record
   (a dict) and its ``config.json``'s path."""
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   recorded = json.loads(config.to_json())
   for key in keys:
     *parents, leaf = key.split(".")

@@ -25,7 +25,7 @@ from gssp_jax import sync
 from gssp_jax.sim import executor
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.sync import timeline as timeline_lib
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 from test_clip import PARAMS, SPEEDS4, _linear_loss, _one_epoch_steps, _sgd_config
 
 VGG19_PUSH = 80_206_120   # bytes of one dense VGG-19 push (float32 weights and statistics)

@@ -9,9 +9,9 @@ import pytest
 import helpers
 from gssp_jax import config as config_lib
 from gssp_jax.studies import report
-from gssp_jax.train import executors
+from gssp_jax import executors
 from gssp_jax.train import loop
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import workdir as workdir_lib
 
 
 @pytest.mark.parametrize("evaluations, every, since, every_seconds, want", [

@@ -21,8 +21,8 @@ from gssp_jax import config as config_lib
 from gssp_jax import sync
 from gssp_jax.sim import chunk
 from gssp_jax.sim import executor
-from gssp_jax.train import optim
-from gssp_jax.train import step as step_lib
+from gssp_jax.base import optim
+from gssp_jax.base import step as step_lib
 from test_decay import _rounds_of_pushes
 
 CLIP = 1.0

@@ -7,8 +7,8 @@ import pytest
 from gssp_jax import config as config_lib
 from gssp_jax import defaults
 from gssp_jax import sync
-from gssp_jax.train import executors
-from gssp_jax.train import tasks
+from gssp_jax import executors
+from gssp_jax.base import tasks
 
 CONFIGS = ["mnist_lenet5", "cifar10_resnet18", "cifar10_vgg19", "multi30k_seq2seq"]
 

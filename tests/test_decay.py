@@ -16,7 +16,7 @@ from gssp_jax import sync
 from gssp_jax.sync import decay
 from gssp_jax.sync import replay
 from gssp_jax.sync import rounds as rounds_lib
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 # The quadratic problem of test_sync.py: worker w minimises 0.5 * |A x - t_w|^2.
 from test_sync import _quad_grad
 from test_sync import TARGETS4

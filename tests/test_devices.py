@@ -15,7 +15,7 @@ import pytest
 
 from gssp_jax import config as config_lib
 from gssp_jax.sim import devices
-from gssp_jax.train import executors
+from gssp_jax import executors
 
 import helpers
 

@@ -181,7 +181,7 @@ def test_the_launcher_refuses_bad_input_before_starting_anything(tmp_path, data_
 
 def _dist_server(tmp_path, data_dir, **changes):
   from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import run as run_lib  # pylint: disable=g-import-not-at-top
   config = _config(executor="dist", data_dir=data_dir, **changes)
   srv = server.DistServer(config, run_lib.prepare_run(config, str(tmp_path)), str(tmp_path),
                           credentials=dist_replay.CREDENTIALS, manual_messages=True)
@@ -234,7 +234,7 @@ def test_the_servers_host_state_round_trips_through_its_checkpoint(tmp_path, dat
   """What the server saves (protocol, counters, push numbers, staleness accounting) comes back
   the same from the versioned JSON item of its Orbax step; shard 0's tensors from its own."""
   import jax  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import host_state  # pylint: disable=g-import-not-at-top
+  from gssp_jax import host_state  # pylint: disable=g-import-not-at-top
   srv = _dist_server(tmp_path, data_dir)
   try:
     _join_all(srv)
@@ -462,7 +462,7 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
   assert pushes[groups == fast].sum() > 2 * pushes[groups == slow_group].sum(), pushes
   # The server's checkpoint restores what it reported.
   from gssp_jax.runtime import server  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import run as run_lib  # pylint: disable=g-import-not-at-top
   config = _config(executor="dist", **changes)
   restored = server.DistServer(config, run_lib.prepare_run(config, str(workdir)), str(workdir),
                                num_servers=2, credentials=dist_replay.CREDENTIALS)

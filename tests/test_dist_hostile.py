@@ -34,7 +34,7 @@ from gssp_jax.runtime import endpoints
 from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import server as server_lib
 from gssp_jax.runtime import wire
-from gssp_jax.train import run as run_lib
+from gssp_jax.base import run as run_lib
 
 CREDENTIALS = dist_replay.CREDENTIALS
 

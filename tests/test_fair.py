@@ -14,7 +14,7 @@ from configs import mnist_lenet5
 from gssp_jax import cli
 from gssp_jax.studies import report
 from gssp_jax.studies import sweep
-from gssp_jax.train import health
+from gssp_jax.base import health
 from gssp_jax.train import loop
 
 

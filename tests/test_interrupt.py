@@ -16,10 +16,10 @@ import helpers
 from gssp_jax import sync
 from gssp_jax.sim import executor
 from gssp_jax.sim import simulate
-from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import executors
-from gssp_jax.train import host_state
-from gssp_jax.train import interrupt
+from gssp_jax.base import checkpoint as ckpt_lib
+from gssp_jax import executors
+from gssp_jax import host_state
+from gssp_jax.base import interrupt
 from gssp_jax.train import loop
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

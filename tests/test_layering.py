@@ -1,4 +1,5 @@
-"""The package's import graph: no circle (imports inside functions count), leaves stay leaves."""
+"""The package's import graph: no circle, layers that only point down (imports inside functions
+and package ``__init__``s count), leaves stay leaves."""
 
 import ast
 import os
@@ -83,8 +84,63 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_the_leaves_import_nothing_of_the_package():
   graph = _graph()
-  for leaf in ("gssp_jax.defaults", "gssp_jax.checks", "gssp_jax.studies.report_labels"):
+  for leaf in ("gssp_jax.defaults", "gssp_jax.checks", "gssp_jax.host_state",
+               "gssp_jax.studies.report_labels"):
     assert graph[leaf] == set(), leaf
+
+
+# The layers, bottom up: a module may import its own layer's and those below, never above. A
+# module belongs to the longest prefix listed (a package, with its ``__init__``, or a module).
+LAYERS = (
+    # leaves: the config's defaults and checks, plugins, host state (whose classes register)
+    ("gssp_jax.checks", "gssp_jax.defaults", "gssp_jax.plugins", "gssp_jax.host_state"),
+    # the pieces: data, models, compressors, the sync schemes; the package's face and the XLA
+    # environment it sets on import (whose cache directory is the data's)
+    ("gssp_jax", "gssp_jax.xla_env", "gssp_jax.data", "gssp_jax.models", "gssp_jax.compress",
+     "gssp_jax.sync"),
+    # what a run is built from (task, optimizers, step, checkpoints, workdir), the entry points'
+    # shared code
+    ("gssp_jax.base", "gssp_jax.cli"),
+    ("gssp_jax.sim",),        # the simulator
+    ("gssp_jax.runtime",),    # the real runtime (it replays the simulator's rules)
+    ("gssp_jax.executors",),  # picks and builds either, or the fused BSP loop
+    ("gssp_jax.config",),     # validates a config once, by each part's own checks
+    ("gssp_jax.train",),      # the loop that drives an executor, observation, trained runs
+    ("gssp_jax.studies",),    # sweeps, reports, the claims table
+)
+
+
+def _layer(module: str) -> int:
+  found = [(len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
+           if module == prefix or module.startswith(prefix + ".")]
+  assert found, f"{module} is in no layer: add it to LAYERS"
+  return max(found)[1]
+
+
+def test_every_import_points_down_the_layers():
+  """No import points up a layer: at module level or inside a function, a package's
+  ``__init__`` included (``_modules`` names it as the package)."""
+  modules = _modules()
+  up = [f"{m}:{line} imports {d} ({'top' if top else 'inside a function'}): layer "
+        f"{_layer(m)} -> {_layer(d)}"
+        for m, f in sorted(modules.items()) for d, line, top in _imports(f, modules)
+        if d in modules and _layer(d) > _layer(m)]
+  assert up == [], "\n".join(up)
+
+
+def test_the_layer_check_sees_an_import_inside_a_function_and_in_an_init(tmp_path):
+  """The check's own reading: an import inside a function and one in a package ``__init__``
+  are edges like any other."""
+  (tmp_path / "pkg").mkdir()
+  init = tmp_path / "pkg" / "__init__.py"
+  init.write_text("from gssp_jax.train import loop\n")
+  body = tmp_path / "mod.py"
+  body.write_text("def f():\n  from gssp_jax.studies import sweep\n  return sweep\n")
+  modules = {"gssp_jax.train.loop": "", "gssp_jax.studies.sweep": ""}
+  assert _imports(str(init), modules) == [("gssp_jax.train.loop", 1, True)]
+  assert _imports(str(body), modules) == [("gssp_jax.studies.sweep", 2, False)]
+  assert _layer("gssp_jax.sync.local") < _layer("gssp_jax.base.optim") < _layer(
+      "gssp_jax.sim.simulate") < _layer("gssp_jax.train.loop")
 
 
 def test_config_imports_at_the_top_only():

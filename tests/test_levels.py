@@ -31,9 +31,9 @@ from gssp_jax.sim import planner as planner_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sim import watch
 from gssp_jax.sync import rounds as rounds_lib
-from gssp_jax.train import executors as executors_lib
-from gssp_jax.train import optim
-from gssp_jax.train import tasks
+from gssp_jax import executors as executors_lib
+from gssp_jax.base import optim
+from gssp_jax.base import tasks
 
 W, B, N = 4, 4, 64
 SPEEDS = [1.0, 1.37, 1.91, 2.53]   # a heterogeneous cluster: levels of 1 to 4 jobs
@@ -638,7 +638,7 @@ _metric_lines = helpers.metric_lines
 
 
 def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
-  from gssp_jax.train import executors  # pylint: disable=g-import-not-at-top
+  from gssp_jax import executors  # pylint: disable=g-import-not-at-top
   ssp = config_lib.override(config_lib.default_config(), {"sync.scheme": "ssp"})
   assert executors.executor_name(ssp, backend="cpu") == "rounds"
   assert executors.executor_name(ssp, backend="gpu") == "levels"
@@ -764,7 +764,8 @@ def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
 
   The transfer guards hold on an accelerator; on a CPU, whose arrays live in host memory, JAX
   guards nothing, so the reads are counted (``watch.HostReads``)."""
-  from gssp_jax.train import executors, run as run_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax import executors
+  from gssp_jax.base import run as run_lib  # pylint: disable=g-import-not-at-top
   config = _run_config("gssp", "none", executor="levels", data_dir=data_dir,
                        **{"train.num_epochs": 3.0})
   compilations = watch.compilations()

@@ -377,7 +377,7 @@ def test_data_staleness_counts_a_local_push_as_its_h_iterations():
 
 def test_a_run_recorded_before_the_local_keys_still_resumes(tmp_path):
   import json as json_lib  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   config = helpers.cluster_config("gssp")
   old = json_lib.loads(config.to_json())
   del old["local"]   # what a run of an earlier version recorded

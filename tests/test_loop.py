@@ -10,9 +10,9 @@ from gssp_jax import config as config_lib
 from gssp_jax.studies import sweep
 from gssp_jax.sim import executor as sim_executor
 from gssp_jax.sim import simulate
-from gssp_jax.train import executors
+from gssp_jax import executors
 from gssp_jax.train import loop
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import workdir as workdir_lib
 
 
 def _small(data_dir, **changes):
@@ -154,7 +154,7 @@ def test_a_run_recorded_before_the_executor_key_still_resumes(tmp_path):
 def test_the_simulator_does_not_import_the_loop():
   code = ("import sys\n"
           "import gssp_jax.sim.simulate, gssp_jax.sim.executor, gssp_jax.sim.traffic\n"
-          "bad = [m for m in ('gssp_jax.train.loop', 'gssp_jax.train.executors') "
+          "bad = [m for m in ('gssp_jax.train.loop', 'gssp_jax.executors') "
           "if m in sys.modules]\n"
           "assert not bad, bad\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gssp_jax import sync
-from gssp_jax.train import host_state
+from gssp_jax import host_state
 
 HANG = 1e6   # a hung iteration: longer than any run here
 

@@ -8,8 +8,8 @@ from configs import mnist_lenet5
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import train
-from gssp_jax.train import executors
-from gssp_jax.train import tasks
+from gssp_jax import executors
+from gssp_jax.base import tasks
 
 
 def _small(data_dir, **changes):
@@ -110,7 +110,7 @@ def test_a_simulated_gssp_run_logs_its_cluster_once_and_serves_the_global_model(
 
 
 def test_the_eta_leaves_compilation_out_and_a_resume_starts_from_the_rate_before():
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   now = [0.0]
   clock = lambda: now[0]
   # A resumed run: 2,470 of 3,000 pushes done in 600 s before; this session compiles for 60 s.

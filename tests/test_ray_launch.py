@@ -27,7 +27,7 @@ HETERO = "configs/mnist_lenet5_hetero.py:smoke"
 BUDGET = 420.0
 FLAGS = ["--config.num_workers=4", "--config.sync.num_groups=2",
          "--config.cluster.tiers=(1.0,3.0)", "--config.cluster.base_time=0.2",
-         # Two evaluations: too few for the collapse rule (train/health.py) to judge a run of
+         # Two evaluations: too few for the collapse rule (base/health.py) to judge a run of
          # 64 pushes, whose accuracy after a killed mesh is the timing's, not the launcher's.
          "--config.train.num_epochs=4.0", "--config.train.eval_every=2.0",
          "--config.dist.heartbeat_timeout=5.0", "--config.dist.num_servers=2"]

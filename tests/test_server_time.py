@@ -169,7 +169,7 @@ def test_a_simulated_compressed_push_arrives_compute_time_later(tmp_path, data_d
   """The simulator's own engine (top-k under SSP, GDTopK under GSSP): every first push arrives
   exactly ``compress.compute_time`` later than without it."""
   from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import run as run_lib  # pylint: disable=g-import-not-at-top
   arrivals = []
   for seconds in (0.0, 0.02):
     config = helpers.cluster_config("gssp" if compressor == "gdtopk" else "ssp", data_dir,

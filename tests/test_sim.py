@@ -520,8 +520,8 @@ def test_gssp_global_batchnorm_statistics_follow_the_groups():
 def test_gssp_bytes_between_servers_count_every_copy(tmp_path, data_dir, inter_group, copies):
   """Four groups: a peer delivery goes to 3 servers; global sends one sum and one reply."""
   import jax
-  from gssp_jax.train import step as step_lib
-  from gssp_jax.train import tasks
+  from gssp_jax.base import step as step_lib
+  from gssp_jax.base import tasks
   config = _sim_config("gssp", **{"sync.num_groups": 4, "sync.inter_group": inter_group,
                                   "train.num_epochs": 0.5, "train.eval_every": 0.5})
   config.data_dir = data_dir
@@ -648,8 +648,8 @@ def test_timed_push_bytes_equal_reported_bytes_pushed(tmp_path, data_dir, monkey
   assert engine.iteration.sum() == summary["totals"]["pushes"]
   if compressor == "gdtopk":   # the last iteration of a worker's epoch is flushed: dense
     import jax
-    from gssp_jax.train import step as step_lib
-    from gssp_jax.train import tasks
+    from gssp_jax.base import step as step_lib
+    from gssp_jax.base import tasks
     dense = step_lib.tree_bytes(tasks.make_task(config).init(jax.random.key(0))[0])
     spe = 1024 // 4 // 32
     assert all(log["push"][(w, spe - 1)] == dense for w in range(4))

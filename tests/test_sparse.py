@@ -19,7 +19,7 @@ import helpers
 from gssp_jax import sync
 from gssp_jax.sim import executor
 from gssp_jax.sync import rounds as rounds_lib
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 
 B, N = 4, 64
 SCHEMES = [("bsp", "peer"), ("asp", "peer"), ("ssp", "peer"), ("dssp", "peer"),

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from gssp_jax.train import health
+from gssp_jax.base import health
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -191,7 +191,7 @@ def test_a_trace_run_recorded_before_trace_units_resumes_in_seconds(tmp_path):
   """A run recorded before ``cluster.trace_units`` read its trace in seconds: resuming it with
   the new default (relative) is refused, naming the key; with 'seconds' it resumes."""
   import json
-  from gssp_jax.train import workdir as workdir_lib
+  from gssp_jax.base import workdir as workdir_lib
   csv = tmp_path / "t.csv"
   csv.write_text("0.1,0.2\n")
   config = _config(str(csv), workers=2)

@@ -20,11 +20,11 @@ import helpers
 from gssp_jax import compress
 from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
-from gssp_jax.train import environment
+from gssp_jax.base import environment
 from gssp_jax.train import loop
-from gssp_jax.train import optim
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import tasks
+from gssp_jax.base import optim
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -254,7 +254,7 @@ def test_bsp_with_dgc_trains_and_pushes_fewer_bytes(data_dir, tmp_path):
 
 
 def test_the_wrong_workdir_error_lists_every_changed_key_the_scheme_first(tmp_path):
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   old = config_lib.default_config()
   path = tmp_path / "config.json"
   path.write_text(old.to_json())
@@ -279,7 +279,7 @@ def sign_descent(learning_rate, scale=1.0):
 def test_any_optax_optimizer_by_name_or_a_users_function_with_its_arguments():
   """``optimizer.name`` an optax constructor (its ``args`` as keyword arguments) or
   ``module:function``; the run keeps the learning rate (schedule) and weight decay (progress)."""
-  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import optim  # pylint: disable=g-import-not-at-top
   params = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array([0.5])}
   grads = {"w": jnp.array([0.1, 0.2, -0.3]), "b": jnp.array([1.0])}
   cfg = config_lib.override(config_lib.default_config(), {

@@ -19,7 +19,7 @@ from gssp_jax import config as config_lib
 from gssp_jax import data
 from gssp_jax import models
 from gssp_jax.train import loop
-from gssp_jax.train import tasks
+from gssp_jax.base import tasks
 from gssp_jax.train import trained
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,8 +13,8 @@ from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import data as data_lib
 from gssp_jax.train import loop
-from gssp_jax.train import tasks
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import tasks
+from gssp_jax.base import workdir as workdir_lib
 
 
 def test_the_split_is_one_fixed_draw_disjoint_and_whole():

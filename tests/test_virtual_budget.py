@@ -14,8 +14,8 @@ import dist_replay
 import helpers
 from gssp_jax import config as config_lib
 from gssp_jax.train import loop
-from gssp_jax.train import optim
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import optim
+from gssp_jax.base import workdir as workdir_lib
 
 BUDGET = 0.4   # virtual seconds: about two epochs of the slow tier (4 iterations of 0.125 s each)
 

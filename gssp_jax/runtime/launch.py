@@ -225,15 +225,16 @@ def check_bindable(name: str, address: str, timeout: float = 10.0) -> None:
                        "free port of an address of this machine (port 0 for any)") from None
 
 
-def run_server(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> dict:
-  """The server role: the training loop with the ``dist`` executor (and shard 0)."""
+def server_config(config: ml_collections.ConfigDict, topo: Topology) -> ml_collections.ConfigDict:
+  """The server role's config: ``config`` with the ``dist`` executor (the parameter server, and
+  shard 0) at the address it binds, which is checked first, as the run's secret is: one line,
+  before anything is built. The training loop (``train.loop``, above this layer) runs it."""
   address = topo.server_address or "127.0.0.1:0"
   check_bindable(SERVER_KEY, address)
-  auth.load_credentials()   # no secret or run id: one line, before anything is built
-  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  auth.load_credentials()
   config.executor = "dist"
   config.dist.server_address = address
-  return loop.train_and_evaluate(config, workdir)
+  return config
 
 
 def run_shard(config: ml_collections.ConfigDict, workdir: str, topo: Topology) -> None:
@@ -313,7 +314,7 @@ def leave_mesh(mesh: int, rank: int, error: BaseException) -> None:
 def interrupted(error: KeyboardInterrupt, workdir: str):
   """The launcher's Ctrl-C or SIGTERM, once every child ended: where the server's checkpoint is
   (``interrupt.Interrupted``, which ``cli`` prints as one line with the resume command)."""
-  from gssp_jax.train import interrupt  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import interrupt  # pylint: disable=g-import-not-at-top
   directory = os.path.join(workdir, "checkpoints")
   steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else ())
                  if n.isdigit() and os.path.exists(os.path.join(directory, n, "commit_success.txt")))
@@ -394,7 +395,7 @@ class LocalLauncher:
     log = auth.open_private_append(os.path.join(self.logs, f"{name}.txt"))   # no symlink
     # Its own session: a terminal's Ctrl-C reaches only the launcher, whose shutdown sends one
     # SIGTERM; the server, had it got the SIGINT too, would take that as a second signal and
-    # stop without its checkpoint (train/interrupt.py). SIGKILL if the launcher dies outright.
+    # stop without its checkpoint (base/interrupt.py). SIGKILL if the launcher dies outright.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             **cli.child_process(env, signal.SIGKILL))
     log.close()
@@ -423,7 +424,7 @@ class LocalLauncher:
 
   def _write_pids(self) -> None:
     """``workdir/logs/pids.json``: every child's pid by name (for operators and tests)."""
-    from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+    from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
     workdir_lib.write_json(os.path.join(self.logs, PIDS_FILE),
                            {"launcher": os.getpid(),
                             **{name: proc.pid for name, proc in self.procs.items()}})

@@ -100,11 +100,11 @@ from gssp_jax.sim import records
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import local as local_lib
-from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import interrupt
-from gssp_jax.train import run as run_lib
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import checkpoint as ckpt_lib
+from gssp_jax.base import interrupt
+from gssp_jax.base import run as run_lib
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import workdir as workdir_lib
 
 ADDRESS_FILE = "server_address.json"   # in the workdir: where the launcher finds a port-0 server
 HOST_FORMAT = core_lib.HOST_FORMAT     # the control plane's checkpointed host state

@@ -69,8 +69,8 @@ from gssp_jax.runtime import layout as layout_lib
 from gssp_jax.runtime import wire
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import executor
-from gssp_jax.sync import local as local_lib
-from gssp_jax.train import checkpoint as ckpt_lib
+from gssp_jax.base import checkpoint as ckpt_lib
+from gssp_jax.base import optim
 
 ROUND_FIELDS = {"arrived": bool, "pulls": bool, "groups": np.int32, "applies": bool,
                 "forward": bool, "deliver": bool, "aggregate": bool, "adopt": np.int32,
@@ -120,10 +120,10 @@ class ShardError(RuntimeError):
 
 def build_chain(config):
   """The scheme and the sync chain every shard and the control plane build the same way (the
-  simulator's: ``sync.local.server_chain``, a local-update scheme's outer optimizer included)."""
+  simulator's: ``base.optim.server_chain``, a local-update scheme's outer optimizer included)."""
   cluster = cluster_lib.cluster_from_config(config)
   scheme = sync.scheme_from_config(config, worker_times=cluster.mean_times)
-  return scheme, local_lib.server_chain(config, scheme.transform, scheme.num_replicas)
+  return scheme, optim.server_chain(config, scheme.transform, scheme.num_replicas)
 
 
 class ShardCore:

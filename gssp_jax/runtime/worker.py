@@ -68,9 +68,9 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import registry
-from gssp_jax.train import run as run_lib
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import tasks
+from gssp_jax.base import run as run_lib
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import tasks
 
 CONTROL_BYTES = 1 << 14   # the job broadcast inside a multi-process mesh (msgpack, padded)
 

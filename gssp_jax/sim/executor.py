@@ -34,9 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gssp_jax import host_state
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax.sync import transforms
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 
 MAX_JOBS = 8   # gradients per job call; larger sets are split in powers of two
 # Local-update jobs per call: one. A job is already its H inner steps unrolled
@@ -452,3 +453,7 @@ def served_weights(state: SimState, eval_replica: int | None):
   else:
     pick = lambda x: x.mean(0).astype(x.dtype)
   return jax.tree.map(pick, state.replica_params), jax.tree.map(pick, state.replica_model_state)
+
+
+# A checkpoint's host state holds the buffered steps and the planned jobs.
+host_state.allow(Jobs, Step)

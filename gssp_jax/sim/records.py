@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from gssp_jax import sync
-from gssp_jax.train import health
+from gssp_jax.base import health
 
 
 def new_counters(num_workers: int) -> dict[str, Any]:

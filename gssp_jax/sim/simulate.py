@@ -46,13 +46,13 @@ from gssp_jax.sim import levels
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import local as local_lib
-from gssp_jax.train import interrupt
-from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import host_state as host_state_lib
-from gssp_jax.train import optim
-from gssp_jax.train import run as run_lib
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import interrupt
+from gssp_jax.base import checkpoint as ckpt_lib
+from gssp_jax import host_state as host_state_lib
+from gssp_jax.base import optim
+from gssp_jax.base import run as run_lib
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import workdir as workdir_lib
 
 
 RUNNERS = ("rounds", "levels")   # the simulator's device runners (config.executor values)
@@ -243,7 +243,7 @@ def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
   if not local_lib.is_local(config.sync.scheme):
     return np.ones([config.num_workers], np.int64), None
   steps = local_lib.local_steps(config.local.steps, times, config.local.dylu)
-  inner = local_lib.inner_optimizer(config, steps_per_epoch,
+  inner = optim.inner_optimizer(config, steps_per_epoch,
                                     round(config.train.num_epochs * steps_per_epoch))
   return steps, executor.LocalJob(inner, int(steps.max()))
 
@@ -284,7 +284,7 @@ def _refuse_abstract(sim, what: str) -> None:
 class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
-  An executor of ``train/loop.py`` (see ``train/executors.Executor``). The
+  An executor of ``train/loop.py`` (see ``executors.Executor``). The
   host runs the protocol over the cluster model; each protocol event's rounds
   and the jobs they release go to the device runner: the per-round reference
   (``runner='rounds'``: ``executor.Step`` objects, one call per round and job set)
@@ -360,13 +360,13 @@ class Simulation:
       self.mesh = devices_lib.mesh_for(devices_lib.count(
           config.get("devices", 1), devices_lib.available(), hosts.processes()))
       self.layout = layout = flat_lib.make_layout(self.params, self.model_state)
-      self.tx = local_lib.server_chain(config, self.scheme.transform, R,
+      self.tx = optim.server_chain(config, self.scheme.transform, R,
                                        inner_view=flat_view(config, layout))
       init = lambda p, m, rng: chunk_lib.init_state(layout, p, m, self.tx, self.compressor, W, R,
                                                     rng, inner=inner)
       served = lambda s: chunk_lib.served_weights(layout, s, self.eval_replica)
     else:
-      self.tx = local_lib.server_chain(config, self.scheme.transform, R)
+      self.tx = optim.server_chain(config, self.scheme.transform, R)
       init = lambda p, m, rng: executor.init_state(p, m, self.tx, self.compressor, W, R, rng,
                                                    inner=inner)
       served = lambda s: executor.served_weights(s, self.eval_replica)
@@ -387,7 +387,7 @@ class Simulation:
       # The per-round runner's state and arrays; on one device (the levels runner's are flat,
       # and may span processes). Across processes, process 0's time (sim/hosts.py).
       state, arrays = (self.state, self.arrays) if runner == "rounds" else (executor.init_state(
-          self.params, self.model_state, local_lib.server_chain(config, self.scheme.transform, R),
+          self.params, self.model_state, optim.server_chain(config, self.scheme.transform, R),
           self.compressor, W, R, self.train_rng, inner=inner), task.train)
       self.calibrated = hosts.agree_value(_calibrate(
           self.job_fn, jax.tree.map(jnp.copy, state), arrays, self.B, self.local))

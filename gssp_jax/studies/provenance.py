@@ -1,6 +1,6 @@
 """Where a study's trials came from, and which of them the claims table may count.
 
-Every trial's ``summary.json`` records its environment (``gssp_jax.train.environment``): the
+Every trial's ``summary.json`` records its environment (``gssp_jax.base.environment``): the
 commit of the code it ran (None: not run from a git checkout), whether the tree was clean
 (``tree_clean``; older records mark a dirty one as ``<commit>+dirty``), the CPU model and the
 jax version. The claims table counts a trial only if it ran a clean, committed tree, so that
@@ -103,6 +103,6 @@ def mark(workdir: str, names: Sequence[str], why: str) -> dict[str, str]:
                      + ("no such trial" if missing else "they ran a clean, committed tree")
                      + "; allowed: trials the table refuses")
   kept = {**marks(workdir), **{n: why.strip() for n in names}}
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   workdir_lib.write_json(os.path.join(workdir, MARK_FILE), {"accepted": kept})
   return kept

@@ -2,7 +2,7 @@
 
 Numbers are read from each trial's ``summary.json`` and ``metrics.jsonl``; the
 only figure derived here is the time to target, from the recorded evaluations
-with the same function the runs use (``gssp_jax.train.health.time_to``:
+with the same function the runs use (``gssp_jax.base.health.time_to``:
 interpolated linearly between the last evaluation below the target and the
 first at or above it), so old and new runs are measured alike.
 
@@ -37,8 +37,8 @@ from gssp_jax.studies.report_labels import context as _context
 from gssp_jax.studies.report_labels import label
 from gssp_jax.studies.report_labels import short_labels  # noqa: F401  (re-exported: report.short_labels)
 from gssp_jax.studies.sweep import GRID_FILE
-from gssp_jax.train import health
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import health
+from gssp_jax.base import workdir as workdir_lib
 
 UNHEALTHY = ("collapsed", "diverged")   # never count as reaching the target
 # Keys that say where data comes from or how a run is checkpointed and logged, not what it

@@ -310,7 +310,7 @@ def _merge_marks(src: str, dst: str) -> None:
   theirs = provenance.marks(src)
   ours = provenance.marks(dst) if os.path.isdir(dst) else {}
   if set(theirs) - set(ours):
-    from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+    from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
     os.makedirs(dst, exist_ok=True)
     workdir_lib.write_json(os.path.join(dst, provenance.MARK_FILE),
                            {"accepted": {**theirs, **ours}})

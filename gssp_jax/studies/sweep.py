@@ -428,7 +428,7 @@ def _reporting_trial(o: dict, grid: Sequence[dict], ladders: dict[str, tuple],
 
 def add_extended(workdir: str, added: Sequence[dict], why: Sequence[str]) -> None:
   """Appends trials (override dicts) to ``workdir``'s ``extended.json``, each with its reason."""
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   trials = extended_records(workdir) + [
       {"name": trial_name(o), "overrides": [[k, v] for k, v in o.items()], "why": w}
       for o, w in zip(added, why)]
@@ -474,7 +474,7 @@ def _record(trial_dir: str, trial: Trial, status: str, error: str | None, attemp
             seconds: float):
   # Imported here: gssp_jax.train loads JAX, and sweep files import this module just to
   # declare their grids.
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   os.makedirs(trial_dir, exist_ok=True)
   workdir_lib.write_json(os.path.join(trial_dir, "trial.json"),
                          {"name": trial.name, "overrides": trial.overrides, "status": status,
@@ -546,7 +546,7 @@ def changed_trials(trials: Sequence[Trial], workdir: str) -> dict[str, list[tupl
   The recorded config is the trial directory's ``config.json``, written by the run;
   keys that may change on resume (data location, checkpoint cadence) do not count.
   """
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   changed = {}
   for trial in trials:
     path = os.path.join(workdir, trial.name, "config.json")
@@ -640,7 +640,7 @@ def write_grid(workdir: str, path: str, trials: Sequence[Trial],
                overrides: dict | None = None) -> None:
   """Records the current grid (trial names, overrides, tuned keys) and the base config's
   ``--config.*`` overrides in ``<workdir>/sweep.json``."""
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   grid = [{"name": t.name, "overrides": t.overrides, "tuned": list(t.tuned),
            **({"extended": True} if t.extended else {})} for t in trials]
   record = {"sweep": path, "overrides": dict(overrides or {}), "trials": grid}
@@ -736,7 +736,7 @@ def _child_command(path: str, workdir: str, trial: Trial, overrides: dict) -> li
 def _run(path, trials, workdir, parallel, max_trials, report_every,
          overrides, ray=None) -> dict[str, str]:
   """Runs the unfinished ``trials``: here, ``parallel`` child processes at once, or Ray tasks."""
-  from gssp_jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   statuses = {t.name: trial_status(os.path.join(workdir, t.name)) for t in trials}
   todo = [t for t in trials if statuses[t.name] not in FINISHED]
   if max_trials:

@@ -30,6 +30,8 @@ import dataclasses
 import heapq
 from typing import Hashable
 
+from gssp_jax import host_state
+
 # A transfer with less than this many seconds left at its rate is done (float rounding of the
 # event times, which are sums of seconds: about 1e-11 s after a day of virtual time).
 _DONE_SECONDS = 1e-9
@@ -400,3 +402,7 @@ class NetworkLinks:
   def tags(self) -> list:
     """Tags of every transfer in progress."""
     return [t.tag for t, _ in self.transfers]
+
+
+# The links' transfers in flight are host state.
+host_state.allow(SharedLinks, _Transfer, EqualShareLinks, _Link, NetworkLinks)

@@ -88,13 +88,6 @@ def default_inner_keys() -> tuple[str, ...]:
           "warmup_epochs")
 
 
-def inner_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int,
-                    total_steps: int) -> optax.GradientTransformation:
-  """The workers' inner optimizer: ``local.optimizer.*``, its schedule over the worker's own steps."""
-  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top (optim imports sync)
-  return optim.make_optimizer(inner_config(config), steps_per_epoch, total_steps)
-
-
 class DelayedNesterovState(NamedTuple):
   """``momentum``: the outer momentum; ``window``: the sum of ``g / N`` since its last step; ``count``."""
   momentum: Any
@@ -157,27 +150,6 @@ def outer_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   return config.optimizer
 
 
-def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int, *,
-                 inner_view=None):
-  """Any scheme's sync chain: ``optim.make_sync_chain`` of :func:`outer_config`, or Delayed Nesterov's.
-
-  HALoS's transform applies both its servers' optimizers itself: it is the chain.
-  ``inner_view``: see ``optim.make_sync_chain`` (Delayed Nesterov and HALoS
-  are elementwise: they need none).
-  """
-  from gssp_jax.sync import transforms  # pylint: disable=g-import-not-at-top
-  from gssp_jax.train import optim  # pylint: disable=g-import-not-at-top
-  if config.sync.scheme == "halos":
-    return transform
-  n = config.local.delayed_nesterov
-  if not n:
-    return optim.make_sync_chain(outer_config(config), transform, num_replicas,
-                                 inner_view=inner_view)
-  outer = delayed_nesterov(config.optimizer.momentum, n, num_workers=config.num_workers)
-  return optax.chain(transform, transforms.replicated(outer, num_replicas),
-                     optim.scale_by_learning_rate_arg())
-
-
 def _check_halos(h) -> None:
   """``config.local.halos.*`` in range."""
   rules = {"merge_weight": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -192,7 +164,7 @@ def _check_halos(h) -> None:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """``config.local.*`` but its optimizer (``train/optim.py`` checks that one).
+  """``config.local.*`` but its optimizer (``base/optim.py`` checks that one).
 
   In range under a local-update scheme; left at its defaults under any other.
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gssp_jax import host_state
 from gssp_jax.sync import transforms
 
 
@@ -434,3 +435,6 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
     worker_model_state = pull_rows(worker_model_state, replica_model_state, groups, pulls,
                                    pull_ids)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state
+
+
+host_state.allow(Round)   # the protocols' pending rounds are host state

@@ -1,14 +1,16 @@
-"""Training: tasks, the pure step, checkpoints and the loop that writes metrics."""
+"""The training loop (``loop``) that drives an executor and writes a run's metrics, what it
+observes on the way (``observe``), and loading a trained run (``trained``). The pieces a run is
+built from are ``gssp_jax.base``'s."""
 
-from gssp_jax.train.step import TrainState, worker_gradients, mean_worker_gradient
+from gssp_jax.base.step import TrainState, worker_gradients, mean_worker_gradient
 
 __all__ = ["train_and_evaluate", "load_trained", "TrainState", "worker_gradients",
            "mean_worker_gradient"]
 
 
 def __getattr__(name):
-  # The loop is imported on first use, so that the executors' modules (the simulator imports
-  # train.step, train.checkpoint) never pull in the loop that drives them.
+  # The loop is imported on first use: importing the package (for TrainState) does not pull in
+  # the executors and the simulator the loop drives.
   if name == "train_and_evaluate":
     from gssp_jax.train.loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
     return train_and_evaluate

@@ -3,7 +3,7 @@
 Writes ``metrics.jsonl`` (one line per evaluation), ``summary.json`` and Orbax
 checkpoints into ``workdir``; a rerun with the same workdir resumes from the
 latest checkpoint and reproduces the uninterrupted run bit for bit (all metrics
-but ``wall_time``). The executor (``train/executors.py``) is picked by
+but ``wall_time``). The executor (``executors.py``) is picked by
 ``config.executor``; the loop only reads as its steps: build the run, advance
 to the next evaluation, evaluate, write the metrics, checkpoint when due
 (``should_checkpoint``: by wall time and by evaluation count; always at the end
@@ -23,13 +23,13 @@ import ml_collections
 from gssp_jax import config as config_lib
 from gssp_jax.sim import hosts
 from gssp_jax.sync import legs
-from gssp_jax.train import environment
-from gssp_jax.train import executors as executors_lib
-from gssp_jax.train import health
-from gssp_jax.train import interrupt
+from gssp_jax.base import environment
+from gssp_jax import executors as executors_lib
+from gssp_jax.base import health
+from gssp_jax.base import interrupt
 from gssp_jax.train import observe
-from gssp_jax.train import run as run_lib
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import run as run_lib
+from gssp_jax.base import workdir as workdir_lib
 
 # Re-exported: callers (tests, notebooks) used them from here.
 make_compressor = run_lib.make_compressor

@@ -16,8 +16,8 @@ import jax
 import ml_collections
 
 from gssp_jax.sim import executor as sim_executor
-from gssp_jax.train import executors as executors_lib
-from gssp_jax.train import tasks
+from gssp_jax import executors as executors_lib
+from gssp_jax.base import tasks
 
 
 class Trained(NamedTuple):
@@ -50,7 +50,7 @@ def load_trained(workdir: str, *, task=None) -> Trained:
   Example::
 
     trained = gssp_jax.train.load_trained("/tmp/gssp")
-    task = gssp_jax.train.tasks.make_task(trained.config)
+    task = gssp_jax.base.tasks.make_task(trained.config)
     task.evaluate(trained.params, trained.model_state)   # the last metrics line's accuracy
 
   Args:

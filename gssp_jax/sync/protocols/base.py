@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gssp_jax import host_state
 from gssp_jax.sync import rounds as rounds_lib
 
 
@@ -311,3 +312,8 @@ def release_ids(protocol: Protocol, rnd: rounds_lib.Round, free, reaction: React
   protocol.blocked[free] = False
   rnd.pulls[free] = True
   reaction.release.extend(np.asarray(free, np.int64).tolist())
+
+
+# A protocol object (a user's subclass included) and its messages in flight are host state.
+host_state.allow(Message)
+host_state.allow_subclasses(Protocol)

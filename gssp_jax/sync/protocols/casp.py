@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gssp_jax import host_state
 from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import Message
 from gssp_jax.sync.protocols.base import Protocol
@@ -209,3 +210,6 @@ class CASPProtocol(Protocol):
     elif self.blocked.all() and not self.in_flight.any():
       self._reconfigure(time, rnd, reaction)
     return reaction
+
+
+host_state.allow(ActorCritic)

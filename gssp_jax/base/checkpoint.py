@@ -2,7 +2,7 @@
 
 A step holds up to three items: ``state`` (the device pytree), ``meta`` (JSON:
 the loop position) and ``host`` (the simulator's or the real runtime's host
-state as versioned JSON, ``train/host_state.py``). All three are written in one
+state as versioned JSON, ``host_state.py``). All three are written in one
 Orbax step, so a step is complete or absent.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from gssp_jax.train import host_state as host_state_lib
+from gssp_jax import host_state as host_state_lib
 
 
 # Orbax's asynchronous saves in one process collide when two managers write at once (measured:

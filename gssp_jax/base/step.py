@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from gssp_jax import compress
-from gssp_jax.train import optim
+from gssp_jax.base import optim
 
 
 class TrainState(flax.struct.PyTreeNode):

@@ -1,6 +1,6 @@
 """What every executor needs before it starts: the checked workdir, the task, the compressor.
 
-Shared by the fused BSP executor (``train/executors.py``) and the simulator
+Shared by the fused BSP executor (``executors.py``) and the simulator
 (``sim/simulate.py``), so neither imports the loop that drives them.
 """
 
@@ -14,8 +14,8 @@ import ml_collections
 
 from gssp_jax import compress
 from gssp_jax import defaults
-from gssp_jax.train import tasks
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import tasks
+from gssp_jax.base import workdir as workdir_lib
 
 
 def make_compressor(config: ml_collections.ConfigDict):

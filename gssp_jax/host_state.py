@@ -13,15 +13,20 @@ importing anything or calling any constructor of a class it was not told about:
 * NumPy arrays and scalars as ``dtype``, ``shape`` and base64 bytes (exact);
 * ``np.random.Generator`` as its bit generator's name and state;
 * NamedTuples and objects only of *allowed* classes: those passed to
-  :func:`allow`, and every subclass of ``sync.Protocol`` defined in the reading
-  process (a user's registered protocol included), found by module and name in
-  that list, never imported. An object is saved as its ``__dict__`` (or what
+  :func:`allow` (each module allows its own classes as it is imported: the
+  simulator's steps and jobs, the protocols' rounds, messages and links), and
+  every subclass of a class passed to :func:`allow_subclasses` defined in the
+  reading process (``sync.Protocol``'s: a user's registered protocol included),
+  found by module and name in that list, never imported. An object is saved as its ``__dict__`` (or what
   its class's own ``__getstate__`` returns) and rebuilt with ``object.__new__``
   and that dict (through the class's ``__setstate__`` if it has one, which
   fills in attributes added since the state was saved).
 
 The document carries ``format`` and ``version``; another version is refused
 with a message naming it.
+
+A leaf module: it imports nothing of the package, so the layers that own the classes
+(``sync``, ``sim``) register them here, and nothing here reaches up to them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ FORMAT = "gssp_jax.host_state"
 VERSION = 1
 
 _ALLOWED: dict[str, type] = {}
+_BASES: list[type] = []   # classes whose subclasses, wherever defined, are allowed
 _BIT_GENERATORS = {cls.__name__: cls for cls in (np.random.PCG64, np.random.PCG64DXSM,
                                                  np.random.MT19937, np.random.Philox,
                                                  np.random.SFC64)}
@@ -50,6 +56,12 @@ def allow(*classes: type) -> None:
     _ALLOWED[_name(cls)] = cls
 
 
+def allow_subclasses(base: type) -> None:
+  """Allows objects of ``base`` and of every subclass of it defined in the reading process."""
+  if base not in _BASES:
+    _BASES.append(base)
+
+
 def _name(cls: type) -> str:
   return f"{cls.__module__}:{cls.__qualname__}"
 
@@ -62,18 +74,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def _allowed_classes() -> dict[str, type]:
-  # pylint: disable=g-import-not-at-top
-  from gssp_jax import sync
-  from gssp_jax.sim import executor
-  from gssp_jax.sync import links
-  from gssp_jax.sync import rounds
-  from gssp_jax.sync.protocols import base, casp
-  # pylint: enable=g-import-not-at-top
-  own = [executor.Step, executor.Jobs, rounds.Round, base.Message, casp.ActorCritic,
-         links.SharedLinks, links._Transfer,   # pylint: disable=protected-access
-         links.EqualShareLinks, links._Link,   # pylint: disable=protected-access
-         links.NetworkLinks]
-  classes = [*own, sync.Protocol, *_subclasses(sync.Protocol)]
+  classes = [c for base in _BASES for c in (base, *_subclasses(base))]
   return {**{_name(c): c for c in classes}, **_ALLOWED}
 
 
@@ -124,7 +125,7 @@ def to_tree(obj: Any) -> Any:
 def _check_allowed(cls: type) -> None:
   if _name(cls) not in _allowed_classes():
     raise HostStateError(f"class {_name(cls)} is not allowed in host state; allow it with"
-                         " gssp_jax.train.host_state.allow")
+                         " gssp_jax.host_state.allow")
 
 
 def _from_array(spec) -> np.ndarray:

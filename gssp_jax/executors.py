@@ -30,12 +30,12 @@ from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sync import legs
-from gssp_jax.train import checkpoint as ckpt_lib
-from gssp_jax.train import interrupt
-from gssp_jax.train import optim
-from gssp_jax.train import run as run_lib
-from gssp_jax.train import step as step_lib
-from gssp_jax.train import workdir as workdir_lib
+from gssp_jax.base import checkpoint as ckpt_lib
+from gssp_jax.base import interrupt
+from gssp_jax.base import optim
+from gssp_jax.base import run as run_lib
+from gssp_jax.base import step as step_lib
+from gssp_jax.base import workdir as workdir_lib
 
 
 class Executor(Protocol):

@@ -17,6 +17,7 @@ import optax
 from gssp_jax import checks
 from gssp_jax import defaults
 from gssp_jax.sync import decay as decay_lib
+from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import transforms
 
 # How weight decay is counted where a server applies many small steps (see gssp_jax.sync.decay):
@@ -338,4 +339,34 @@ def make_sync_chain(cfg: ml_collections.ConfigDict,
                        scale_by_learning_rate_arg())
   return optax.chain(decay_lib.with_gradient_mass(sync_transform),
                      decay_lib.replicated_with_mass(inner, num_replicas),
+                     scale_by_learning_rate_arg())
+
+
+# -- the local-update schemes' optimizers (their keys: ``sync.local``) ------------------------
+
+
+def inner_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int,
+                    total_steps: int) -> optax.GradientTransformation:
+  """A local-update scheme's workers' inner optimizer: ``local.optimizer.*``, its schedule over
+  the worker's own steps."""
+  return make_optimizer(local_lib.inner_config(config), steps_per_epoch, total_steps)
+
+
+def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int, *,
+                 inner_view=None):
+  """Any scheme's sync chain: :func:`make_sync_chain` of ``sync.local.outer_config`` (the
+  server's optimizer), or Delayed Nesterov's.
+
+  HALoS's transform applies both its servers' optimizers itself: it is the chain.
+  ``inner_view``: see :func:`make_sync_chain` (Delayed Nesterov and HALoS
+  are elementwise: they need none).
+  """
+  if config.sync.scheme == "halos":
+    return transform
+  n = config.local.delayed_nesterov
+  if not n:
+    return make_sync_chain(local_lib.outer_config(config), transform, num_replicas,
+                           inner_view=inner_view)
+  outer = local_lib.delayed_nesterov(config.optimizer.momentum, n, num_workers=config.num_workers)
+  return optax.chain(transform, transforms.replicated(outer, num_replicas),
                      scale_by_learning_rate_arg())
