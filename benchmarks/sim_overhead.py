@@ -222,8 +222,8 @@ def fingerprint(scheme: str, workers: int, pushes: int, changes: dict) -> str:
               np.array([engine.now, engine.num_pushes])):
       digest.update(np.asarray(x).tobytes())
     host = {k: np.asarray(v).tolist() if isinstance(v, np.ndarray) else v
-            for k, v in sim.host.items() if k != "wall_time"}
-    for part in (host, sim.acct.summary(), sim.acct.data_summary()):
+            for k, v in sim.book.host.items() if k != "wall_time"}
+    for part in (host, sim.book.acct.summary(), sim.book.acct.data_summary()):
       digest.update(json.dumps(part, sort_keys=True, default=str).encode())
     sim.close()
   return digest.hexdigest()[:16]

@@ -242,10 +242,10 @@ def test_the_servers_host_state_round_trips_through_its_checkpoint(tmp_path, dat
       _push_ones(srv, w, 1)
     srv.save()
     with srv.lock:
-      expected = host_state.to_tree({"protocol": srv.core.protocol, "host": srv.core.host,
-                                     "acct": srv.core.acct.state_dict()})
+      expected = host_state.to_tree({"protocol": srv.core.protocol, "host": srv.core.book.host,
+                                     "acct": srv.core.book.acct.state_dict()})
     step = srv.checkpointer.latest_step()
-    assert step == srv.core.host["pushes"] == 3
+    assert step == srv.core.book.host["pushes"] == 3
     restored = srv.checkpointer.restore_host(step)
     assert json.dumps(host_state.to_tree(restored)) == json.dumps(expected)
     assert type(restored["protocol"]) is type(srv.core.protocol)
@@ -467,7 +467,7 @@ def test_real_gssp_on_two_shards_converges_refuses_a_duplicate_survives_a_killed
   restored = server.DistServer(config, run_lib.prepare_run(config, str(workdir)), str(workdir),
                                num_servers=2, credentials=dist_replay.CREDENTIALS)
   assert restored.restore() == summary["totals"]["pushes"]
-  assert restored.core.acct.version.tolist() == per_replica
+  assert restored.core.book.acct.version.tolist() == per_replica
   restored.close()
   # Agreement with the simulator on the same cluster, before the kill (docs/REAL_RUNS.md
   # justifies the tolerances): the staleness histograms within a total variation distance of

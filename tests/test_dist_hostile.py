@@ -77,7 +77,7 @@ def _state_leaves(srv):
 
 
 def _unchanged(srv, before, ops):
-  assert srv.core.host["pushes"] == 0 and srv.shard_links.ops == ops
+  assert srv.core.book.host["pushes"] == 0 and srv.shard_links.ops == ops
   after = _state_leaves(srv)
   assert all(np.array_equal(a, b) for a, b in zip(before, after))
 
@@ -110,9 +110,9 @@ def test_a_stranger_and_a_wrong_secret_are_refused_before_any_handler_runs(serve
   assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
   other.close()
   # Nothing reached a handler: no mesh joined or counted as alive, nothing refused as a push.
-  assert server.membership.instance == [""] * server.W and not server.core.host["started"].any()
+  assert server.membership.instance == [""] * server.W and not server.core.book.host["started"].any()
   np.testing.assert_array_equal(server.membership.last_seen, seen)
-  assert server.core.host["refused"] == {"nonfinite": 0, "malformed": 0, "duplicate": 0}
+  assert server.core.book.host["refused"] == {"nonfinite": 0, "malformed": 0, "duplicate": 0}
 
 
 def test_heartbeats_of_meshes_that_never_joined_and_refused_joins_are_no_sign_of_life(server):
@@ -171,7 +171,7 @@ def test_scalars_float64_and_oversized_declarations_are_refused_and_change_nothi
     with pytest.raises(wire.BadMessage):
       server.calls.accept_push(header, grad)
   _unchanged(server, before, ops)
-  assert server.core.host["refused"]["malformed"] >= 8
+  assert server.core.book.host["refused"]["malformed"] >= 8
 
 
 def test_a_nan_gradient_with_a_zero_loss_is_refused_and_the_run_stops_as_diverged(server):
@@ -186,7 +186,7 @@ def test_a_nan_gradient_with_a_zero_loss_is_refused_and_the_run_stops_as_diverge
   _, _, reply = server.calls.accept_push(_push_header(server, 1, 1, loss=float("inf")), _gradient(server))
   assert reply["stop"] and "non-finite loss" in reply["refused"]
   _unchanged(server, before, ops)
-  assert server.core.host["refused"]["nonfinite"] == 2
+  assert server.core.book.host["refused"]["nonfinite"] == 2
   with pytest.raises(FloatingPointError, match="mesh 0 pushed a non-finite gradient"):
     server.advance()
 
@@ -198,17 +198,17 @@ def test_the_same_push_twice_is_applied_once_and_answered_both_times(server):
   server.calls.accept_push(_push_header(server, 0, 1), first)
   # The retry (a connection that dropped mid-call) carries other bytes: they are not applied.
   _, _, immediate = server.calls.accept_push(_push_header(server, 0, 1), _gradient(server, 7.0))
-  assert immediate is None and server.core.host["refused"]["duplicate"] == 1
-  assert server.core.host["pushes"] == 1
+  assert immediate is None and server.core.book.host["refused"]["duplicate"] == 1
+  assert server.core.book.host["pushes"] == 1
   server.calls.accept_push(_push_header(server, 1, 1), _gradient(server, 1.0))   # BSP's barrier
   reply_a, body_a = server.calls.await_release(0, 1, timeout=30)
   reply_b, body_b = server.calls.await_release(0, 1, timeout=30)   # the retry's answer: the same
   assert reply_a == reply_b and wire.join(body_a) == wire.join(body_b)
-  assert server.core.host["pushes"] == 2 and reply_a["iteration"] == 1
+  assert server.core.book.host["pushes"] == 2 and reply_a["iteration"] == 1
   # BSP averaged two gradients of 1.0, not 1.0 and 7.0: the replica moved by lr * 1.0.
   weights = server.layout.unpack_pull(0, body_a)[0]
   start = server.init_leaves
-  lr = float(server.schedule(server.core.host["pushes"] // server.W))   # the round's learning rate
+  lr = float(server.schedule(server.core.book.host["pushes"] // server.W))   # the round's learning rate
   step = weights[0] - start[0]
   assert np.allclose(step, -lr * 1.0 - lr * server.config.optimizer.weight_decay * start[0],
                      rtol=1e-4, atol=1e-6), float(np.abs(step).max())
@@ -223,7 +223,7 @@ def test_a_join_refused_for_missing_shards_changes_nothing(tmp_path, data_dir):
       with pytest.raises(wire.Refused, match="parameter shards did not all start") as raised:
         _join(srv, 0)
       assert raised.value.code == grpc.StatusCode.UNAVAILABLE
-      assert not srv.core.host["started"][0] and srv.core.host["lost"] == [] and srv.core.host["rejoined"] == []
+      assert not srv.core.book.host["started"][0] and srv.core.book.host["lost"] == [] and srv.core.book.host["rejoined"] == []
   finally:
     srv.close()
 
@@ -254,10 +254,10 @@ def test_a_push_needs_a_valid_receipt_from_every_other_shard(tmp_path, data_dir)
                      [CREDENTIALS.receipt(1, 0, 1, srv.shard_links.session, size, theirs[0])]):
       with pytest.raises(wire.BadMessage, match="receipt"):
         srv.calls.accept_push(_push_header(srv, 0, 1, receipts=receipts, digests=mine), grad)
-    assert srv.core.host["pushes"] == 0
+    assert srv.core.book.host["pushes"] == 0
     good = [CREDENTIALS.receipt(1, 0, 1, srv.shard_links.session, size, mine[0])]
     srv.calls.accept_push(_push_header(srv, 0, 1, receipts=good, digests=mine), grad)
-    assert srv.core.host["pushes"] == 1
+    assert srv.core.book.host["pushes"] == 1
   finally:
     srv.close()
 
@@ -1189,13 +1189,13 @@ def test_the_control_plane_lock_is_plain_and_its_helpers_need_it(server):
                      (lambda: core.react(sync.Reaction(), 0.0), "ProtocolCore.react"),
                      (lambda: core.lose(0, 0.0, "a test"), "ProtocolCore.lose"),
                      (core.finish, "ProtocolCore.finish")):
-    ops, snaps, host = links.ops, links.snaps, copy.deepcopy(core.host)
+    ops, snaps, host = links.ops, links.snaps, copy.deepcopy(core.book.host)
     with pytest.raises(locks.LockNotHeld, match=f"{name} runs under server.lock"):
       call()
     # Refused before it changed anything.
     assert links.ops == ops and links.snaps == snaps and not core.done
-    assert core.host["refused"] == host["refused"] and core.host["lost"] == host["lost"]
-    assert core.host["pushes"] == host["pushes"] and core.protocol.alive.all()
+    assert core.book.host["refused"] == host["refused"] and core.book.host["lost"] == host["lost"]
+    assert core.book.host["pushes"] == host["pushes"] and core.protocol.alive.all()
   with server.lock:
     with pytest.raises(RuntimeError, match="taken again by the thread that holds it"):
       server.lock.acquire()

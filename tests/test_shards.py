@@ -154,19 +154,19 @@ def test_shards_reproduce_the_simulator_bit_for_bit(case, data_dir, tmp_path, fl
         bad += [f"shard {s}/{num_servers}: {d}" for d in dist_replay.differences(core.state, want)]
       # Each mesh's inner optimizer state (local-update schemes) is the simulator's row, after
       # the same jobs.
-      run.compute_dispatched(sim.host["jobs"])
+      run.compute_dispatched(sim.book.host["jobs"])
       for w, mesh in enumerate(run.meshes):
         want = jax.tree.map(lambda x, w=w: x[w], sim.state.inner_state)
         bad += [f"mesh {w}: {d}" for d in dist_replay.differences(
             _Inner(mesh._inner()), {"state": want})]   # pylint: disable=protected-access
       assert not bad, bad[:10]
       # The control plane counts what the simulator counts, exactly.
-      assert srv.core.acct.summary() == sim.acct.summary()
-      assert srv.core.acct.version.tolist() == sim.acct.version.tolist()
+      assert srv.core.book.acct.summary() == sim.book.acct.summary()
+      assert srv.core.book.acct.version.tolist() == sim.book.acct.version.tolist()
       for key in ("rounds", "updates", "server_bytes", "class_bytes"):
-        assert srv.core.host[key] == sim.host[key], key
-      np.testing.assert_array_equal(srv.core.host["pulls_per_worker"], sim.host["pulls_per_worker"])
+        assert srv.core.book.host[key] == sim.book.host[key], key
+      np.testing.assert_array_equal(srv.core.book.host["pulls_per_worker"], sim.book.host["pulls_per_worker"])
       if not srv.links.counts_device_pushes:   # InHAD: counted per round, as the simulator does
-        np.testing.assert_array_equal(srv.core.host["pushed_per_worker"], sim.host["pushed_per_worker"])
+        np.testing.assert_array_equal(srv.core.book.host["pushed_per_worker"], sim.book.host["pushed_per_worker"])
     finally:
       run.close()

@@ -163,7 +163,7 @@ def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the
     want = dist_replay.expected_shard_state(sim.state, srv.treedefs[0], srv.treedefs[1],
                                             srv.layout, 0)
     assert not dist_replay.differences(run.cores()[0].state, want)
-    assert srv.core.host["pushes"] == sim.engine.num_pushes and not srv.core.done
+    assert srv.core.book.host["pushes"] == sim.engine.num_pushes and not srv.core.done
     if ending == "push":
       run.clock.now = BUDGET
       run.push(next(w for w, grad in enumerate(run.pending) if grad is not None),
@@ -173,7 +173,7 @@ def test_the_runtime_fed_the_simulators_events_is_the_simulator_and_stops_at_the
       assert not srv.finished()
       run.clock.now = BUDGET + 0.01
       assert srv.advance()
-    assert srv.core.done and srv.core.host["pushes"] == sim.engine.num_pushes
+    assert srv.core.done and srv.core.book.host["pushes"] == sim.engine.num_pushes
     record = srv.evaluate()
     assert record["virtual_time"] == BUDGET and srv.finished() and srv.completed()
     assert srv.progress(record).endswith("| ETA 0m00s")   # the budget's end, not the epochs'

@@ -1,11 +1,13 @@
 """The control plane's protocol core: the scheme's protocol on the meshes' pushes, with wall time.
 
 :class:`ProtocolCore` owns what the protocol decides and what it counts: the
-protocol object, the staleness accounting, the host counters (pushes, bytes,
-blocked time, the records' counters), each mesh's release (its next job), and
-the server-to-server messages in flight (:class:`Scheduler`). Each event (a
-push, a drop, a rejoin, a message) becomes rounds, which it accounts with the
-simulator's functions (``sim/records.py``) and emits to the shards as ops.
+protocol object, the run's host books (``sim.book.HostBook``, the simulator's
+own: the staleness accounting, the counters, job numbers, a round's learning
+rate), the counters only a real run has (wire bytes, blocked time, lost and
+refused meshes), each mesh's release (its next job), and the server-to-server
+messages in flight (:class:`Scheduler`). Each event (a push, a drop, a rejoin, a
+message) becomes rounds, which it accounts with the simulator's functions
+(``sim/records.py``) and emits to the shards as ops.
 
 Concurrency: every method but :meth:`now`, :meth:`wall_time` and the
 scheduler's thread runs under the server's lock (``server.lock``, passed in);
@@ -26,9 +28,8 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from gssp_jax import sync
+from gssp_jax.sim import book as book_lib
 from gssp_jax.sim import records
-from gssp_jax.sim import simulate
 
 HOST_FORMAT = "sharded-1"              # the control plane's checkpointed host state
 
@@ -88,6 +89,7 @@ class ProtocolCore:
     steps: ``[W]`` each mesh's inner steps per job (``simulate.local_plan``).
     local: a local-update scheme (its pushes count ``H_w`` iterations).
     schedule: the outer learning rates (``simulate.learning_rates``).
+    eval_pushes: data iterations between evaluations.
     budget: ``train.virtual_budget`` (0: none): no event at or past it is applied; the first
       one ends the run (``end_at_budget``), as the simulator's timeline does.
     ratio_of: the compression ratios (``simulate.Ratios``).
@@ -105,29 +107,26 @@ class ProtocolCore:
                emulated: bool, pull_bytes: int, emit: Callable[[dict], None],
                watermark: Callable[[], int], lock, changed,
                clock: Callable[[], float] | None = None, manual_messages: bool = False,
-               budget: float = 0.0):
+               budget: float = 0.0, eval_pushes: int = 0):
     W = scheme.num_workers
     self.budget = float(budget)
-    self.W, self.scheme, self.steps, self.local = W, scheme, steps, local
-    self.schedule, self.ratio_of, self.links = schedule, ratio_of, links
+    self.W, self.scheme, self.steps = W, scheme, steps
+    self.ratio_of, self.links = ratio_of, links
     self.emulated, self.pull_bytes = emulated, pull_bytes
     self._emit, self._watermark = emit, watermark
     self.lock, self.changed = lock, changed
     self.protocol = scheme.make_protocol()
-    self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
-                                           aggregating=self.protocol.aggregating,
-                                           push_iterations=steps)
-    self.host = {**records.new_counters(W), "format": HOST_FORMAT,
-                 "jobs": np.zeros([W], np.int64), "seq": np.zeros([W], np.int64),
-                 "pushes": 0, "iterations": 0, "wall_time": 0.0,
-                 "next_eval": 0, "num_evals": 0, "evaluated": 0,
-                 "evaluated_iterations": 0, "started": np.zeros([W], bool),
-                 "pushes_per_worker": np.zeros([W], np.int64),
-                 "wire_pushed_per_worker": np.zeros([W], np.int64),
-                 "wire_pulled_per_worker": np.zeros([W], np.int64),
-                 "blocked_time_per_worker": np.zeros([W]), "lost": [], "rejoined": [],
-                 "refused": {"nonfinite": 0, "malformed": 0, "duplicate": 0},
-                 "in_flight": []}   # server-to-server messages: (seconds left, message)
+    self.book = book_lib.HostBook(
+        num_workers=W, num_replicas=scheme.num_replicas, aggregating=self.protocol.aggregating,
+        steps=steps, local=local, schedule=schedule, budget=budget, eval_pushes=eval_pushes,
+        format=HOST_FORMAT, seq=np.zeros([W], np.int64), pushes=0, evaluated=0,
+        evaluated_iterations=0, started=np.zeros([W], bool),
+        pushes_per_worker=np.zeros([W], np.int64),
+        wire_pushed_per_worker=np.zeros([W], np.int64),
+        wire_pulled_per_worker=np.zeros([W], np.int64),
+        blocked_time_per_worker=np.zeros([W]), lost=[], rejoined=[],
+        refused={"nonfinite": 0, "malformed": 0, "duplicate": 0},
+        in_flight=[])   # server-to-server messages: (seconds left, message)
     self.releases: dict[int, tuple[int, dict]] = {}   # mesh -> (push number, its job)
     self.waiting = np.zeros([W], bool)        # a Push of this mesh waits for its release
     self.blocked_since = np.zeros([W])
@@ -144,15 +143,15 @@ class ProtocolCore:
 
   def iterations(self) -> int:
     """Data iterations applied so far, counted as the simulator counts them."""
-    return simulate.iterations_done(self.local, self.host["pushes"], self.host["iterations"])
+    return self.book.iterations(self.book.host["pushes"])
 
   def load(self, saved: dict) -> None:
     """The protocol, counters and accounting of a checkpoint's host state."""
     self.protocol = saved["protocol"]
-    self.host = records.upgrade_counters(saved["host"], self.links)
+    host = records.upgrade_counters(saved["host"], self.links)
     for key, old in (("iterations", "pushes"), ("evaluated_iterations", "evaluated")):
-      self.host.setdefault(key, self.host[old])   # a checkpoint from before local updates
-    self.acct.load_state_dict(saved["acct"])
+      host.setdefault(key, host[old])   # a checkpoint from before local updates
+    self.book.load(host, saved["acct"])
 
   # -- events (under the lock) ------------------------------------------------------------------
 
@@ -163,7 +162,7 @@ class ProtocolCore:
     (shard 0's, staged here, under ``b""``). ``now``: its time, if the caller read it (the
     budget's check did), else the clock's."""
     self.lock.check("ProtocolCore.accept")
-    host = self.host
+    host = self.book.host
     host["seq"][w] = seq
     self.last_push_bytes[w] = nbytes
     self._emit({"k": "put", "w": w, "seq": seq, "loss": float(loss), "bytes": int(nbytes),
@@ -184,10 +183,10 @@ class ProtocolCore:
     if self.past_budget(now):   # the run ended before it: nothing changes
       self.end_at_budget()
       return
-    self.host["lost"].append({"mesh": w, "time": now, "pushes": int(self.host["pushes"]),
+    self.book.host["lost"].append({"mesh": w, "time": now, "pushes": int(self.book.host["pushes"]),
                               "why": why})
     logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why,
-                    self.host["pushes"], int(self.protocol.alive.sum()) - 1)
+                    self.book.host["pushes"], int(self.protocol.alive.sum()) - 1)
     self.waiting[w] = False
     self.releases.pop(w, None)
     self.react(self.protocol.drop(w, now), now)
@@ -200,20 +199,17 @@ class ProtocolCore:
       self.end_at_budget()
       return
     for rnd in reaction.rounds:
-      if self.local:   # as the simulator's _apply_round: before the round's learning rate
-        self.host["iterations"] += int(self.steps[np.asarray(rnd.arrived, bool)].sum())
-      rate = simulate.round_learning_rate(self.schedule, self.budget, rnd, self.iterations(),
-                                          self.W)
+      rate = self.book.round_rate(rnd, self.book.host["pushes"])
       args = records.account_round(
-          rnd, host=self.host, acct=self.acct, protocol=self.protocol, links=self.links,
-          iteration=self.host["pushes_per_worker"], learning_rate=rate,
+          rnd, host=self.book.host, acct=self.book.acct, protocol=self.protocol, links=self.links,
+          iteration=self.book.host["pushes_per_worker"], learning_rate=rate,
           pull_bytes=self.pull_bytes)
       lr = args.pop("learning_rate")
       self._emit({"k": "round", "args": args, "lr": float(lr)})
     for w in reaction.release:
-      self.host["blocked_time_per_worker"][w] += max(0.0, now - self.blocked_since[w])
+      self.book.host["blocked_time_per_worker"][w] += max(0.0, now - self.blocked_since[w])
       self.waiting[w] = False
-      self.releases[w] = (int(self.host["seq"][w]), self.next_job(w))
+      self.releases[w] = (int(self.book.host["seq"][w]), self.next_job(w))
     for message in reaction.messages:
       delay = self._message_delay(message)
       if delay <= 0 and not self.messages.manual:
@@ -248,7 +244,7 @@ class ProtocolCore:
     cluster description)."""
     if not self.emulated:
       return 0.0
-    return self.links.message_delay(self.protocol, message, self.host["pushes_per_worker"])
+    return self.links.message_delay(self.protocol, message, self.book.host["pushes_per_worker"])
 
   def finish(self) -> None:
     """The run's pushes are all in: every mesh is told to stop."""
@@ -264,13 +260,12 @@ class ProtocolCore:
   def end_at_budget(self) -> None:
     """The run reached its budget: every event before it applied, none after; meshes stop."""
     self.lock.check("ProtocolCore.end_at_budget")
-    self.host["budget_reached"] = True
+    self.book.host["budget_reached"] = True
     self.finish()
 
   def next_job(self, w: int) -> dict:
     """Mesh ``w``'s next job (counted as dispatched)."""
-    k = int(self.host["jobs"][w])
-    self.host["jobs"][w] += 1
+    k = int(self.book.take_jobs([w])[0])
     # "steps": the job's inner steps H_w (1 but for the local-update schemes), its data
     # iterations k H_w .. k H_w + H_w - 1.
     return {"iteration": k, "ratio": float(self.ratio_of(w, k)),
@@ -282,15 +277,15 @@ class ProtocolCore:
     self.count_refused("nonfinite", w, why)
     if not self.diverged:
       self.diverged = (f"mesh {w} pushed a non-finite gradient or loss (push {seq}, after "
-                       f"{self.host['pushes']} pushes): {why}. Lower optimizer.learning_rate "
+                       f"{self.book.host['pushes']} pushes): {why}. Lower optimizer.learning_rate "
                        f"({learning_rate}) or set optimizer.grad_clip")
     self.changed.notify_all()
     return {"stop": True, "refused": why}
 
   def count_refused(self, kind: str, w, why: str) -> None:
     self.lock.check("ProtocolCore.count_refused")
-    self.host["refused"][kind] += 1
-    if self.host["refused"][kind] <= 10:
+    self.book.host["refused"][kind] += 1
+    if self.book.host["refused"][kind] <= 10:
       logging.warning("refused a push of mesh %s (%s): %s", w, kind, why)
 
   def push_payload(self, w: int, k: int) -> int:
@@ -317,5 +312,5 @@ class ProtocolCore:
 
   def blocked_so_far(self) -> np.ndarray:
     now = self.now()
-    return self.host["blocked_time_per_worker"] + np.where(
+    return self.book.host["blocked_time_per_worker"] + np.where(
         self.waiting, now - self.blocked_since, 0.0)

@@ -58,7 +58,7 @@ class Membership:
   def all_stopped(self) -> bool:
     """Every mesh was told to stop, was lost, or never started."""
     core = self.core
-    return bool((self.told_stop | ~core.protocol.alive | ~core.host["started"]).all())
+    return bool((self.told_stop | ~core.protocol.alive | ~core.book.host["started"]).all())
 
   def join(self, w: int, instance: str) -> tuple[int, dict] | None:
     """Mesh ``w``'s process joins (under the lock): its ``(push number, job)``, or None when
@@ -76,7 +76,7 @@ class Membership:
                          " and this one may join then")
     if self.instance[w] == instance and w in core.releases and alive:
       pass   # a retried Join of the joined process: the same answer
-    elif not core.host["started"][w] and alive:
+    elif not core.book.host["started"][w] and alive:
       self._first_join(w, instance)
     else:
       self._rejoin(w, instance)
@@ -86,7 +86,7 @@ class Membership:
   def _first_join(self, w: int, instance: str) -> None:
     """The start barrier: a fresh run begins when every shard and mesh has joined (or at
     ``dist.join_timeout``); its clock starts then, so wall time counts training."""
-    core, host = self.core, self.core.host
+    core, host = self.core, self.core.book.host
     self.instance[w] = instance
     host["started"][w] = True
     self.changed.notify_all()
@@ -112,9 +112,9 @@ class Membership:
     if core.protocol.alive[w]:         # restarted before its heartbeat ran out
       core.lose(w, now, "restarted")
     self.instance[w] = instance
-    core.host["started"][w] = True
-    core.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(core.host["pushes"])})
-    logging.info("mesh %d rejoins at %d pushes", w, core.host["pushes"])
+    core.book.host["started"][w] = True
+    core.book.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(core.book.host["pushes"])})
+    logging.info("mesh %d rejoins at %d pushes", w, core.book.host["pushes"])
     core.react(core.protocol.rejoin(w, now), now)
     self.all_lost_since = None
 

@@ -71,7 +71,7 @@ class MeshCalls:
     """A job reply, with shard 0's slice of the worker's weights at its watermark."""
     body = self.core0.pull(w, job["watermark"], float(self.config.dist.save_timeout))
     with self.lock:
-      self.core.host["wire_pulled_per_worker"][w] += wire.body_bytes(body)
+      self.core.book.host["wire_pulled_per_worker"][w] += wire.body_bytes(body)
     shards = [address or "" for address in self.links.addresses()[1:]]
     return {"session": self.links.session, "seq": seq, "shards": shards,
             "digest": self.layout.digest(), **job}, body
@@ -126,17 +126,17 @@ class MeshCalls:
       if core.past_budget(now):   # train.virtual_budget: not applied; the run ends before it
         core.end_at_budget()
         return w, seq, self.members.stop(w)
-      if seq == core.host["seq"][w]:
-        core.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
+      if seq == core.book.host["seq"][w]:
+        core.book.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
         return w, seq, None
-      push_checks.check_in_order(push, host=core.host, waiting=core.waiting, layout=self.layout,
+      push_checks.check_in_order(push, host=core.book.host, waiting=core.waiting, layout=self.layout,
                                  credentials=self.credentials(), session=self.links.session)
       self.links.stage(w, seq, grads, stats)   # appended to shard 0's link, in order
       self.members.last_seen[w] = time.monotonic()
       core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests, now=now)
-      if self.at_end(core.iterations(), core.host["pushes"]):
+      if self.at_end(core.iterations(), core.book.host["pushes"]):
         core.finish()
-      if core.iterations() >= core.host["next_eval"] or core.done:
+      if core.iterations() >= core.book.host["next_eval"] or core.done:
         self.changed.notify_all()
     return w, seq, None
 

@@ -207,8 +207,8 @@ class DistServer:
         ratio_of=self.ratio_of, links=self.links, emulated=self.emulated,
         pull_bytes=self.pull_bytes, emit=self.shard_links.emit,
         watermark=lambda: self.shard_links.ops, lock=self.lock, changed=self.changed,
-        clock=clock, manual_messages=manual_messages, budget=self.budget)
-    self.core.host["next_eval"] = self.eval_pushes
+        clock=clock, manual_messages=manual_messages, budget=self.budget,
+        eval_pushes=self.eval_pushes)
     if self.config.dist.record_pushes:
       self.core.push_log = []
     self.membership = membership_lib.Membership(self.W, self.config.dist, self.core,
@@ -245,7 +245,7 @@ class DistServer:
             "an older real runtime (one server process, no shards); start the run again in a "
             "new workdir")
       core.load(saved)
-      seqs = core.host["seq"].tolist()   # each mesh's last push: what the shards take next
+      seqs = core.book.host["seq"].tolist()   # each mesh's last push: what the shards take next
       self.core0.restore(latest, seqs)
       self.shard_links.restored_step, self.shard_links.restored_seqs = latest, seqs
       logging.info("resumed from the server checkpoint at %d pushes", latest)
@@ -253,13 +253,13 @@ class DistServer:
       # rejoins from its replica's current weights.
       with self.lock:   # before anything serves, but the reaction's ops and releases need it
         now = core.now()
-        for w in np.flatnonzero(core.protocol.alive & core.host["started"]):
+        for w in np.flatnonzero(core.protocol.alive & core.book.host["started"]):
           core.react(core.protocol.drop(int(w), now), now)
     self.core0.start()
-    wall = core.host["wall_time"]
+    wall = core.book.host["wall_time"]
     core.resume_clock(wall)
-    self._eta = workdir_lib.Eta(core.host["pushes"], (core.host["pushes"], wall))
-    return int(core.host["pushes"])
+    self._eta = workdir_lib.Eta(core.book.host["pushes"], (core.book.host["pushes"], wall))
+    return int(core.book.host["pushes"])
 
   def restore_served(self, step: int):
     """The served weights ``(params, model_state)`` of the checkpoint at ``step``, from every
@@ -276,11 +276,11 @@ class DistServer:
     return self.layout.assemble(bodies, self.treedefs)
 
   def finished(self) -> bool:
-    return (self._at_end(self.core.host["evaluated_iterations"], self.core.host["evaluated"])
-            or self.core.host.get("evaluated_budget", False))
+    return (self._at_end(self.core.book.host["evaluated_iterations"], self.core.book.host["evaluated"])
+            or self.core.book.host.get("evaluated_budget", False))
 
   def completed(self) -> bool:
-    return self.core.iterations() >= self.total_pushes or self.core.host.get("budget_reached", False)
+    return self.core.iterations() >= self.total_pushes or self.core.book.host.get("budget_reached", False)
 
   def _at_end(self, iterations: int, pushes: int) -> bool:
     """The run's end, as the simulator's (``simulate.at_end``)."""
@@ -289,13 +289,13 @@ class DistServer:
 
   @property
   def position(self) -> int:
-    return int(self.core.host["pushes"])
+    return int(self.core.book.host["pushes"])
 
   def advance(self) -> bool:
     self._serve()
     core = self.core
     with self.changed:
-      while not (core.done or core.iterations() >= core.host["next_eval"]):
+      while not (core.done or core.iterations() >= core.book.host["next_eval"]):
         self._raise_if_stopped()
         if interrupt.requested():
           return False   # save() snapshots under the lock; close() stops the meshes
@@ -318,17 +318,15 @@ class DistServer:
     core = self.core
     with self.lock:   # a consistent cut: the meshes go on while it is evaluated
       snap_id = self.shard_links.snap()
-      host = copy.deepcopy(core.host)
-      acct = copy.deepcopy(core.acct)
+      host = copy.deepcopy(core.book.host)
+      acct = copy.deepcopy(core.book.acct)
       blocked = core.blocked_so_far()
       alive = core.protocol.alive.copy()
       wall = core.wall_time()
       done = core.iterations()
-      core.host["evaluated"], core.host["evaluated_iterations"] = host["pushes"], done
-      core.host["evaluated_budget"] = host.get("budget_reached", False)
-      while core.host["next_eval"] <= done:
-        core.host["next_eval"] += self.eval_pushes
-      core.host["num_evals"] += 1
+      core.book.host["evaluated"], core.book.host["evaluated_iterations"] = host["pushes"], done
+      core.book.host["evaluated_budget"] = host.get("budget_reached", False)
+      core.book.evaluated(done)
     params, model_state, sums = self.shard_links.fetch_snapshot(snap_id, self.treedefs)
     records.check_finite_loss(sums["loss_sum"], pushes=host["pushes"],
                               learning_rate=self.config.optimizer.learning_rate)
@@ -336,7 +334,7 @@ class DistServer:
       pushed = np.asarray(sums["push_bytes"], np.int64)
       host["pushed_per_worker"] += pushed
       with self.lock:
-        core.host["pushed_per_worker"] += pushed
+        core.book.host["pushed_per_worker"] += pushed
     results = self.task.evaluate(params, model_state)
     return {
         **records.evaluation_record(
@@ -357,7 +355,7 @@ class DistServer:
 
   @property
   def evaluations(self) -> int:
-    return self.core.host["num_evals"]
+    return self.core.book.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
     rate = self._eta.rate(record["pushes"])
@@ -377,14 +375,14 @@ class DistServer:
   def save(self) -> None:
     core = self.core
     with self.lock:
-      step = int(core.host["pushes"])
+      step = int(core.book.host["pushes"])
       if step == self.checkpointer.latest_step():
         return
-      core.host["wall_time"] = core.wall_time()
-      core.host["in_flight"] = [(max(0.0, due - time.monotonic()), m)
+      core.book.host["wall_time"] = core.wall_time()
+      core.book.host["in_flight"] = [(max(0.0, due - time.monotonic()), m)
                                 for due, m in core.messages.pending()]
-      saved = copy.deepcopy({"protocol": core.protocol, "host": core.host,
-                             "acct": core.acct.state_dict()})   # a snapshot; meshes go on
+      saved = copy.deepcopy({"protocol": core.protocol, "host": core.book.host,
+                             "acct": core.book.acct.state_dict()})   # a snapshot; meshes go on
       self.shard_links.emit({"k": "save", "step": step})
     # Every shard's step is on disk before the control plane's: its latest step is complete.
     self.shard_links.wait_saved(step)
@@ -415,7 +413,7 @@ class DistServer:
     self.shard_links.close_local()   # what is queued for shard 0 first, then the shard stops
     self.checkpointer.close()
     if saved:
-      logging.info("the server stopped; its checkpoint is at %d pushes", self.core.host["pushes"])
+      logging.info("the server stopped; its checkpoint is at %d pushes", self.core.book.host["pushes"])
 
   def failure_of_a_shard(self) -> str | None:
     return self.shard_links.failure()
@@ -423,7 +421,7 @@ class DistServer:
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
     core = self.core
     with self.lock:
-      host = copy.deepcopy(core.host)
+      host = copy.deepcopy(core.book.host)
       wall = core.wall_time()
       fields = records.summary_fields(
           history=history, reached=reached, metric=self.metric_name, target=self.target,
@@ -431,10 +429,9 @@ class DistServer:
           cluster={**self.cluster.describe(), "emulated": self.emulated},
           pushes=host["pushes"], batch_size=self.B, virtual_time=self._ended_at(host, wall),
           wall_time=wall,
-          host=host, pull_bytes=self.pull_bytes, blocked=core.blocked_so_far(), acct=core.acct,
+          host=host, pull_bytes=self.pull_bytes, blocked=core.blocked_so_far(), acct=core.book.acct,
           iterations=core.iterations())
-    if self.local:
-      fields["scheme"]["local_steps"] = self.steps.tolist()
+    core.book.scheme_fields(fields["scheme"])
     fields["runtime"] = "dist"
     fields["meshes"] = {"num": self.W, "lost": host["lost"], "rejoined": host["rejoined"],
                         "alive": core.protocol.alive.tolist()}
@@ -489,9 +486,9 @@ class DistServer:
     core = self.core
     with self.lock:
       self.membership.open()
-      for left, message in core.host["in_flight"]:   # messages in flight at the checkpoint
+      for left, message in core.book.host["in_flight"]:   # messages in flight at the checkpoint
         core.messages.add(time.monotonic() + left, message)
-      core.host["in_flight"] = []
+      core.book.host["in_flight"] = []
     monitor = threading.Thread(target=self._monitor, name="monitor", daemon=True)
     monitor.start()
     self._threads.append(monitor)

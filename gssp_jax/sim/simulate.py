@@ -43,6 +43,7 @@ from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
 from gssp_jax.sim import hosts
 from gssp_jax.sim import levels
+from gssp_jax.sim import book as book_lib
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic as traffic_lib
 from gssp_jax.sync import local as local_lib
@@ -200,14 +201,6 @@ def plan_pushes(config: ml_collections.ConfigDict, num_train: int) -> PushPlan:
                   min(total_pushes, stop) if stop else total_pushes)
 
 
-def iterations_done(local: bool, pushes: int, local_iterations: int) -> int:
-  """Data iterations that reached a server so far: pushes, but for a local-update scheme
-  the iterations of the pushes its rounds applied (``local_iterations``: each push its job's
-  ``H_w``, counted when a round applies it, so an evaluation never falls inside a round).
-  The simulator and the real runtime (``runtime/core.py``) both count here."""
-  return int(local_iterations if local else pushes)
-
-
 def at_end(iterations: int, pushes: int, total_pushes: int, stop_after: int) -> bool:
   """Whether a run is over: its epochs' data iterations are done, or it made
   ``train.stop_after_updates`` pushes (``stop_after``; 0: no such limit). The
@@ -218,19 +211,12 @@ def at_end(iterations: int, pushes: int, total_pushes: int, stop_after: int) -> 
 def learning_rates(config: ml_collections.ConfigDict, steps_per_epoch: int, total_pushes: int):
   """The outer learning rates of ``config``, for the simulator and the real runtime alike:
   ``optim.VirtualTimeSchedule`` under ``train.virtual_budget``, else the epochs' table
-  (``optim.LearningRateTable``). :func:`round_learning_rate` reads a round's rate from it."""
+  (``optim.LearningRateTable``). ``book.round_learning_rate`` reads a round's rate from it."""
   outer, budget = local_lib.outer_config(config), config.train.get("virtual_budget", 0.0)
   if budget:
     return optim.VirtualTimeSchedule(outer, budget)
   return optim.learning_rate_table(outer, steps_per_epoch,
                                    round(total_pushes / config.num_workers))
-
-
-def round_learning_rate(schedule, budget: float, rnd, iterations: int, num_workers: int):
-  """A round's learning rate (the simulator's and the real runtime's): the schedule at the
-  round's virtual time over the budget (``train.virtual_budget``), else at the data iterations
-  done, in steps of W."""
-  return schedule(rnd.time) if budget else schedule(iterations // num_workers)
 
 
 def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
@@ -244,7 +230,7 @@ def local_plan(config: ml_collections.ConfigDict, times, steps_per_epoch: int
     return np.ones([config.num_workers], np.int64), None
   steps = local_lib.local_steps(config.local.steps, times, config.local.dylu)
   inner = optim.inner_optimizer(config, steps_per_epoch,
-                                    round(config.train.num_epochs * steps_per_epoch))
+                                round(config.train.num_epochs * steps_per_epoch))
   return steps, executor.LocalJob(inner, int(steps.max()))
 
 
@@ -405,14 +391,13 @@ class Simulation:
     self.links = links = self._traffic(self._push_payload)
     self._counts_per_round = links.counts_per_round   # read at every round
     self.engine = links.engine(scheme.make_protocol(), self._compute_time)
-    self.acct = sync.accounting.Accounting(W, scheme.num_replicas,
-                                           aggregating=self.engine.protocol.aggregating,
-                                           push_iterations=self.steps)
-    self.host = {**records.new_counters(W), "jobs": np.zeros([W], np.int64), "wall_time": 0.0,
-                 "next_eval": self.eval_pushes, "num_evals": 0, "next_epoch_end": W * self.spe,
-                 "time_evals": 0,   # evaluations at multiples of train.eval_every_seconds
-                 "iterations": 0, "layout": "tree",
-                 "groups": [scheme.groups.tolist()]}
+    self.book = book_lib.HostBook(
+        num_workers=W, num_replicas=scheme.num_replicas,
+        aggregating=self.engine.protocol.aggregating, steps=self.steps,
+        local=self.local is not None, schedule=self.schedule, budget=self.budget,
+        eval_pushes=self.eval_pushes, next_epoch_end=W * self.spe,
+        time_evals=0,   # evaluations at multiples of train.eval_every_seconds
+        layout="tree", groups=[scheme.groups.tolist()])
     # Across processes only process 0 keeps checkpoints (sim/hosts.py).
     self.checkpointer = None if jax.process_index() else ckpt_lib.Checkpointer(
         os.path.join(self.workdir, "checkpoints"), config.train.max_checkpoints)
@@ -428,7 +413,7 @@ class Simulation:
           self.job_fn, executor.make_round_fn(self.tx),
           executor.MAX_JOBS if self.local is None else executor.MAX_LOCAL_JOBS), self._make_jobs)
       return
-    self.host["layout"] = "flat"
+    self.book.host["layout"] = "flat"
     self._make_level_feed(self._level_shape(padding_costs=self._job_batch() == 1))
 
   def _job_batch(self) -> int:
@@ -541,7 +526,7 @@ class Simulation:
 
   def _check_layout(self, layout: str, latest: int) -> None:
     """Raises ValueError unless a checkpoint's ``layout`` is this run's executor's."""
-    if layout != self.host["layout"]:
+    if layout != self.book.host["layout"]:
       written = "levels" if layout == "flat" else "rounds"
       raise ValueError(
           f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
@@ -557,21 +542,21 @@ class Simulation:
       layout = saved["host"].get("layout", "tree")
       self.state = devices_lib.place(state, self.mesh)
       self.engine.load_state_dict(saved["engine"])
-      self.acct.load_state_dict(saved["acct"])
-      self.host = records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links)
+      self.book.load(records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links),
+                     saved["acct"])
       # What was planned but not run (a checkpoint from before the feed: its steps).
       feed_state = saved.get("feed", {"steps": saved.get("steps", [])})
       if layout == "flat":
         self._resume_shape(feed_state)
       self.feed.load_state_dict(feed_state)
       logging.info("resumed from the checkpoint at %d pushes", latest)
-    if "ratio_groups" in self.host:   # resumed after a regrouping
-      self.ratio_of.groups, self.ratio_of.ranks = self.host["ratio_groups"]
-    if self.engine.num_pushes == 0 and self.host["jobs"].sum() == 0:
+    if "ratio_groups" in self.book.host:   # resumed after a regrouping
+      self.ratio_of.groups, self.ratio_of.ranks = self.book.host["ratio_groups"]
+    if self.engine.num_pushes == 0 and self.book.host["jobs"].sum() == 0:
       first = np.arange(self.W)
       self.feed.add(None, 0.0, first, self._dispatch(first))
     self._session_start = time.perf_counter()
-    self._wall_base = self.host["wall_time"]
+    self._wall_base = self.book.host["wall_time"]
     self._eta = workdir_lib.Eta(self._work(), (self._work(), self._wall_base))
     return int(self.engine.num_pushes)
 
@@ -593,7 +578,7 @@ class Simulation:
 
   def advance(self) -> bool:
     _refuse_abstract(self, "run")
-    host, apply_round, iterations = self.host, self._apply_round, self._iterations
+    host, apply_round, iterations = self.book.host, self._apply_round, self._iterations
     next_eval_time = self._next_eval_time()
     while not self.finished():
       for rnd in self._next_rounds(min(self.budget or math.inf, next_eval_time)):
@@ -634,7 +619,7 @@ class Simulation:
     _refuse_abstract(self, "evaluate")
     self._flush()
     self._account()
-    engine, host, W = self.engine, self.host, self.W
+    engine, host, W = self.engine, self.book.host, self.W
     # One call: the counters since the last evaluation (zeroed on the device) and the weights.
     self.state, counters, params_eval, ms_eval = self.harvest(self.state)
     loss_sum, loss_count, pushed = jax.device_get(counters)
@@ -650,17 +635,15 @@ class Simulation:
         pushes=engine.num_pushes, num_workers=W, spe=self.spe, updates=host["updates"],
         virtual_time=engine.now, wall_time=self._wall_time(), loss_sum=loss_sum,
         loss_count=loss_count, results=results, host=host, pull_bytes=self.pull_bytes,
-        blocked=blocked, acct=self.acct, iterations=self._iterations())
-    while host["next_eval"] <= self._iterations():   # a local-update push spans H iterations
-      host["next_eval"] += self.eval_pushes
+        blocked=blocked, acct=self.book.acct, iterations=self._iterations())
+    self.book.evaluated(self._iterations())
     while self._next_eval_time() <= engine.now:
       host["time_evals"] += 1
-    host["num_evals"] += 1
     return record
 
   @property
   def evaluations(self) -> int:
-    return self.host["num_evals"]
+    return self.book.host["num_evals"]
 
   def progress(self, record: dict[str, Any]) -> str:
     end = self.end_pushes if self.local is None else self.total_pushes
@@ -678,7 +661,7 @@ class Simulation:
     # so the levels runner, whose float sums depend on how jobs are grouped into pieces,
     # resumes bit for bit too.
     self._account()
-    step, host = self.engine.num_pushes, self.host
+    step, host = self.engine.num_pushes, self.book.host
     host["wall_time"] = self._wall_time()
     # Orbax writes the host copy in the background, overlapping the simulation (a 16-worker
     # ResNet-18 state is about 2 GB); the next save and close() wait for it. A step is
@@ -686,7 +669,7 @@ class Simulation:
     if self.checkpointer is None:   # another process than 0 (sim/hosts.py)
       return
     self.checkpointer.save(step, self.state, {"pushes": step}, host={
-        "engine": self.engine.state_dict(), "acct": self.acct.state_dict(), "host": host,
+        "engine": self.engine.state_dict(), "acct": self.book.acct.state_dict(), "host": host,
         "feed": self.feed.state_dict()})
 
   def close(self) -> None:
@@ -695,7 +678,7 @@ class Simulation:
 
   def summary_fields(self, history: list[dict], reached: dict | None) -> dict[str, Any]:
     self._account()
-    engine, host = self.engine, self.host
+    engine, host = self.engine, self.book.host
     fields = records.summary_fields(
         history=history, reached=reached, metric=self.metric_name, target=self.target,
         scheme=self.scheme, groups=host["groups"][-1],
@@ -703,9 +686,8 @@ class Simulation:
                  **self._servers()},
         pushes=engine.num_pushes, batch_size=self.B, virtual_time=engine.now,
         wall_time=self._wall_time(), host=host, pull_bytes=self.pull_bytes,
-        blocked=engine.blocked_time_so_far(), acct=self.acct, iterations=self._iterations())
-    if self.local is not None:
-      fields["scheme"]["local_steps"] = self.steps.tolist()
+        blocked=engine.blocked_time_so_far(), acct=self.book.acct, iterations=self._iterations())
+    self.book.scheme_fields(fields["scheme"])
     fields["scheme"]["groups_history"] = host["groups"]
     # train.virtual_budget: the budget and where the run ended (the totals' virtual_time too).
     fields["virtual_budget"] = ({"seconds": self.budget, "ended_at": float(engine.now),
@@ -730,11 +712,9 @@ class Simulation:
     its traffic depends on the protocol's state now (InHAD, CASP).
     """
     engine = self.engine
-    if self.local is not None:
-      self.host["iterations"] += int(self.steps[rnd.arrived].sum())
-    learning_rate = self._round_rate(rnd)
+    learning_rate = self.book.round_rate(rnd, engine.num_pushes)
     if self._counts_per_round:
-      self.links.count_round(engine.protocol, rnd, engine.iteration, self.host)
+      self.links.count_round(engine.protocol, rnd, engine.iteration, self.book.host)
     self._unaccounted.append(rnd)
     if len(self._unaccounted) >= MAX_UNACCOUNTED_ROUNDS:
       self._account()
@@ -748,11 +728,7 @@ class Simulation:
     a multiple of it, never a running sum (no drift)."""
     if not self.eval_seconds:
       return math.inf
-    return (self.host.get("time_evals", 0) + 1) * self.eval_seconds
-
-  def _round_rate(self, rnd) -> np.float32:
-    """The round's learning rate (:func:`round_learning_rate`)."""
-    return round_learning_rate(self.schedule, self.budget, rnd, self._iterations(), self.W)
+    return (self.book.host.get("time_evals", 0) + 1) * self.eval_seconds
 
   def _work(self) -> float:
     """What the ETA counts: virtual seconds under a budget, else data iterations."""
@@ -760,7 +736,7 @@ class Simulation:
 
   def _account(self) -> None:
     """Accounts for the rounds since the last call (``records.account_rounds``)."""
-    records.account_rounds(self._unaccounted, host=self.host, acct=self.acct,
+    records.account_rounds(self._unaccounted, host=self.book.host, acct=self.book.acct,
                            protocol=self.engine.protocol, links=self.links,
                            pull_bytes=self.pull_bytes)
     self._unaccounted = []
@@ -780,10 +756,7 @@ class Simulation:
 
   def _dispatch(self, workers: np.ndarray) -> np.ndarray:
     """The numbers of the next jobs of ``workers`` (they just pulled); counts them as dispatched."""
-    jobs = self.host["jobs"]
-    ks = jobs[workers]
-    jobs[workers] = ks + 1   # distinct workers: a set, not a gather-add-scatter
-    return ks
+    return self.book.take_jobs(workers)
 
   def _make_jobs(self, workers: np.ndarray, ks: np.ndarray) -> executor.Jobs:
     """Job ``ks[i]`` of each of ``workers``: its batch, first iteration, keep-ratio, flush."""
@@ -813,9 +786,8 @@ class Simulation:
     return self._job_time if self.local is not None else self.cluster.compute_time
 
   def _iterations(self) -> int:
-    """Data iterations that reached a server so far (:func:`iterations_done`)."""
-    return iterations_done(self.local is not None, self.engine.num_pushes,
-                           self.host["iterations"])
+    """Data iterations that reached a server so far (``book.iterations_done``)."""
+    return self.book.iterations(self.engine.num_pushes)
 
   def _regroup(self, measured: np.ndarray) -> None:
     """GSSP: new groups from the speeds measured over the last epoch, at the next barrier."""
@@ -824,8 +796,8 @@ class Simulation:
     if not np.array_equal(groups, engine.protocol.route):
       engine.protocol.request_regroup(groups)
       self.ratio_of.set_groups(groups, measured)
-      self.host["groups"].append(groups.tolist())
-      self.host["ratio_groups"] = (self.ratio_of.groups, getattr(self.ratio_of, "ranks", None))
+      self.book.host["groups"].append(groups.tolist())
+      self.book.host["ratio_groups"] = (self.ratio_of.groups, getattr(self.ratio_of, "ranks", None))
       logging.info("regrouping at %d pushes: %s", engine.num_pushes, groups.tolist())
 
   def _sent_bytes(self, w: int, k: int) -> int:
@@ -842,7 +814,7 @@ class Simulation:
     if self._sent_job[w] != k:
       self._flush(jobs=True)
       self._sent_counts[:] = np.asarray(jax.device_get(self.state.job_bytes), np.int64)
-      self._sent_job[:] = self.host["jobs"] - 1
+      self._sent_job[:] = self.book.host["jobs"] - 1
       if self._sent_job[w] != k:
         raise RuntimeError(f"push ({w}, {k}) timed before its job was dispatched")
     return int(self._sent_counts[w])
