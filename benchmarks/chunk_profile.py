@@ -1,7 +1,8 @@
 r"""Where the level executor's device time goes: per-chunk time, slot fill and the top kernels.
 
     python -m benchmarks.chunk_profile [--model=lenet5|resnet18|vgg19] [--schemes=gssp] \
-        [--workers=16] [--epochs=0.5] [--skip=3] [--trace=2] [--top=20]
+        [--workers=16] [--epochs=0.5] [--skip=3] [--trace=2] [--top=20] \
+        [--user_model=benchmarks/tiny_model.py:Linear]
 
 ``--model``, ``--width``, ``--schemes``, ``--workers``, ``--epochs`` and
 ``--level_job_batch``, ``--level_job_slots`` are ``benchmarks.sim_efficiency``'s flags (the
@@ -18,7 +19,14 @@ prints:
 * the median chunk time, per piece and per job;
 * for ``--trace`` chunks after the first ``--skip``, a ``jax.profiler`` trace
   summarised per device stream (on a CPU, per XLA thread): the kernels with
-  the most time, their count and total milliseconds.
+  the most time, their count and total milliseconds;
+* the same trace's kernels grouped by how many times each ran: a kernel of a
+  piece's round loop runs once per round slot, one of its jobs once per piece
+  (on a CPU the pieces are unrolled, so each piece's kernels have names of
+  their own), which splits the time between the rounds and the jobs.
+
+``--user_model`` names a model by file instead of ``--model``'s (on ``--model``'s data):
+``benchmarks/tiny_model.py:Linear`` is the near-free model of ``benchmarks.serial_loop``.
 
 It is the diagnostic behind docs/PERFORMANCE.md's "The level executor on an
 H100": a round whose kernels are passes over whole ``[G, P]`` buffers shows as
@@ -50,6 +58,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("skip", 3, "chunks before the traced ones (compilation, warm-up)")
   flags.DEFINE_integer("trace", 2, "chunks traced with jax.profiler (0: none)")
   flags.DEFINE_integer("top", 20, "kernels listed per stream")
+  flags.DEFINE_string("user_model", None, "a model by file (path.py:Class) instead of --model's")
 
 
 class ChunkClock:
@@ -140,20 +149,41 @@ def kernel_table(trace_dir: str, top: int) -> list[tuple[str, int, list]]:
   return out
 
 
+def by_count(trace_dir: str) -> list[tuple[int, int, int, float]]:
+  """``[(runs, kernels, events, ms), ...]`` of the newest trace in ``trace_dir``: its kernels
+  (over every stream; completion markers, the executor's own spans and loops, whose spans hold
+  their bodies' kernels, left out) grouped by how many times each ran, most events first."""
+  groups: dict[int, list] = collections.defaultdict(lambda: [0, 0, 0.0])
+  totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  for _, _, rows in kernel_table(trace_dir, top=10**9):
+    for ms, n, name in rows:
+      if name.startswith(("end: ", "ThunkExecutor", "ThreadpoolListener", "while")):
+        continue
+      totals[name][0] += n
+      totals[name][1] += ms
+  for n, ms in totals.values():
+    groups[n][0] += 1
+    groups[n][1] += n
+    groups[n][2] += ms
+  return sorted(((n, k, e, ms) for n, (k, e, ms) in groups.items()), key=lambda r: -r[2])
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
   print(common.describe_backend())
   scheme, workers = f.schemes[0], int(f.workers[0])
   config = sim_rates.run_config(f.model, f.width, "levels", scheme, workers, f.epochs,
-                                     job_batch=int(f.level_job_batch[0]),
-                                     job_slots=int(f.level_job_slots[0]))
+                                job_batch=int(f.level_job_batch[0]),
+                                job_slots=int(f.level_job_slots[0]))
+  if f.user_model:
+    config.model = f.user_model
   with tempfile.TemporaryDirectory() as workdir:
     clock = ChunkClock(f.skip, f.trace, f"{workdir}/trace")
     runner = profile_run(config, clock, f"{workdir}/run")
     stats = fill(runner)
     times = np.asarray(clock.times[min(f.skip, len(clock.times) - 1):])
-    print(f"model {f.model}, scheme {scheme}, {workers} workers: "
+    print(f"model {f.user_model or f.model}, scheme {scheme}, {workers} workers: "
           f"{levels.describe(runner.shape, runner.job_batch, runner.unroll_pieces)}")
     print(f"{stats['pieces']} pieces in {stats['chunks']} chunks; jobs per piece "
           f"{stats['jobs_per_piece']:.2f} ({stats['job_fill']:.0%} of the slots), rounds per "
@@ -168,6 +198,15 @@ def main(argv):
       print("| ms | count | kernel |\n|---|---|---|")
       for ms, n, name in rows:
         print(f"| {ms:.3f} | {n} | {name[:100]} |")
+    groups = by_count(f"{workdir}/trace")
+    if groups:
+      total = sum(ms for *_, ms in groups)
+      print(f"\nkernels by how often they ran in the {f.trace} traced chunk(s) "
+            f"({runner.shape.pieces} pieces of {runner.shape.rounds} round slots each; "
+            f"{total:.2f} ms in all):")
+      print("| runs | kernels | events | ms | share |\n|---|---|---|---|---|")
+      for n, k, e, ms in groups[:12]:
+        print(f"| {n} | {k} | {e} | {ms:.2f} | {ms / max(total, 1e-9):.0%} |")
 
 
 if __name__ == "__main__":
