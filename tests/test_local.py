@@ -387,3 +387,22 @@ def test_a_run_recorded_before_the_local_keys_still_resumes(tmp_path):
   assert workdir_lib.config_changes(old, config) == []
   config.local.steps = 2
   assert [k for k, _, _ in workdir_lib.config_changes(old, config)] == ["local.steps"]
+
+
+def test_the_server_chain_follows_what_a_scheme_declares_not_its_name():
+  """``base.optim.server_chain``: a scheme declaring ``own_optimizer`` (HALoS, or a researcher's
+  under any name) is its own chain; any other gets the config's server optimizer after it."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from gssp_jax import sync  # pylint: disable=g-import-not-at-top
+  from gssp_jax.base import optim  # pylint: disable=g-import-not-at-top
+  config = config_lib.default_config()
+  ssp = sync.build_scheme("ssp", 4)
+  own = dataclasses.replace(ssp, name="my_scheme", own_optimizer=True)
+  assert optim.server_chain(config, own) is own.transform
+  chained = optim.server_chain(config, ssp)
+  assert chained is not ssp.transform
+  params = {"w": jnp.ones([3])}
+  state = chained.init(params)
+  updates, _ = chained.update({"w": jnp.ones([4, 3])}, state, {"w": jnp.ones([1, 3])},
+                              learning_rate=jnp.float32(0.1))
+  assert updates["w"].shape == (1, 3)

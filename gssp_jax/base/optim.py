@@ -352,16 +352,16 @@ def inner_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int,
   return make_optimizer(local_lib.inner_config(config), steps_per_epoch, total_steps)
 
 
-def server_chain(config: ml_collections.ConfigDict, transform, num_replicas: int, *,
-                 inner_view=None):
-  """Any scheme's sync chain: :func:`make_sync_chain` of ``sync.local.outer_config`` (the
-  server's optimizer), or Delayed Nesterov's.
+def server_chain(config: ml_collections.ConfigDict, scheme, *, inner_view=None):
+  """``scheme``'s (a ``sync.Scheme``) sync chain: :func:`make_sync_chain` of
+  ``sync.local.outer_config`` (the server's optimizer), or Delayed Nesterov's.
 
-  HALoS's transform applies both its servers' optimizers itself: it is the chain.
-  ``inner_view``: see :func:`make_sync_chain` (Delayed Nesterov and HALoS
-  are elementwise: they need none).
+  A scheme that declares ``own_optimizer`` (HALoS: its transform applies both its servers'
+  optimizers) is its own chain. ``inner_view``: see :func:`make_sync_chain` (Delayed Nesterov
+  and HALoS are elementwise: they need none).
   """
-  if config.sync.scheme == "halos":
+  transform, num_replicas = scheme.transform, scheme.num_replicas
+  if scheme.own_optimizer:
     return transform
   n = config.local.delayed_nesterov
   if not n:

@@ -123,7 +123,7 @@ def build_chain(config):
   simulator's: ``base.optim.server_chain``, a local-update scheme's outer optimizer included)."""
   cluster = cluster_lib.cluster_from_config(config)
   scheme = sync.scheme_from_config(config, worker_times=cluster.mean_times)
-  return scheme, optim.server_chain(config, scheme.transform, scheme.num_replicas)
+  return scheme, optim.server_chain(config, scheme)
 
 
 class ShardCore:

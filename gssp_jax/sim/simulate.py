@@ -346,13 +346,12 @@ class Simulation:
       self.mesh = devices_lib.mesh_for(devices_lib.count(
           config.get("devices", 1), devices_lib.available(), hosts.processes()))
       self.layout = layout = flat_lib.make_layout(self.params, self.model_state)
-      self.tx = optim.server_chain(config, self.scheme.transform, R,
-                                       inner_view=flat_view(config, layout))
+      self.tx = optim.server_chain(config, self.scheme, inner_view=flat_view(config, layout))
       init = lambda p, m, rng: chunk_lib.init_state(layout, p, m, self.tx, self.compressor, W, R,
                                                     rng, inner=inner)
       served = lambda s: chunk_lib.served_weights(layout, s, self.eval_replica)
     else:
-      self.tx = optim.server_chain(config, self.scheme.transform, R)
+      self.tx = optim.server_chain(config, self.scheme)
       init = lambda p, m, rng: executor.init_state(p, m, self.tx, self.compressor, W, R, rng,
                                                    inner=inner)
       served = lambda s: executor.served_weights(s, self.eval_replica)
@@ -373,7 +372,7 @@ class Simulation:
       # The per-round runner's state and arrays; on one device (the levels runner's are flat,
       # and may span processes). Across processes, process 0's time (sim/hosts.py).
       state, arrays = (self.state, self.arrays) if runner == "rounds" else (executor.init_state(
-          self.params, self.model_state, optim.server_chain(config, self.scheme.transform, R),
+          self.params, self.model_state, optim.server_chain(config, self.scheme),
           self.compressor, W, R, self.train_rng, inner=inner), task.train)
       self.calibrated = hosts.agree_value(_calibrate(
           self.job_fn, jax.tree.map(jnp.copy, state), arrays, self.B, self.local))
