@@ -194,8 +194,8 @@ def real_run(case: Case, out: str, *, shaped: bool = True, timeout: float = 300.
     address = f"{server.address}:{SERVER_PORT}"
     base = [sys.executable, "-m", "experiments.launch", f"--config={config_path}",
             f"--workdir={workdir}"]
-    procs = [server.popen(base + ["--role=server", f"--config.dist.server_address={address}"], env=env,
-                          cwd=REPO, log=os.path.join(logs, "server.txt"))]
+    procs = [server.popen(base + ["--role=server", f"--config.dist.server_address={address}"],
+                          env=env, cwd=REPO, log=os.path.join(logs, "server.txt"))]
     for w, host in enumerate(meshes):
       procs.append(host.popen(base + ["--role=worker", f"--mesh={w}",
                                       f"--config.dist.server_address={address}"],

@@ -245,7 +245,7 @@ def default_config() -> ml_collections.ConfigDict:
   # imposed by the kernel, benchmarks/sim_vs_real.py); compute is still stretched by sleeping.
   c.dist.emulate_network = True
   c.dist.record_pushes = False    # summary.json's push_log: [seconds, mesh] of every applied push
-  c.dist.num_servers = 1          # parameter shards: shard 0 in the server, 1..S-1 processes of their own
+  c.dist.num_servers = 1          # parameter shards: shard 0 in the server, 1..S-1 processes apart
   c.dist.all_lost_timeout = 60.0  # seconds with every mesh lost before the run ends as failed
   # Where large bodies (pushes, pulls, joins of over 4 MiB) travel: 'flight' (Arrow Flight, no
   # copy into bytes; docs/PERFORMANCE.md) or 'grpc' (grpcio streams, the wire's size limits).

@@ -17,10 +17,11 @@ importing anything or calling any constructor of a class it was not told about:
   simulator's steps and jobs, the protocols' rounds, messages and links), and
   every subclass of a class passed to :func:`allow_subclasses` defined in the
   reading process (``sync.Protocol``'s: a user's registered protocol included),
-  found by module and name in that list, never imported. An object is saved as its ``__dict__`` (or what
-  its class's own ``__getstate__`` returns) and rebuilt with ``object.__new__``
-  and that dict (through the class's ``__setstate__`` if it has one, which
-  fills in attributes added since the state was saved).
+  found by module and name in that list, never imported. An object is saved as
+  its ``__dict__`` (or what its class's own ``__getstate__`` returns) and
+  rebuilt with ``object.__new__`` and that dict (through the class's
+  ``__setstate__`` if it has one, which fills in attributes added since the
+  state was saved).
 
 The document carries ``format`` and ``version``; another version is refused
 with a message naming it.

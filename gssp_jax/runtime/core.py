@@ -109,8 +109,7 @@ class ProtocolCore:
                clock: Callable[[], float] | None = None, manual_messages: bool = False,
                budget: float = 0.0, eval_pushes: int = 0):
     W = scheme.num_workers
-    self.budget = float(budget)
-    self.W, self.scheme, self.steps = W, scheme, steps
+    self.W, self.scheme = W, scheme
     self.ratio_of, self.links = ratio_of, links
     self.emulated, self.pull_bytes = emulated, pull_bytes
     self._emit, self._watermark = emit, watermark
@@ -183,10 +182,10 @@ class ProtocolCore:
     if self.past_budget(now):   # the run ended before it: nothing changes
       self.end_at_budget()
       return
-    self.book.host["lost"].append({"mesh": w, "time": now, "pushes": int(self.book.host["pushes"]),
-                              "why": why})
-    logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why,
-                    self.book.host["pushes"], int(self.protocol.alive.sum()) - 1)
+    host = self.book.host
+    host["lost"].append({"mesh": w, "time": now, "pushes": int(host["pushes"]), "why": why})
+    logging.warning("mesh %d lost (%s) at %d pushes; %d meshes alive", w, why, host["pushes"],
+                    int(self.protocol.alive.sum()) - 1)
     self.waiting[w] = False
     self.releases.pop(w, None)
     self.react(self.protocol.drop(w, now), now)
@@ -255,7 +254,8 @@ class ProtocolCore:
 
   def past_budget(self, now: float) -> bool:
     """Whether an event at ``now`` is at or past ``train.virtual_budget`` (never without one)."""
-    return bool(self.budget) and now >= self.budget
+    budget = self.book.budget
+    return bool(budget) and now >= budget
 
   def end_at_budget(self) -> None:
     """The run reached its budget: every event before it applied, none after; meshes stop."""
@@ -270,7 +270,7 @@ class ProtocolCore:
     # iterations k H_w .. k H_w + H_w - 1.
     return {"iteration": k, "ratio": float(self.ratio_of(w, k)),
             "flush": bool(self.ratio_of.flush(w, k)), "watermark": self._watermark(),
-            "steps": int(self.steps[w])}
+            "steps": int(self.book.steps[w])}
 
   def refuse_nonfinite(self, w: int, seq: int, why: str, learning_rate: float) -> dict:
     """A non-finite gradient or loss: refused, logged; the loop stops the run as diverged."""

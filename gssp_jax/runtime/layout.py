@@ -91,7 +91,8 @@ class ShardLayout:
     stats = tuple(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(model_state))
     if not 1 <= num_shards <= len(shapes):
       raise ValueError(f"config.dist.num_servers={num_shards} is invalid for a model of "
-                       f"{len(shapes)} tensors; allowed: 1..{len(shapes)} (a shard holds whole tensors)")
+                       f"{len(shapes)} tensors; allowed: 1..{len(shapes)} (a shard holds whole "
+                       "tensors)")
     sizes = [math.prod(s) for s in shapes]
     stats_size = sum(math.prod(s) for s in stats)
     return cls(shapes, stats, _partition(sizes, stats_size, num_shards))

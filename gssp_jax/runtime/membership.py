@@ -113,7 +113,8 @@ class Membership:
       core.lose(w, now, "restarted")
     self.instance[w] = instance
     core.book.host["started"][w] = True
-    core.book.host["rejoined"].append({"mesh": w, "time": now, "pushes": int(core.book.host["pushes"])})
+    host = core.book.host
+    host["rejoined"].append({"mesh": w, "time": now, "pushes": int(host["pushes"])})
     logging.info("mesh %d rejoins at %d pushes", w, core.book.host["pushes"])
     core.react(core.protocol.rejoin(w, now), now)
     self.all_lost_since = None

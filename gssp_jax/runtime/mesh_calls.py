@@ -129,8 +129,9 @@ class MeshCalls:
       if seq == core.book.host["seq"][w]:
         core.book.host["refused"]["duplicate"] += 1   # a retry: answered once released, not applied
         return w, seq, None
-      push_checks.check_in_order(push, host=core.book.host, waiting=core.waiting, layout=self.layout,
-                                 credentials=self.credentials(), session=self.links.session)
+      push_checks.check_in_order(push, host=core.book.host, waiting=core.waiting,
+                                 layout=self.layout, credentials=self.credentials(),
+                                 session=self.links.session)
       self.links.stage(w, seq, grads, stats)   # appended to shard 0's link, in order
       self.members.last_seen[w] = time.monotonic()
       core.accept(w, seq, push.loss, push.nbytes, push.wire_bytes, push.digests, now=now)

@@ -276,11 +276,13 @@ class DistServer:
     return self.layout.assemble(bodies, self.treedefs)
 
   def finished(self) -> bool:
-    return (self._at_end(self.core.book.host["evaluated_iterations"], self.core.book.host["evaluated"])
-            or self.core.book.host.get("evaluated_budget", False))
+    host = self.core.book.host
+    return (self._at_end(host["evaluated_iterations"], host["evaluated"])
+            or host.get("evaluated_budget", False))
 
   def completed(self) -> bool:
-    return self.core.iterations() >= self.total_pushes or self.core.book.host.get("budget_reached", False)
+    return (self.core.iterations() >= self.total_pushes
+            or self.core.book.host.get("budget_reached", False))
 
   def _at_end(self, iterations: int, pushes: int) -> bool:
     """The run's end, as the simulator's (``simulate.at_end``)."""
@@ -413,7 +415,8 @@ class DistServer:
     self.shard_links.close_local()   # what is queued for shard 0 first, then the shard stops
     self.checkpointer.close()
     if saved:
-      logging.info("the server stopped; its checkpoint is at %d pushes", self.core.book.host["pushes"])
+      logging.info("the server stopped; its checkpoint is at %d pushes",
+                   self.core.book.host["pushes"])
 
   def failure_of_a_shard(self) -> str | None:
     return self.shard_links.failure()
@@ -463,7 +466,8 @@ class DistServer:
                wire.Method("Push", self.calls.on_push,
                            lambda header: push_checks.body_limit(header, self.layout),
                            parts=True),
-               wire.Method("Heartbeat", self.calls.on_heartbeat), wire.Method("Pull", self.calls.on_pull)]
+               wire.Method("Heartbeat", self.calls.on_heartbeat),
+               wire.Method("Pull", self.calls.on_pull)]
     self._grpc, port = endpoints.make_server(methods, address, self.credentials,
                                              max_workers=2 * self.W + 2 * self.S + 8,
                                              **endpoints.server_settings(self.config.dist,

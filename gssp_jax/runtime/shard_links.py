@@ -217,8 +217,9 @@ class ShardLinks:
     s = wire.field(header, "shard", int, 1, self.S - 1)
     if wire.field(header, "num_servers", int) != self.S:
       raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"shard {s} was started with config.dist.num_servers={header['num_servers']}, the "
-                         f"server with {self.S}; start every process with the same config")
+                         f"shard {s} was started with config.dist.num_servers="
+                         f"{header['num_servers']}, the server with {self.S}; start every process "
+                         "with the same config")
     if wire.field(header, "config", str) != self.config_id:
       raise wire.Refused(grpc.StatusCode.FAILED_PRECONDITION,
                          f"shard {s}'s config differs from the server's; start every process "

@@ -35,7 +35,7 @@ from gssp_jax.sync import legs as legs_lib
 from gssp_jax.studies.report_labels import column_order as _column_order
 from gssp_jax.studies.report_labels import context as _context
 from gssp_jax.studies.report_labels import label
-from gssp_jax.studies.report_labels import short_labels  # noqa: F401  (re-exported: report.short_labels)
+from gssp_jax.studies.report_labels import short_labels  # noqa: F401  (re-exported)
 from gssp_jax.studies.sweep import GRID_FILE
 from gssp_jax.base import health
 from gssp_jax.base import workdir as workdir_lib
@@ -838,7 +838,8 @@ def _ladder_text(ladder: dict[str, list], rows: list[dict], added: set[str]) -> 
   n = sum(r["trial"] in added for r in rows)
   return (f" Declared ladder: {text}. Where a configuration's best value was an end of the "
           "values it had tried, the sweep ran it at the ladder's next value on every seed, and "
-          "again, until its best lay inside them or at the ladder's end (gssp_jax.studies.grid_edge): "
+          "again, until its best lay inside them or at the ladder's end "
+          "(gssp_jax.studies.grid_edge): "
           f"{n} trial(s) were added so (in `extended.json`).")
 
 

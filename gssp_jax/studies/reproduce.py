@@ -2,10 +2,11 @@
 
 ``experiments.reproduce`` runs the declared :data:`STUDIES` (each a sweep file, resumable: a
 rerun skips finished trials and resumes the rest from their checkpoints; a tuned key with a
-ladder is extended past a winner at the grid's edge, ``gssp_jax.studies.grid_edge``), writes each one's
-report (``gssp_jax.studies.report``) and then the claims table (:func:`write_claims`): for every claim of
-:data:`CLAIMS` (``gssp_jax.studies.claims``), the figures of each study that has its scheme,
-each a median over the reported seeds with its 95 % interval (``gssp_jax.studies.evidence``),
+ladder is extended past a winner at the grid's edge, ``gssp_jax.studies.grid_edge``), writes
+each one's report (``gssp_jax.studies.report``) and then the claims table
+(:func:`write_claims`): for every claim of :data:`CLAIMS` (``gssp_jax.studies.claims``), the
+figures of each study that has its scheme, each a median over the reported seeds with its 95 %
+interval (``gssp_jax.studies.evidence``),
 and its verdict, one of three, with the reasons; the trials' provenance
 (``gssp_jax.studies.provenance``: a trial of a dirty tree or without a commit is refused
 unless marked); and the regime map of a ``"regimes"`` study (``gssp_jax.studies.regimes``).
