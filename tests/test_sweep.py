@@ -373,6 +373,43 @@ def test_sigterm_raises_keyboard_interrupt_inside_and_not_after():
   assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_signal_as_a_trial_ends_stops_a_serial_sweep_before_the_next_trial(
+    tmp_path, monkeypatch):
+  """A signal that arrives as a trial ends comes too late for the trial to act on; it must still
+  stop the sweep (it was lost once: every trial of a tiny study then ran to the end)."""
+  from gssp_jax.base import interrupt  # pylint: disable=g-import-not-at-top
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  path = _sweep_file(tmp_path, 'sweep("seed", [0, 1, 2])')
+  workdir = tmp_path / "sweep"
+  ran = []
+
+  def finishes_as_the_signal_comes(config, trial_dir, allow_unread=()):
+    del allow_unread
+    with interrupt.deferred():   # as the loop does
+      ran.append(config.seed)
+      os.kill(os.getpid(), signal.SIGTERM)   # the handler records it: the run acts on it no more
+      time.sleep(0.1)
+      with open(os.path.join(trial_dir, "summary.json"), "w") as f:
+        json.dump({"status": "done"}, f)
+    return {"status": "done"}
+
+  monkeypatch.setattr(loop, "train_and_evaluate", finishes_as_the_signal_comes)
+  with pytest.raises(KeyboardInterrupt, match="SIGTERM: the sweep stops before trial seed=1"):
+    sweep.run_sweep(path, str(workdir))
+  assert ran == [0]
+  assert json.load(open(workdir / "seed=0" / "trial.json"))["status"] == "done"
+  assert not (workdir / "seed=1").exists()
+  assert interrupt.requested() is None   # cleared once the outermost one is left
+
+  # Nested: only the outermost sets the handlers and clears the request.
+  before = signal.getsignal(signal.SIGTERM)
+  with interrupt.deferred():
+    with interrupt.deferred():
+      interrupt.request("SIGINT")
+    assert interrupt.requested() == "SIGINT"
+  assert interrupt.requested() is None and signal.getsignal(signal.SIGTERM) is before
+
+
 def _processes_mentioning(text: str) -> list[int]:
   pids = []
   for entry in os.listdir("/proc"):

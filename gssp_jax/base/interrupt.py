@@ -7,6 +7,11 @@ after a simulated push), the loop saves a checkpoint there, writes
 signal raises ``KeyboardInterrupt`` at once (nothing is saved beyond the last
 checkpoint). In a notebook the kernel's interrupt button sends SIGINT, so it
 checkpoints the same way.
+
+:func:`deferred` nests: only the outermost one sets the handlers and clears the
+request, so a request that arrives as an inner run ends (too late for it to act
+on) is still there for the caller around it, e.g. a sweep that runs its trials
+one after another and must not start the next one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Interrupted(KeyboardInterrupt):
     at = f" at {self.position}" if self.position else ""
     return f"interrupted by {self.signal_name}{at}; its checkpoint is in {self.checkpoints}"
 _requested: list[str] = []   # the signal's name once one arrived inside `deferred`
+_depth = [0]   # how many `deferred` are open (the main thread's; see `deferred`)
 
 
 def requested() -> str | None:
@@ -64,15 +70,25 @@ def _handler(signum, frame):
 def deferred():
   """While inside, SIGINT and SIGTERM ask for a checkpoint and a stop (see the module docstring).
 
-  Outside the main thread (where handlers cannot be set) it only clears the
-  request on exit; :func:`request` still works there.
+  Only the outermost one sets the handlers and clears the request, on entry and on exit; an
+  inner one leaves both to it. Outside the main thread (where handlers cannot be set) the
+  outermost one only clears the request; :func:`request` still works there.
   """
+  if _depth[0]:
+    _depth[0] += 1
+    try:
+      yield
+    finally:
+      _depth[0] -= 1
+    return
   _requested.clear()
   main = threading.current_thread() is threading.main_thread()
   previous = {s: signal.signal(s, _handler) for s in _SIGNALS} if main else {}
+  _depth[0] = 1
   try:
     yield
   finally:
+    _depth[0] = 0
     for s, handler in previous.items():
       signal.signal(s, signal.SIG_DFL if handler is None else handler)   # None: set outside Python
     _requested.clear()

@@ -54,6 +54,7 @@ import ml_collections
 from gssp_jax import cli
 from gssp_jax import config as config_lib
 from gssp_jax import xla_env
+from gssp_jax.base import interrupt
 from gssp_jax.sync import registry
 
 FINISHED = ("done", "collapsed", "diverged")   # a rerun does not retry these
@@ -763,12 +764,23 @@ def _run(path, trials, workdir, parallel, max_trials, report_every,
     ray_launch.run_trials(todo, command, lambda t: os.path.join(workdir, t.name), progress, ray,
                           xla_env.child_env(os.environ, 1))
   elif parallel <= 1:
-    for trial in todo:
-      logging.info("trial %s: starting", trial.name)
-      progress(trial, run_trial(trial, workdir))
+    _run_here(todo, workdir, progress)
   else:
     _run_children(todo, command, workdir, parallel, report_every, progress)
   return statuses
+
+
+def _run_here(todo, workdir, progress) -> None:
+  """The trials one after another in this process. A signal stops the trial it arrives in
+  (which records ``interrupted``); one that arrives as a trial ends, or between two, stops the
+  sweep before the next trial starts."""
+  with interrupt.deferred():
+    for trial in todo:
+      if interrupt.requested():
+        raise KeyboardInterrupt(f"{interrupt.requested()}: the sweep stops before trial "
+                                f"{trial.name}")
+      logging.info("trial %s: starting", trial.name)
+      progress(trial, run_trial(trial, workdir))
 
 
 def _run_children(todo, command, workdir, parallel, report_every, progress) -> None:
