@@ -6,7 +6,8 @@ For four configs (the defaults, GSSP on a cluster with GDTopK, DiLoCo, a real ru
 every call between two files of the package during ``config.validate_config`` and prints: the
 files entered, the calls between files, the calls *against the import direction* (into a module
 that imports the caller's, directly or not, counting imports inside functions: a climb back up
-the layers) and the entries into ``config.py``. Issue 37's before/after figures come from it,
+the layers) and the entries into ``config.py``. A method's call to another method of its own
+object (a base class reaching a subclass's override) is dispatch, not a call between files. Issue 37's before/after figures come from it,
 with ``ROOT`` an older checkout (a ``git worktree``). It prints, it asserts nothing.
 """
 
@@ -58,6 +59,13 @@ def import_closure(files: dict[str, str]) -> dict[str, set[str]]:
   return closure
 
 
+def _same_self(frame) -> bool:
+  """A method calling another of its own object's (a base class's ``__init__`` reaching an
+  override in a subclass's module): dispatch on one object, not a call up the layers."""
+  me = frame.f_locals.get("self")
+  return me is not None and frame.f_back.f_locals.get("self") is me
+
+
 def follow(config_lib, config, files: dict[str, str]) -> list[tuple[str, str]]:
   """``(caller, callee)`` modules of every call between two package files in validation."""
   calls = []
@@ -67,7 +75,7 @@ def follow(config_lib, config, files: dict[str, str]) -> list[tuple[str, str]]:
     if event == "call" and frame.f_back is not None:
       callee = os.path.abspath(frame.f_code.co_filename)
       caller = os.path.abspath(frame.f_back.f_code.co_filename)
-      if callee in files and caller in files and callee != caller:
+      if callee in files and caller in files and callee != caller and not _same_self(frame):
         calls.append((files[caller], files[callee]))
 
   sys.settrace(tracer)

@@ -28,6 +28,12 @@ and ``tiny``, a researcher's own model
 named by file (``benchmarks/tiny_model.py:Linear``, one dense layer on MNIST: a gradient
 that costs next to nothing, so what is measured is the simulator's own cost per gradient).
 
+**Ceiling** (``--ceiling``, on by default), per model: the workers' count of gradients in one
+jitted call and nothing else (:func:`jobs_rate`: each on its own copy of the weights, and on
+shared weights in one ``vmap``), beside a serial loop measured between the two. No simulator
+that computes every gradient can beat it; a target above it is out of reach on the machine, and
+the target line says so.
+
 Targets (issue 60), printed after the table: with the executor ``auto`` picks, SSP and GSSP
 at 16 workers at least 0.5 of the serial loop with ``tiny`` and 1.2 with ``lenet5`` on a CPU,
 as run; 3 on an accelerator.
@@ -69,6 +75,8 @@ def _define_flags() -> None:
   flags.DEFINE_float("serial_seconds", 10.0, "seconds of each serial-loop measurement (best of "
                      "three)")
   flags.DEFINE_integer("local_steps", LOCAL_STEPS, "local.steps of the local-update schemes")
+  flags.DEFINE_bool("ceiling", True, "also time the gradients alone, the workers' count at once "
+                    "(jobs_rate): the most a simulator that computes them can reach here")
 
 
 def sim_config(model: str, scheme: str, workers: int, executor: str, epochs: float,
@@ -126,6 +134,50 @@ def serial_rate(config, seconds: float) -> float:
   return best
 
 
+def jobs_rate(config, seconds: float, jobs: int, shared: bool) -> float:
+  """Gradients/s of ``jobs`` gradients computed in one jitted call and nothing else: the
+  simulator's job work without its rounds, its host or its evaluations, so the ceiling of any
+  simulator that computes every gradient.
+
+  ``shared=False``: each gradient on its own copy of the weights, the jobs one after another in
+  the program (the level executor's job slots at ``level_job_batch=1``, XLA free to run
+  independent ones side by side); ``shared=True``: one ``vmap`` over the jobs' batches on one
+  set of weights (the "jobs that read one weight version as one dense batch" form). Same model,
+  loss, batch size and clipping as :func:`serial_rate`; no optimizer step.
+  """
+  task = tasks.make_task(config)
+  batch = config.batch_size
+  clip = config.optimizer.get("grad_clip", 0.0)
+  images = jnp.asarray(task.train["image"][:jobs * batch]).reshape(
+      (jobs, batch) + task.train["image"].shape[1:])
+  labels = jnp.asarray(task.train["label"][:jobs * batch]).reshape(jobs, batch)
+  params, model_state = task.init(jax.random.key(0))
+  key = jax.random.key(1)
+
+  def grad(p, x, y):
+    g, _ = jax.grad(task.loss, has_aux=True)(p, model_state, {"image": x, "label": y}, key)
+    return optim.clip_gradient(g, clip)
+
+  if shared:
+    fn = jax.jit(jax.vmap(grad, in_axes=(None, 0, 0)))
+    args = (params, images, labels)
+  else:
+    fn = jax.jit(lambda ps, xs, ys: [grad(jax.tree.map(lambda a: a[i], ps), xs[i], ys[i])  # pylint: disable=g-long-lambda
+                                     for i in range(jobs)])
+    args = (jax.tree.map(lambda a: jnp.broadcast_to(a, (jobs,) + a.shape) + 0, params),
+            images, labels)
+  jax.block_until_ready(fn(*args))   # compile and warm
+  best = 0.0
+  for _ in range(3):
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds / 3:
+      out = fn(*args)
+      n += jobs
+    jax.block_until_ready(out)
+    best = max(best, n / (time.perf_counter() - start))
+  return best
+
+
 def simulated_rates(config, clock) -> dict:
   """``sim_rates.simulated``'s rates in gradients/s (a local step is a gradient)."""
   r = sim_rates.simulated(config, clock)
@@ -147,6 +199,19 @@ def executors_to_run(config_for, listed) -> list[tuple[str, str]]:
   return out
 
 
+def _print_ceiling(config, workers: int, seconds: float) -> float:
+  """Prints the gradients alone (:func:`jobs_rate`, ``workers`` at a time, both forms) beside a
+  serial loop measured between them; returns the better form's ratio to it."""
+  own = jobs_rate(config, seconds, workers, shared=False)
+  serial = serial_rate(config, seconds)
+  shared = jobs_rate(config, seconds, workers, shared=True)
+  print(f"ceiling: {config.model}, {workers} gradients in one call and nothing else: "
+        f"{own:,.0f}/s each on its own weights ({own / serial:.2f} of the serial loop's "
+        f"{serial:,.0f}), {shared:,.0f}/s on shared weights in one vmap ({shared / serial:.2f})",
+        flush=True)
+  return max(own, shared) / serial
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -163,7 +228,7 @@ def main(argv):
         " as run | ratio as run | steady | ratio steady | compilations in the span (s) |"
         " saves, evaluations (s) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|")
-  ratios = {}
+  ratios, ceilings = {}, {}
   for model in f.models:
     for w in map(int, f.workers):
       auto = executors.executor_name(sim_config(model, "ssp", w, "auto", f.epochs))
@@ -182,11 +247,18 @@ def main(argv):
                 f" {r['rate'] / serial:.2f} | {r['steady']:,.0f} | {r['steady'] / serial:.2f} |"
                 f" {r['compiles']} ({r['compile_s']:.1f}) | {r['save_s']:.1f}, {r['eval_s']:.1f} |",
                 flush=True)
+      if f.ceiling:
+        ceilings[(model, w)] = _print_ceiling(sim_config(model, "ssp", w, "auto", f.epochs), w,
+                                              f.serial_seconds)
       for scheme in TARGET_SCHEMES:
         got = ratios.get((model, w, scheme, auto))
         if got is not None and w == 16:
           target = TARGETS[model] if jax.default_backend() == "cpu" else ACCELERATOR_TARGET
           verdict = "met" if got >= target else "NOT met"
+          ceiling = ceilings.get((model, w))
+          if got < target and ceiling is not None and ceiling < target:
+            verdict += (f"; out of reach on this machine: the gradients alone run at "
+                        f"{ceiling:.2f} of the serial loop")
           print(f"target: {model}, {scheme}, {w} workers, `auto` ({auto}), as run: {got:.2f} of "
                 f"the serial loop, target >= {target}: {verdict}")
 

@@ -24,8 +24,9 @@ COMPRESS_SCOPES = ("tensor", "global")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 WEIGHT_DECAY_MODES = ("progress", "per_step")
-# auto: fused for BSP without a cluster; otherwise the simulator, with the per-round runner on a
-# CPU and the dependency-level batched runner on an accelerator (executors.py).
+# auto: fused for BSP without a cluster; otherwise the simulator with the dependency-level
+# batched runner (levels) on every backend; a resumed run keeps the runner its checkpoint was
+# written by (executors.py).
 # dist: the real multi-process runtime's parameter server (set by experiments.launch; gssp_jax/runtime).
 EXECUTORS = ("auto", "fused", "rounds", "levels", "dist")
 DATA_PLANES = ("flight", "grpc")

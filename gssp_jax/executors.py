@@ -30,6 +30,7 @@ from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sync import legs
+from gssp_jax.sync import registry
 from gssp_jax.base import checkpoint as ckpt_lib
 from gssp_jax.base import interrupt
 from gssp_jax.base import optim
@@ -159,11 +160,15 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
 def executor_name(config: ml_collections.ConfigDict, backend: str | None = None) -> str:
   """The executor ``config.executor`` names.
 
-  ``auto``: ``fused`` for BSP without a cluster; otherwise the simulator with
-  ``rounds`` on a CPU, where per-worker gradients unrolled in one program beat
-  a ``vmap`` over weight copies (grouped convolutions; measured in
-  ``sim/executor.py``), and ``levels`` on an accelerator, where one
-  dispatch per round leaves the device idle (``sim/levels.py``).
+  ``auto``: ``fused`` for BSP without a cluster; otherwise the simulator, with ``levels``,
+  except on a CPU for a scheme whose protocol is a ``barrier`` (every round waits for every
+  worker: BSP, Local SGD, DiLoCo, a researcher's scheme built on their protocol), which runs
+  ``rounds`` there. Measured on a 2-core CPU (``docs/PERFORMANCE.md``): ``levels`` simulates
+  GSSP at 1.22-1.29 of a batched step against ``rounds``' 0.69-0.80 and beats it beside the
+  serial loop for every asynchronous scheme measured, while BSP, whose every round is already
+  one dependency level, runs at 1.86 with ``rounds`` and 1.39 with ``levels``. (On a CPU
+  ``auto`` picked ``rounds`` for every scheme before 2026-12-07; a resumed ``auto`` run keeps
+  the executor its checkpoint was written by, :func:`resolved_for`.)
 
   Args:
     config: the run's config.
@@ -175,7 +180,42 @@ def executor_name(config: ml_collections.ConfigDict, backend: str | None = None)
   if not uses_simulator(config):
     return "fused"
   backend = jax.default_backend() if backend is None else backend
-  return "rounds" if backend == "cpu" else "levels"
+  return "rounds" if backend == "cpu" and _barrier_scheme(config) else "levels"
+
+
+def _barrier_scheme(config: ml_collections.ConfigDict) -> bool:
+  """Whether ``config``'s scheme's protocol is a barrier (``Protocol.barrier``); False for a
+  config whose scheme cannot be built (its validation says why, elsewhere)."""
+  try:
+    scheme = registry.scheme_from_config(config)
+  except (ValueError, KeyError, TypeError):
+    return False
+  return bool(scheme.make_protocol().barrier)
+
+
+def _level_keys_set(config: ml_collections.ConfigDict) -> list[str]:
+  """The keys only the ``levels`` executor reads that ``config`` sets."""
+  keys = [k for k in ("levels_per_call", "level_job_slots", "level_job_batch")
+          if config.get(k, 0)]
+  return keys + (["devices"] if config.get("devices", 1) != 1 else [])
+
+
+def resolved_for(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """:func:`executor_name`, except that an ``auto`` run resuming a checkpoint the ``rounds``
+  executor wrote (``auto``'s choice on a CPU before it picked ``levels``) goes on with it, so
+  that it resumes instead of stopping on the other layout; not where a ``levels``-only key is
+  set (the restore's error then names the executor to resume with), nor across processes."""
+  name = executor_name(config)
+  if (config.get("executor", "auto") != "auto" or name != "levels"
+      or jax.process_count() > 1 or _level_keys_set(config)):
+    return name
+  from gssp_jax.sim import simulate  # pylint: disable=g-import-not-at-top
+  written = simulate.written_executor(workdir)
+  if written is not None and written != name:
+    logging.info("executor: %s, as the checkpoint in %s was written by it (config.executor="
+                 "'auto' picks %r for a new run)", written, workdir, name)
+    return written
+  return name
 
 
 def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Executor:
@@ -184,7 +224,7 @@ def make_executor(config: ml_collections.ConfigDict, task, workdir: str) -> Exec
   The one place an executor name becomes an executor; the simulator's two
   variants differ only in the device runner they name.
   """
-  name = executor_name(config)
+  name = resolved_for(config, workdir)
   logging.info("executor: %s (config.executor=%r, sync.scheme=%r, cluster.profile=%r)", name,
                config.get("executor", "auto"), config.sync.scheme, config.cluster.profile)
   if name == "fused":

@@ -87,7 +87,7 @@ def test_four_devices_give_one_devices_metrics_and_weights_bit_for_bit(tmp_path,
     (2, "levels", r"config.devices=2 is invalid: this process has 1 local cpu device"),
     (0, "rounds", r"config.devices=0 cannot apply: it sets the levels executor, and this run "
                   r"uses 'rounds'"),
-    (0, "auto", r"this run uses 'rounds' \(config.executor='auto'\)")])
+    (3, "auto", r"config.devices=3 is invalid: this process has 1 local cpu device")])
 def test_a_device_count_that_cannot_apply_is_refused_before_anything_is_built(value, executor,
                                                                               error):
   config = config_lib.override(helpers.cluster_config("ssp"), {"executor": executor})

@@ -11,6 +11,7 @@ evaluations.
 """
 
 import collections
+import copy
 import re
 
 import flax.linen as nn
@@ -637,15 +638,62 @@ def _run_config(scheme, compressor, **extra):
 _metric_lines = helpers.metric_lines
 
 
-def test_auto_picks_levels_on_an_accelerator_and_rounds_on_a_cpu():
+def test_auto_picks_levels_but_rounds_for_a_barrier_scheme_on_a_cpu():
   from gssp_jax import executors  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.protocols import ssp as ssp_protocols  # pylint: disable=g-import-not-at-top
   ssp = config_lib.override(config_lib.default_config(), {"sync.scheme": "ssp"})
-  assert executors.executor_name(ssp, backend="cpu") == "rounds"
-  assert executors.executor_name(ssp, backend="gpu") == "levels"
-  assert executors.executor_name(ssp, backend="tpu") == "levels"
-  assert executors.executor_name(config_lib.default_config(), backend="gpu") == "fused"
+  for backend in ("cpu", "gpu", "tpu"):
+    assert executors.executor_name(ssp, backend=backend) == "levels"
+  for name in ("bsp", "local_sgd", "diloco"):   # BSPProtocol: a barrier
+    barrier = config_lib.override(config_lib.default_config(),
+                                  {"sync.scheme": name, "cluster.profile": "tiers"})
+    assert executors.executor_name(barrier, backend="cpu") == "rounds", name
+    assert executors.executor_name(barrier, backend="gpu") == "levels", name
+  assert executors.executor_name(config_lib.default_config(), backend="cpu") == "fused"
   forced = config_lib.override(ssp, {"executor": "rounds"})
   assert executors.executor_name(forced, backend="gpu") == "rounds"
+
+  # A researcher's scheme: by its protocol's declaration, not its name.
+  class Gate(ssp_protocols.BSPProtocol):
+    pass
+
+  def build(config, worker_times):
+    del worker_times
+    base = registry.build_scheme("bsp", config.num_workers)
+    return registry.Scheme("gate", base.transform, lambda: Gate(config.num_workers),
+                           config.num_workers, 1, base.groups)
+  registry.register_scheme("gate", build, sync_keys=())
+  try:
+    gate = config_lib.override(config_lib.default_config(), {"sync.scheme": "gate"})
+    assert executors.executor_name(gate, backend="cpu") == "rounds"
+    Gate.barrier = False
+    assert executors.executor_name(gate, backend="cpu") == "levels"
+  finally:
+    registry.unregister_scheme("gate")
+
+
+def test_an_auto_run_resumes_with_the_executor_its_checkpoint_was_written_by(data_dir,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+  """A run started when ``auto`` picked ``rounds`` on a CPU resumes with ``rounds`` (not the
+  other layout's error); a new run, or one with a ``levels``-only key set, gets ``levels``."""
+  from gssp_jax.train import loop  # pylint: disable=g-import-not-at-top
+  auto = _run_config("ssp", "none", data_dir=data_dir, executor="auto")
+  run, new = str(tmp_path / "run"), str(tmp_path / "new")
+  with monkeypatch.context() as m:   # `auto` as it was on a CPU
+    m.setattr(executors_lib, "executor_name", lambda config, backend=None: "rounds")
+    first = loop.train_and_evaluate(
+        config_lib.override(copy.deepcopy(auto), {"train.stop_after_updates": 8}), run)
+  assert first["status"] == "stopped" and simulate.written_executor(run) == "rounds"
+  assert simulate.written_executor(new) is None
+  assert executors_lib.resolved_for(auto, run) == "rounds"
+  assert executors_lib.resolved_for(auto, new) == "levels"
+  keyed = config_lib.override(copy.deepcopy(auto), {"level_job_slots": 2})
+  assert executors_lib.resolved_for(keyed, run) == "levels"
+  summary = loop.train_and_evaluate(auto, run)   # resumed, to the end
+  assert summary["status"] == "done" and simulate.written_executor(run) == "rounds"
+  assert summary["totals"]["updates"] > first["totals"]["updates"]
 
 
 @pytest.mark.usefixtures("highest_precision")   # exactness: float32, not a GPU's TF32
@@ -799,14 +847,14 @@ def test_levels_hot_path_is_quiet_between_evaluations(tmp_path, data_dir):
     ("levels_per_call", 3, "levels", "gpu", "0 .chosen by the run. or a power of two from 1 to 64"),
     ("levels_per_call", 128, "levels", "gpu", "a power of two from 1 to 64"),
     ("levels_per_call", 4, "rounds", "gpu", "this run uses 'rounds'"),
-    ("levels_per_call", 4, "auto", "cpu", "this run uses 'rounds' .config.executor='auto'."),
+    ("levels_per_call", 4, "rounds", "cpu", "this run uses 'rounds' .config.executor='rounds'."),
     ("levels_per_call", 4, "dist", "gpu", "this run uses 'dist'"),
     ("level_job_slots", 5, "levels", "gpu", r"1..num_workers \(4\)"),
     ("level_job_slots", -1, "levels", "gpu", r"1..num_workers \(4\)"),
     ("level_job_slots", 2, "rounds", "gpu", "this run uses 'rounds'"),
     ("level_job_batch", 5, "levels", "gpu", r"0 .chosen by the run. or 1..num_workers \(4\)"),
     ("level_job_batch", -1, "levels", "gpu", r"1..num_workers \(4\)"),
-    ("level_job_batch", 1, "auto", "cpu", "this run uses 'rounds'"),
+    ("level_job_batch", 1, "dist", "cpu", "this run uses 'dist'"),
 ])
 def test_level_keys_are_validated_and_never_ignored(key, value, executor, backend, error):
   config = config_lib.override(config_lib.default_config(),

@@ -26,7 +26,7 @@ def test_bsp_with_cluster_speeds_runs_simulated_and_reports_virtual_time(tmp_pat
   # Worker 3 is 4x slower: BSP waits for it every round, so a round takes 4 base iterations.
   config = _small(data_dir, **{"cluster.speeds": (1.0, 1.0, 1.0, 4.0), "cluster.base_time": 0.1,
                                "train.target_accuracy": 0.1})
-  # The simulator: rounds on a CPU, levels on an accelerator (the suite runs on either).
+  # The simulator: BSP (a barrier) with rounds on a CPU, levels on an accelerator.
   assert executors.executor_name(config, backend="cpu") == "rounds"
   assert executors.executor_name(config, backend="gpu") == "levels"
   summary = loop.train_and_evaluate(config, str(tmp_path))
@@ -48,7 +48,9 @@ def test_the_executor_key_picks_what_it_says(tmp_path, data_dir):
   for changes in ({"sync.scheme": "ssp"}, {"cluster.profile": "homogeneous"},
                   {"cluster.jitter": 0.1}, {"cluster.bandwidth": 1e6}, {"executor": "rounds"}):
     changed = config_lib.override(config_lib.default_config(), changes)
-    assert executors.executor_name(changed, backend="cpu") == "rounds", changes
+    barrier = "sync.scheme" not in changes   # BSP on a cluster: rounds on a CPU
+    assert executors.executor_name(changed, backend="cpu") == (
+        "rounds" if "executor" in changes or barrier else "levels"), changes
     assert executors.executor_name(changed, backend="gpu") == (
         "rounds" if "executor" in changes else "levels"), changes
   # executor='rounds' on the default BSP config: the simulator on a homogeneous cluster, with
@@ -181,7 +183,8 @@ def test_buffered_device_steps_equal_one_call_per_round(tmp_path, data_dir, monk
     monkeypatch.setattr(simulate, "MAX_BUFFERED_ROUNDS", buffered)
     config = _small(data_dir, **{"sync.scheme": "ssp", "sync.staleness": 1,
                                  "cluster.speeds": (1.0, 1.0, 2.0, 3.0), "compress.name": "topk",
-                                 "compress.ratio": 0.1, "model": "helpers:TinyCNN"})
+                                 "compress.ratio": 0.1, "model": "helpers:TinyCNN",
+                                 "executor": "rounds"})
     summary = loop.train_and_evaluate(config, str(tmp_path / str(buffered)))
     runs[buffered] = (_metrics(tmp_path / str(buffered)), summary["totals"]["rounds"],
                       list(calls))

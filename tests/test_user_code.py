@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -69,16 +70,20 @@ def _python(args, tmp_path, timeout=420):
   return result
 
 
-def test_a_user_model_and_dataset_train_in_the_simulator_and_restore(tmp_path):
-  config = user_config()
+@pytest.mark.parametrize("executor", ["rounds", "levels"])
+def test_a_user_model_and_dataset_train_in_the_simulator_and_restore(tmp_path, executor):
+  config = user_config(executor=executor)
   summary = loop.train_and_evaluate(config, str(tmp_path), progress=False)
   assert summary["status"] == "done"
   accuracy = summary["final"]["test_accuracy"]
   assert accuracy > 0.9, summary["final"]
-  # The checkpoint restores the user model: its weights give the run's own final accuracy.
+  # The checkpoint restores the user model: its weights, as the model's own pytree whichever
+  # executor's layout saved them (levels keeps one flat vector), give the run's final accuracy.
   t = trained.load_trained(str(tmp_path))
   task = tasks.make_task(t.config)
   assert isinstance(task.model, nn.Module) and type(task.model).__name__ == "TinyMLP"
+  want, _ = task.init(jax.random.key(0))
+  assert jax.tree.structure(t.params) == jax.tree.structure(want)
   assert task.evaluate(t.params, t.model_state)["test_accuracy"] == accuracy
 
 

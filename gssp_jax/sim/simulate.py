@@ -267,6 +267,23 @@ def _refuse_abstract(sim, what: str) -> None:
                      f"cannot {what}; build it without abstract to {what}")
 
 
+def written_executor(workdir: str) -> str | None:
+  """The simulator executor (``rounds`` or ``levels``) that wrote the latest checkpoint in
+  ``workdir``, or None where there is none (nor a directory)."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None
+  checkpointer = ckpt_lib.Checkpointer(directory)
+  try:
+    latest = checkpointer.latest_step()
+    if latest is None:
+      return None
+    layout = checkpointer.restore_host(latest)["host"].get("layout", "tree")
+  finally:
+    checkpointer.close()
+  return "levels" if layout == "flat" else "rounds"
+
+
 class Simulation:
   """Any scheme on the simulated cluster: the host's timeline drives the device's rounds and jobs.
 
@@ -355,6 +372,7 @@ class Simulation:
       init = lambda p, m, rng: executor.init_state(p, m, self.tx, self.compressor, W, R, rng,
                                                    inner=inner)
       served = lambda s: executor.served_weights(s, self.eval_replica)
+    self._served = served
     self.harvest = executor.make_harvest_fn(served, W)
     # One worker's job: the rounds runner's, and what calibration times under either runner.
     self.job_fn = executor.make_job_fn(task.loss, self.compressor, self.dense_bytes,
@@ -495,6 +513,11 @@ class Simulation:
     if not isinstance(self.feed, levels.LevelRunner):
       raise ValueError("chunk_memory needs the levels runner; this run uses 'rounds'")
     return levels.chunk_memory(self.feed, self.state, self.arrays)
+
+  def served_weights(self, state=None):
+    """``(params, model_state)`` the run evaluates and would deploy, as the model's pytrees
+    (either executor's layout): of ``state`` (a restored checkpoint's), else the run's own."""
+    return self._served(self.state if state is None else state)
 
   # -- the executor interface -----------------------------------------------------------------
 

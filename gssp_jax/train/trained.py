@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from gssp_jax.sim import executor as sim_executor
 from gssp_jax import executors as executors_lib
 from gssp_jax.base import tasks
 
@@ -76,8 +75,8 @@ def load_trained(workdir: str, *, task=None) -> Trained:
     state, _ = executor.checkpointer.restore(step, executor.state)
   finally:
     executor.close() if sharded else executor.checkpointer.close()
-  if hasattr(executor, "eval_replica"):   # the simulator: server replicas
-    params, model_state = sim_executor.served_weights(state, executor.eval_replica)
+  if hasattr(executor, "served_weights"):   # the simulator: server replicas, either layout
+    params, model_state = executor.served_weights(state)
   else:
     params, model_state = state.params, state.model_state
   params, model_state = jax.device_get((params, model_state))

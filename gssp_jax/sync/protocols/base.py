@@ -74,6 +74,10 @@ class Protocol:
   # GSSP's level-executor rounds update that group's exchange rows only (transforms.gssp's
   # no_branches path); the level planner checks it on every round.
   one_exchange_per_round = False
+  # Every round waits for every alive worker (a barrier: BSP, Local SGD, DiLoCo): a round is
+  # then already a dependency level, and on a CPU `executors.executor_name`'s `auto` runs such a
+  # scheme with `rounds` (one call a round), which the level executor's pieces only slow there.
+  barrier = False
   supports_membership = False
   # Its gradients wait in aggregates, applied when a round's ``aggregate`` is set (InHAD): the
   # staleness accounting follows them (``accounting.Accounting``'s ``aggregating``).

@@ -31,6 +31,7 @@ class BSPProtocol(Protocol):
 
   name = "bsp"
   round_fields = ()
+  barrier = True
   supports_membership = True
 
   def __init__(self, num_workers: int):
