@@ -231,9 +231,10 @@ def main(argv):
   ratios, ceilings = {}, {}
   for model in f.models:
     for w in map(int, f.workers):
-      auto = executors.executor_name(sim_config(model, "ssp", w, "auto", f.epochs))
+      autos = {}   # scheme -> what `auto` runs (a barrier scheme: rounds on a CPU)
       for scheme in f.schemes:
         config_for = lambda ex: sim_config(model, scheme, w, ex, f.epochs, f.local_steps)  # pylint: disable=cell-var-from-loop
+        auto = autos[scheme] = executors.executor_name(config_for("auto"))
         before = serial_rate(config_for("auto"), f.serial_seconds)
         runs = [(label, ex, simulated_rates(config_for(ex), clock))
                 for label, ex in executors_to_run(config_for, f.executors)]
@@ -251,6 +252,7 @@ def main(argv):
         ceilings[(model, w)] = _print_ceiling(sim_config(model, "ssp", w, "auto", f.epochs), w,
                                               f.serial_seconds)
       for scheme in TARGET_SCHEMES:
+        auto = autos.get(scheme)
         got = ratios.get((model, w, scheme, auto))
         if got is not None and w == 16:
           target = TARGETS[model] if jax.default_backend() == "cpu" else ACCELERATOR_TARGET

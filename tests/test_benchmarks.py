@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import determinism
 from benchmarks import sim_rates
+from gssp_jax import executors
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -179,3 +180,9 @@ def test_the_serial_loop_trains_the_configs_model_one_step_per_gradient(data_dir
   config.data_dir = data_dir
   config.data.train_size = 2048
   assert serial_loop.serial_rate(config, 0.3) > 0
+  # The ceiling: the gradients alone, on weight copies or on shared weights in one vmap.
+  assert serial_loop.jobs_rate(config, 0.3, 4, shared=False) > 0
+  assert serial_loop.jobs_rate(config, 0.3, 4, shared=True) > 0
+  # `auto` per scheme: a barrier scheme keeps rounds on this CPU, the others run levels.
+  assert [executors.executor_name(serial_loop.sim_config("tiny", s, 4, "auto", 0.1),
+                                  backend="cpu") for s in ("bsp", "gssp")] == ["rounds", "levels"]
