@@ -180,10 +180,11 @@ def _check_budget(config: ml_collections.ConfigDict) -> None:
     keys += [("local.optimizer.schedule", "constant", "'constant' (the inner schedule runs "
               "over each worker's own steps, not virtual time)"),
              ("local.optimizer.warmup_epochs", 0.0, "0 (a warm-up is counted in epochs)")]
-  if config.sync.scheme == "local_sgd" and config.optimizer.get("warmup_seconds", 0.0):
+  if (local_lib.workers_run_optimizer(config.sync.scheme)
+      and config.optimizer.get("warmup_seconds", 0.0)):
     raise ValueError(f"config.optimizer.warmup_seconds={config.optimizer.warmup_seconds!r} "
-                     "cannot go with sync.scheme='local_sgd' (its optimizer.* is the workers' "
-                     "own, over their steps; its server averages); allowed: 0")
+                     f"cannot go with sync.scheme={config.sync.scheme!r} (its optimizer.* is the"
+                     " workers' own, over their steps; its server averages); allowed: 0")
   for key, allowed, why in keys:
     value = checks.get(config, key)
     if value != allowed:

@@ -40,6 +40,7 @@ from gssp_jax.sync.timeline import TimelineEngine
 from gssp_jax.sync import accounting
 from gssp_jax.sync import legs
 from gssp_jax.sync import local
+from gssp_jax.sync.local import LocalUpdate
 from gssp_jax.sync.transforms import asp
 from gssp_jax.sync.transforms import bsp
 from gssp_jax.sync.transforms import casp
@@ -89,6 +90,7 @@ __all__ = [   # the package's public names, re-exported
     "accounting",
     "legs",
     "local",
+    "LocalUpdate",
     "asp",
     "bsp",
     "casp",

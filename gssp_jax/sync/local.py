@@ -22,6 +22,7 @@ code for every method, ``utnslab/halos``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -34,12 +35,68 @@ import optax
 from gssp_jax import checks
 from gssp_jax import defaults
 
-LOCAL_SCHEMES = ("local_sgd", "diloco", "async_local_sgd", "halos")
+# The optional parts of ``config.local`` a local-update scheme may read (``steps`` and the
+# workers' optimizer it always reads).
+LOCAL_PARTS = ("dylu", "delayed_nesterov", "halos")
+WORKER_OPTIMIZERS = ("local.optimizer", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalUpdate:
+  """How a local-update scheme uses ``config.local``, declared when it is registered
+  (``sync.register_scheme(..., local=LocalUpdate(...))``, the built-ins' too) and read here, by
+  the config's validation, the optimizers and both executors instead of the scheme's name.
+
+  Attributes:
+    workers: whose keys the workers' inner optimizer takes: ``"local.optimizer"`` (the server
+      steps ``optimizer.*``: DiLoCo), or ``"optimizer"`` (the server averages the workers'
+      models, ``AVERAGING``: Local SGD).
+    reads: the optional parts of ``config.local`` it reads (:data:`LOCAL_PARTS`); any other
+      changed from its default is refused, naming the schemes that read it.
+    delayed_nesterov_server: its server always steps Delayed Nesterov (HALoS), so
+      ``optimizer.*`` must be a Nesterov SGD without weight decay.
+  """
+  workers: str = "local.optimizer"
+  reads: tuple[str, ...] = ()
+  delayed_nesterov_server: bool = False
+
+  def __post_init__(self):
+    if self.workers not in WORKER_OPTIMIZERS:
+      raise ValueError(f"LocalUpdate workers={self.workers!r} is invalid; allowed: "
+                       f"{', '.join(WORKER_OPTIMIZERS)}")
+    bad = [p for p in self.reads if p not in LOCAL_PARTS]
+    if bad or isinstance(self.reads, str):
+      raise ValueError(f"LocalUpdate reads={self.reads!r} is invalid; allowed: a tuple of "
+                       f"{', '.join(LOCAL_PARTS)}")
+    if self.delayed_nesterov_server and self.workers != "local.optimizer":
+      raise ValueError("LocalUpdate delayed_nesterov_server=True is invalid with workers="
+                       "'optimizer' (optimizer.* would be both the workers' and the server's)")
+
+
+# Name -> declaration of every registered local-update scheme (sync.registry writes it).
+LOCAL: dict[str, LocalUpdate] = {}
 
 
 def is_local(scheme: str) -> bool:
   """True for the local-update schemes (their jobs take ``local.steps`` inner steps)."""
-  return scheme in LOCAL_SCHEMES
+  return scheme in LOCAL
+
+
+def declaration(scheme: str) -> LocalUpdate:
+  """``scheme``'s :class:`LocalUpdate`; a scheme that is not a local-update one has none."""
+  if scheme not in LOCAL:
+    raise ValueError(f"sync.scheme={scheme!r} is not a local-update scheme; those registered: "
+                     f"{', '.join(LOCAL)}")
+  return LOCAL[scheme]
+
+
+def workers_run_optimizer(scheme: str) -> bool:
+  """Whether ``scheme``'s workers run ``optimizer.*`` (its server averages: Local SGD)."""
+  return is_local(scheme) and LOCAL[scheme].workers == "optimizer"
+
+
+def _readers(part: str) -> list[str]:
+  return [name for name, d in LOCAL.items() if part in d.reads]
 
 
 def local_steps(steps: int, times, dylu: bool) -> np.ndarray:
@@ -63,7 +120,7 @@ def local_steps(steps: int, times, dylu: bool) -> np.ndarray:
   return np.maximum(1, np.floor(steps * times.min() / times + 1e-9)).astype(np.int64)
 
 
-# local_sgd's server: the mean of the workers' models.
+# The server of a scheme whose workers run optimizer.* (Local SGD): the mean of their models.
 AVERAGING = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0, "nesterov": False,
              "weight_decay": 0.0, "weight_decay_mode": "progress", "schedule": "constant",
              "warmup_epochs": 0.0, "grad_clip": 0.0}
@@ -72,10 +129,12 @@ AVERAGING = {"name": "sgd", "learning_rate": 1.0, "momentum": 0.0, "nesterov": F
 def inner_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The workers' optimizer as an ``optimizer``-style config (decay per inner step).
 
-  ``local_sgd``'s workers run ``config.optimizer``; the other local-update
-  schemes' run ``config.local.optimizer`` (``config.optimizer`` is their server's).
+  A scheme declared with ``workers="optimizer"`` (Local SGD) has its workers run
+  ``config.optimizer``; the others' run ``config.local.optimizer`` (``config.optimizer`` is
+  their server's).
   """
-  source = config.optimizer if config.sync.scheme == "local_sgd" else config.local.optimizer
+  source = (config.optimizer if workers_run_optimizer(config.sync.scheme)
+            else config.local.optimizer)
   cfg = ml_collections.ConfigDict({k: source[k] for k in default_inner_keys()})
   cfg.weight_decay_mode = "per_step"   # a worker's own steps: plain optax, decay every step
   cfg.grad_clip = 0.0                  # optimizer.grad_clip clips each inner gradient (executor)
@@ -144,8 +203,9 @@ def delayed_nesterov(momentum: float, period: int, *, num_workers: int
 
 
 def outer_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The server's optimizer config (its schedule too): ``optimizer.*``, or local_sgd's averaging."""
-  if config.sync.scheme == "local_sgd":
+  """The server's optimizer config (its schedule too): ``optimizer.*``, or the averaging of a
+  scheme whose workers run ``optimizer.*`` (Local SGD)."""
+  if workers_run_optimizer(config.sync.scheme):
     return ml_collections.ConfigDict(AVERAGING)
   return config.optimizer
 
@@ -184,7 +244,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if defaults.comparable(value) != defaults.comparable(default):
       raise ValueError(
           f"config.local.{key}={value!r} cannot apply: sync.scheme={config.sync.scheme!r} is not"
-          f" a local-update scheme ({', '.join(LOCAL_SCHEMES)}); leave it at its"
+          f" a local-update scheme ({', '.join(LOCAL)}); leave it at its"
           f" default {default!r}")
 
 
@@ -195,25 +255,26 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
     ValueError: naming the key, its value and what is allowed.
   """
   scheme, local = config.sync.scheme, config.local
+  declared = declaration(scheme)
   checks.int_at_least(1)("local.steps", local.steps)
   n = local.delayed_nesterov
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
     checks.fail("local.delayed_nesterov", n, "an integer >= 0 (0 = off)")
   opt = config.optimizer
-  if scheme == "local_sgd":
+  if declared.workers == "optimizer":
     inner_defaults = defaults.default_config().local.optimizer
     for key in default_inner_keys():
       if (defaults.comparable(local.optimizer[key])
           != defaults.comparable(inner_defaults[key])):
         raise ValueError(
             f"config.local.optimizer.{key}={local.optimizer[key]!r} cannot apply to "
-            "sync.scheme='local_sgd': its workers run optimizer.* and its server averages their"
+            f"sync.scheme={scheme!r}: its workers run optimizer.* and its server averages their"
             " models; set optimizer.* instead, or use sync.scheme='diloco' (workers: "
             "local.optimizer.*, server: optimizer.*)")
-  if scheme == "halos":
+  if "halos" in declared.reads:
     _check_halos(local.halos)
   uses_dn = f"local.delayed_nesterov={n}" if n else (
-      "sync.scheme='halos'" if scheme == "halos" else None)
+      f"sync.scheme={scheme!r}" if declared.delayed_nesterov_server else None)
   if uses_dn and opt.name != "sgd":
     raise ValueError(f"config.optimizer.name={opt.name!r} cannot apply with {uses_dn}: Delayed "
                      "Nesterov is the server's optimizer (its momentum is optimizer.momentum); "
@@ -225,17 +286,17 @@ def check_local_config(config: ml_collections.ConfigDict) -> None:
                      "Nesterov is a Nesterov step without weight decay; set "
                      "optimizer.nesterov=True and optimizer.weight_decay=0")
   checks.check_bool("local.dylu", local.dylu)
-  readers = {"dylu": ("async_local_sgd", "halos"), "delayed_nesterov": ("async_local_sgd",)}
   for key, value in (("dylu", local.dylu), ("delayed_nesterov", n)):
-    if value and scheme not in readers[key]:
+    if value and key not in declared.reads:
       raise ValueError(f"config.local.{key}={value!r} cannot apply: sync.scheme={scheme!r} "
-                       f"does not read it (read only by {', '.join(readers[key])})")
-  if scheme != "halos":
+                       f"does not read it (read only by {', '.join(_readers(key))})")
+  if "halos" not in declared.reads:
     halos_defaults = defaults.default_config().local.halos
     for key in halos_defaults:
       if defaults.comparable(local.halos[key]) != defaults.comparable(halos_defaults[key]):
         raise ValueError(f"config.local.halos.{key}={local.halos[key]!r} cannot apply: "
-                         f"sync.scheme={scheme!r} does not read it (read only by halos)")
+                         f"sync.scheme={scheme!r} does not read it (read only by "
+                         f"{', '.join(_readers('halos'))})")
   if not math.isfinite(float(local.optimizer.learning_rate)) \
       or local.optimizer.learning_rate <= 0:
     raise ValueError(f"config.local.optimizer.learning_rate={local.optimizer.learning_rate!r} is "

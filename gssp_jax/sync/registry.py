@@ -13,6 +13,7 @@ from gssp_jax import defaults
 from gssp_jax.sync import grouping
 from gssp_jax.sync import halos as halos_lib
 from gssp_jax.sync import legs as legs_lib
+from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import transforms
 from gssp_jax.sync.protocols.base import Protocol
 from gssp_jax.sync.protocols.casp import CASPProtocol
@@ -42,6 +43,14 @@ _BUILT_IN_KEYS = {
     "diloco": (),
     "async_local_sgd": (),
     "halos": ("num_groups", "grouping", "forward_every"),
+}
+# How each built-in local-update scheme uses config.local (sync/local.py's LocalUpdate),
+# registered with it as a researcher's would be.
+_BUILT_IN_LOCAL = {
+    "local_sgd": local_lib.LocalUpdate(workers="optimizer"),
+    "diloco": local_lib.LocalUpdate(),
+    "async_local_sgd": local_lib.LocalUpdate(reads=("dylu", "delayed_nesterov")),
+    "halos": local_lib.LocalUpdate(reads=("dylu", "halos"), delayed_nesterov_server=True),
 }
 # Every scheme, the built-ins first (registered at the end of this module): name ->
 # builder(config, worker_times) -> Scheme.
@@ -224,7 +233,8 @@ _BUILT_IN: dict[str, Callable[..., Scheme]] = {
 
 
 def register_scheme(name: str, builder: Callable[..., Scheme],
-                    sync_keys: Sequence[str] | None = None) -> None:
+                    sync_keys: Sequence[str] | None = None,
+                    local: local_lib.LocalUpdate | None = None) -> None:
   """Adds a scheme so that ``config.sync.scheme=name`` trains with it (simulator, sweeps).
 
   The built-in schemes are registered through it too, when this module is imported.
@@ -238,6 +248,8 @@ def register_scheme(name: str, builder: Callable[..., Scheme],
     sync_keys: the ``config.sync.*`` keys it reads (e.g. ``("staleness",)``); any other
       changed from its default is then rejected at validation, naming the schemes that
       read it. None: it may read any.
+    local: for a local-update scheme (its workers take ``local.steps`` inner steps per push),
+      how it uses ``config.local`` (``sync.local.LocalUpdate``); None for any other.
 
   Raises:
     ValueError: a built-in or non-identifier name, a builder that is not callable, or a
@@ -258,10 +270,16 @@ def register_scheme(name: str, builder: Callable[..., Scheme],
       if part == "scheme" or node is None:
         raise ValueError(f"register_scheme({name!r}): sync_keys entry {key!r} is invalid; "
                          f"allowed: keys of config.sync but scheme ({', '.join(known)})")
+  if local is not None and not isinstance(local, local_lib.LocalUpdate):
+    raise ValueError(f"register_scheme({name!r}): local={local!r} is invalid; allowed: None or "
+                     "a sync.local.LocalUpdate")
   _REGISTERED[name] = builder
   SYNC_KEYS.pop(name, None)
   if sync_keys is not None:
     SYNC_KEYS[name] = tuple(sync_keys)
+  local_lib.LOCAL.pop(name, None)
+  if local is not None:
+    local_lib.LOCAL[name] = local
 
 
 def unregister_scheme(name: str) -> None:
@@ -269,6 +287,7 @@ def unregister_scheme(name: str) -> None:
   if name not in _FIXED:
     _REGISTERED.pop(name, None)
     SYNC_KEYS.pop(name, None)
+    local_lib.LOCAL.pop(name, None)
 
 
 def scheme_names() -> tuple[str, ...]:
@@ -317,7 +336,8 @@ def _built_in_builder(name: str) -> Callable[..., Scheme]:
 # names are fixed (a researcher's may not take them).
 _FIXED: tuple[str, ...] = ()
 for _name in _BUILT_IN:
-  register_scheme(_name, _built_in_builder(_name), _BUILT_IN_KEYS[_name])
+  register_scheme(_name, _built_in_builder(_name), _BUILT_IN_KEYS[_name],
+                  _BUILT_IN_LOCAL.get(_name))
 SCHEMES = _FIXED = tuple(_BUILT_IN)
 del _name
 
