@@ -97,7 +97,7 @@ class Executor(Protocol):
 
 def uses_simulator(config: ml_collections.ConfigDict) -> bool:
   """BSP without a cluster description trains in the fused loop; everything else is simulated."""
-  return config.sync.scheme != "bsp" or cluster_lib.cluster_is_set(config)
+  return not registry.has_fused_loop(config.sync.scheme) or cluster_lib.cluster_is_set(config)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -110,7 +110,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if name not in defaults.EXECUTORS:
     checks.fail("executor", name, ", ".join(defaults.EXECUTORS))
   if name == "fused" and uses_simulator(config):
-    why = (f"sync.scheme={config.sync.scheme!r}" if config.sync.scheme != "bsp"
+    why = (f"sync.scheme={config.sync.scheme!r}"
+           if not registry.has_fused_loop(config.sync.scheme)
            else "config.cluster describes a cluster")
     raise ValueError(f"config.executor='fused' cannot apply: {why}, and the fused executor"
                      " trains only BSP without a cluster (no virtual time); use 'rounds' or"

@@ -43,7 +43,7 @@ def validate(config) -> None:
   """``config.compress.*``: a known compressor and scope, ratios in (0, 1], ``compute_time``
   finite seconds >= 0 (0 without a compressor).
 
-  ``gdtopk`` only under GSSP (its ratios are per GSSP group).
+  Which schemes take ``gdtopk`` the scheme registry checks (``sync.registry.validate``).
 
   Raises:
     ValueError: one line naming the key, its value and what is allowed.
@@ -55,9 +55,6 @@ def validate(config) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
       checks.fail(key, value, "a number in (0, 1]")
   _check_compute_time(config.compress.name, config.compress.get("compute_time", 0.0))
-  if config.compress.name == "gdtopk" and config.sync.scheme != "gssp":
-    checks.fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
-                "per GSSP group); use topk or dgc otherwise")
 
 def _check_compute_time(name: str, seconds) -> None:
   """``compress.compute_time``: finite seconds >= 0, and 0 without a compressor (nothing to time)."""

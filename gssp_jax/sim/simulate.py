@@ -903,15 +903,7 @@ def run_header(config: ml_collections.ConfigDict, cluster, scheme, calibrated=No
              f"{_counts(t.bandwidth[~np.eye(t.num_regions, dtype=bool)] / 1e6)} MB/s between "
              f"them, the server in region {t.server_region}")
   groups = [np.flatnonzero(scheme.groups == g).tolist() for g in np.unique(scheme.groups)]
-  # The bound counts clocks ahead of the slowest worker; the progress lines' measured staleness
-  # counts updates of the gradient's server (docs/USAGE.md, "Staleness: the bound and the
-  # measured figure").
-  bound = f"staleness bound {s.staleness} clocks ahead"
-  knobs = {"bsp": "", "asp": "", "ssp": f", {bound}",
-           "bsp_allreduce": ", gradients averaged by a ring all-reduce (the replica: every"
-                            " worker's copy)",
-           "dssp": f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
-           "gssp": f", {bound} (in its group), inter-group {s.inter_group}"}.get(scheme.name, "")
+  knobs = sync.registry.settings_line(scheme.name, s)
   compress_name = config.compress.name
   comp = "" if compress_name == "none" else f", compress {compress_name}"
   return (f"simulated cluster: {scheme.num_workers} workers, {speed}{extras}; {link}\n"

@@ -52,6 +52,11 @@ _BUILT_IN_LOCAL = {
     "async_local_sgd": local_lib.LocalUpdate(reads=("dylu", "delayed_nesterov")),
     "halos": local_lib.LocalUpdate(reads=("dylu", "halos"), delayed_nesterov_server=True),
 }
+# What only a built-in has, asked about here rather than by name elsewhere: BSP without a cluster
+# trains in the fused data-parallel loop (executors.FusedBSP, BSP's own math); GDTopK's ratios are
+# per GSSP group.
+_FUSED_LOOP = ("bsp",)
+_GROUP_RATIOS = ("gssp",)
 # Every scheme, the built-ins first (registered at the end of this module): name ->
 # builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
@@ -290,6 +295,27 @@ def unregister_scheme(name: str) -> None:
     local_lib.LOCAL.pop(name, None)
 
 
+def settings_line(name: str, sync_config) -> str:
+  """The run log's words on built-in ``name``'s settings (``", staleness bound 3 clocks
+  ahead"``), '' for others. The bound counts clocks ahead of the slowest worker; the progress
+  lines' measured staleness counts updates of the gradient's server (docs/USAGE.md,
+  "Staleness: the bound and the measured figure")."""
+  s = sync_config
+  bound = lambda: f"staleness bound {s.staleness} clocks ahead"
+  lines = {
+      "ssp": lambda: f", {bound()}",
+      "bsp_allreduce": lambda: ", gradients averaged by a ring all-reduce (the replica: every "
+                               "worker's copy)",
+      "dssp": lambda: f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
+      "gssp": lambda: f", {bound()} (in its group), inter-group {s.inter_group}"}
+  return lines[name]() if name in lines else ""
+
+
+def has_fused_loop(name: str) -> bool:
+  """Whether scheme ``name`` trains in the fused data-parallel loop when no cluster is set."""
+  return name in _FUSED_LOOP
+
+
 def scheme_names() -> tuple[str, ...]:
   """Every name ``config.sync.scheme`` accepts: the built-ins, then the registered ones."""
   return tuple(_REGISTERED)
@@ -369,6 +395,9 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
     scheme = scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
+  if config.compress.name == "gdtopk" and config.sync.scheme not in _GROUP_RATIOS:
+    checks.fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
+                "per GSSP group); use topk or dgc otherwise")
   if scheme.legs.dense_only and config.compress.name != "none":
     checks.fail("compress.name", config.compress.name,
                 f"'none' with sync.scheme={config.sync.scheme!r} (its legs move dense gradients "
