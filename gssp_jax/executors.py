@@ -146,9 +146,8 @@ def validate_levels_per_call(config: ml_collections.ConfigDict, backend: str | N
   devices = config.get("devices", 1)
   # An int in range (every process's devices, across processes), else ValueError.
   devices_lib.count(devices, devices_lib.available(), jax.process_count())
-  unset = {"devices": 1}   # the others' default is 0
   for key, set_value in (("levels_per_call", value), *counts.items(), ("devices", devices)):
-    if set_value == unset.get(key, 0):
+    if set_value == _LEVEL_KEYS_UNSET[key]:
       continue
     name = executor_name(config, backend)
     if name != "levels":
@@ -194,11 +193,14 @@ def _barrier_scheme(config: ml_collections.ConfigDict) -> bool:
   return bool(scheme.make_protocol().barrier)
 
 
+# The keys only the ``levels`` executor reads, each with its value when unset.
+_LEVEL_KEYS_UNSET = {"levels_per_call": 0, "level_job_slots": 0, "level_job_batch": 0,
+                     "devices": 1}
+
+
 def _level_keys_set(config: ml_collections.ConfigDict) -> list[str]:
   """The keys only the ``levels`` executor reads that ``config`` sets."""
-  keys = [k for k in ("levels_per_call", "level_job_slots", "level_job_batch")
-          if config.get(k, 0)]
-  return keys + (["devices"] if config.get("devices", 1) != 1 else [])
+  return [k for k, unset in _LEVEL_KEYS_UNSET.items() if config.get(k, unset) != unset]
 
 
 def resolved_for(config: ml_collections.ConfigDict, workdir: str) -> str:

@@ -281,6 +281,11 @@ def written_executor(workdir: str) -> str | None:
     layout = checkpointer.restore_host(latest)["host"].get("layout", "tree")
   finally:
     checkpointer.close()
+  return _executor_of_layout(layout)
+
+
+def _executor_of_layout(layout: str) -> str:
+  """The executor that writes a checkpoint's ``layout`` (``flat``: levels; ``tree``: rounds)."""
   return "levels" if layout == "flat" else "rounds"
 
 
@@ -549,7 +554,7 @@ class Simulation:
   def _check_layout(self, layout: str, latest: int) -> None:
     """Raises ValueError unless a checkpoint's ``layout`` is this run's executor's."""
     if layout != self.book.host["layout"]:
-      written = "levels" if layout == "flat" else "rounds"
+      written = _executor_of_layout(layout)
       raise ValueError(
           f"the checkpoint at {latest} pushes in {self.checkpointer.directory} was written by "
           f"the {written!r} executor, and this run uses the other one (config.executor="
