@@ -30,6 +30,7 @@ from gssp_jax.data import sharding
 from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sync import legs
+from gssp_jax.sync import local
 from gssp_jax.sync import registry
 from gssp_jax.base import checkpoint as ckpt_lib
 from gssp_jax.base import interrupt
@@ -162,13 +163,18 @@ def executor_name(config: ml_collections.ConfigDict, backend: str | None = None)
 
   ``auto``: ``fused`` for BSP without a cluster; otherwise the simulator, with ``levels``,
   except on a CPU for a scheme whose protocol is a ``barrier`` (every round waits for every
-  worker: BSP, Local SGD, DiLoCo, a researcher's scheme built on their protocol), which runs
-  ``rounds`` there. Measured on a 2-core CPU (``docs/PERFORMANCE.md``): ``levels`` simulates
-  GSSP at 1.22-1.29 of a batched step against ``rounds``' 0.69-0.80 and beats it beside the
-  serial loop for every asynchronous scheme measured, while BSP, whose every round is already
-  one dependency level, runs at 1.86 with ``rounds`` and 1.39 with ``levels``. (On a CPU
-  ``auto`` picked ``rounds`` for every scheme before 2026-12-07; a resumed ``auto`` run keeps
-  the executor its checkpoint was written by, :func:`resolved_for`.)
+  worker: BSP, Local SGD, DiLoCo, a researcher's scheme built on their protocol) or whose
+  jobs are local updates (``local.steps`` inner steps each: every registered local-update
+  scheme), which run ``rounds`` there. Measured on a 2-core CPU (``docs/PERFORMANCE.md``):
+  ``levels`` simulates GSSP at 1.22-1.29 of a batched step against ``rounds``' 0.69-0.80 and
+  beats it beside the serial loop for every asynchronous scheme of single gradients, while
+  BSP, whose every round is already one dependency level, runs at 1.86 with ``rounds`` and
+  1.39 with ``levels``; and a local-update scheme's level chunk (H inner steps in each job
+  slot) compiles for minutes on a CPU: the README's shrunk asynchronous Local-SGD and HALoS
+  take 121-283 s and 270 s with ``levels``, 31 s and 44 s with ``rounds``, at a steady rate
+  within 10 % of each other. (On a CPU ``auto`` picked ``rounds`` for every scheme before
+  2026-12-07; a resumed ``auto`` run keeps the executor its checkpoint was written by,
+  :func:`resolved_for`.)
 
   Args:
     config: the run's config.
@@ -180,7 +186,9 @@ def executor_name(config: ml_collections.ConfigDict, backend: str | None = None)
   if not uses_simulator(config):
     return "fused"
   backend = jax.default_backend() if backend is None else backend
-  return "rounds" if backend == "cpu" and _barrier_scheme(config) else "levels"
+  if backend == "cpu" and (_barrier_scheme(config) or local.is_local(config.sync.scheme)):
+    return "rounds"
+  return "levels"
 
 
 def _barrier_scheme(config: ml_collections.ConfigDict) -> bool:

@@ -12,6 +12,7 @@ evaluations.
 
 import collections
 import copy
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ from gssp_jax.sim import levels
 from gssp_jax.sim import planner as planner_lib
 from gssp_jax.sim import simulate
 from gssp_jax.sim import watch
+from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import rounds as rounds_lib
 from gssp_jax import executors as executors_lib
 from gssp_jax.base import optim
@@ -638,18 +640,19 @@ def _run_config(scheme, compressor, **extra):
 _metric_lines = helpers.metric_lines
 
 
-def test_auto_picks_levels_but_rounds_for_a_barrier_scheme_on_a_cpu():
+def test_auto_picks_levels_but_rounds_for_a_barrier_or_local_update_scheme_on_a_cpu():
   from gssp_jax import executors  # pylint: disable=g-import-not-at-top
   from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
   from gssp_jax.sync.protocols import ssp as ssp_protocols  # pylint: disable=g-import-not-at-top
   ssp = config_lib.override(config_lib.default_config(), {"sync.scheme": "ssp"})
   for backend in ("cpu", "gpu", "tpu"):
     assert executors.executor_name(ssp, backend=backend) == "levels"
-  for name in ("bsp", "local_sgd", "diloco"):   # BSPProtocol: a barrier
-    barrier = config_lib.override(config_lib.default_config(),
-                                  {"sync.scheme": name, "cluster.profile": "tiers"})
-    assert executors.executor_name(barrier, backend="cpu") == "rounds", name
-    assert executors.executor_name(barrier, backend="gpu") == "levels", name
+  # BSPProtocol's barrier (bsp, local_sgd, diloco), and local-update jobs (the last three).
+  for name in ("bsp", "local_sgd", "diloco", "async_local_sgd", "halos"):
+    rounds = config_lib.override(config_lib.default_config(),
+                                 {"sync.scheme": name, "cluster.profile": "tiers"})
+    assert executors.executor_name(rounds, backend="cpu") == "rounds", name
+    assert executors.executor_name(rounds, backend="gpu") == "levels", name
   assert executors.executor_name(config_lib.default_config(), backend="cpu") == "fused"
   forced = config_lib.override(ssp, {"executor": "rounds"})
   assert executors.executor_name(forced, backend="gpu") == "rounds"
@@ -671,6 +674,20 @@ def test_auto_picks_levels_but_rounds_for_a_barrier_scheme_on_a_cpu():
     assert executors.executor_name(gate, backend="cpu") == "levels"
   finally:
     registry.unregister_scheme("gate")
+  # A researcher's local-update scheme with an asynchronous server: by its declaration.
+  registry.register_scheme(
+      "my_async_local",
+      lambda config, times: dataclasses.replace(registry.build_scheme("asp", config.num_workers),
+                                                name="my_async_local"),
+      sync_keys=(), local=local_lib.LocalUpdate())
+  try:
+    mine = config_lib.override(config_lib.default_config(), {"sync.scheme": "my_async_local",
+                                                             "cluster.profile": "tiers"})
+    assert not executors._barrier_scheme(mine)   # pylint: disable=protected-access
+    assert executors.executor_name(mine, backend="cpu") == "rounds"
+    assert executors.executor_name(mine, backend="gpu") == "levels"
+  finally:
+    registry.unregister_scheme("my_async_local")
 
 
 def test_an_auto_run_resumes_with_the_executor_its_checkpoint_was_written_by(data_dir,
