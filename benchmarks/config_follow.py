@@ -7,7 +7,10 @@ every call between two files of the package during ``config.validate_config`` an
 files entered, the calls between files, the calls *against the import direction* (into a module
 that imports the caller's, directly or not, counting imports inside functions: a climb back up
 the layers) and the entries into ``config.py``. A method's call to another method of its own
-object (a base class reaching a subclass's override) is dispatch, not a call between files. Issue 37's before/after figures come from it,
+object (a base class reaching a subclass's override) is dispatch, not a call between files; so
+is the scheme registry's call of a builder registered with it (each scheme's package registers
+its builder, as a researcher's code does: the registry calls back what it was handed). Issue 37's
+before/after figures come from it,
 with ``ROOT`` an older checkout (a ``git worktree``). It prints, it asserts nothing.
 """
 
@@ -66,8 +69,18 @@ def _same_self(frame) -> bool:
   return me is not None and frame.f_back.f_locals.get("self") is me
 
 
-def follow(config_lib, config, files: dict[str, str]) -> list[tuple[str, str]]:
-  """``(caller, callee)`` modules of every call between two package files in validation."""
+def registered_codes() -> set:
+  """The code of every scheme builder registered with ``sync.registry`` (its tables as this
+  checkout has them; none in a checkout without them)."""
+  from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top (from ROOT)
+  tables = [getattr(registry, name, {}) for name in ("_REGISTERED", "_KEYWORD_BUILDERS")]
+  return {f.__code__ for table in tables for f in table.values() if hasattr(f, "__code__")}
+
+
+def follow(config_lib, config, files: dict[str, str],
+           callbacks: frozenset = frozenset()) -> list[tuple[str, str]]:
+  """``(caller, callee)`` modules of every call between two package files in validation, but a
+  call of one of ``callbacks`` (code objects: :func:`registered_codes`)."""
   calls = []
 
   def tracer(frame, event, arg):
@@ -75,7 +88,8 @@ def follow(config_lib, config, files: dict[str, str]) -> list[tuple[str, str]]:
     if event == "call" and frame.f_back is not None:
       callee = os.path.abspath(frame.f_code.co_filename)
       caller = os.path.abspath(frame.f_back.f_code.co_filename)
-      if callee in files and caller in files and callee != caller and not _same_self(frame):
+      if (callee in files and caller in files and callee != caller and not _same_self(frame)
+          and frame.f_code not in callbacks):
         calls.append((files[caller], files[callee]))
 
   sys.settrace(tracer)
@@ -97,7 +111,7 @@ def main(argv: list[str]) -> None:
   for label, changes in CONFIGS.items():
     config = config_lib.override(config_lib.default_config(), changes)
     config_lib.validate_config(config)   # once untraced: lazy imports happen outside the count
-    calls = follow(config_lib, config, files)
+    calls = follow(config_lib, config, files, frozenset(registered_codes()))
     entered = {"gssp_jax.config"} | {callee for _, callee in calls}
     upward = sum(1 for caller, callee in calls if caller in closure.get(callee, ()))
     into_config = 1 + sum(1 for _, callee in calls if callee == "gssp_jax.config")

@@ -42,6 +42,7 @@ VERSION = 1
 
 _ALLOWED: dict[str, type] = {}
 _BASES: list[type] = []   # classes whose subclasses, wherever defined, are allowed
+_MOVED: dict[str, str] = {}   # a module's old name -> its name now (:func:`moved`)
 _BIT_GENERATORS = {cls.__name__: cls for cls in (np.random.PCG64, np.random.PCG64DXSM,
                                                  np.random.MT19937, np.random.Philox,
                                                  np.random.SFC64)}
@@ -61,6 +62,18 @@ def allow_subclasses(base: type) -> None:
   """Allows objects of ``base`` and of every subclass of it defined in the reading process."""
   if base not in _BASES:
     _BASES.append(base)
+
+
+def moved(old: str, new: str) -> None:
+  """Module ``old`` is now ``new``: a document naming a class in ``old`` (written before the
+  move) reads it from ``new``, by name as ever (nothing is imported)."""
+  _MOVED[old] = new
+
+
+def _current(name: str) -> str:
+  """A class's ``module:qualname`` as it is now, through :func:`moved`."""
+  module, _, qualname = name.partition(":")
+  return f"{_MOVED[module]}:{qualname}" if module in _MOVED else name
 
 
 def _name(cls: type) -> str:
@@ -168,8 +181,9 @@ def from_tree(tree: Any, classes: dict[str, type] | None = None) -> Any:
     return {_hashable(from_tree(k, classes)): from_tree(v, classes) for k, v in value}
   if tag in ("__nt__", "__obj__"):
     name, fields = value
+    written, name = name, name if name in classes else _current(name)
     if name not in classes:
-      raise HostStateError(f"host state names class {name}, which is not allowed here (allowed:"
+      raise HostStateError(f"host state names class {written}, which is not allowed here (allowed:"
                            " gssp_jax's host classes and the sync.Protocol subclasses defined in"
                            " this process; define or register a custom scheme's protocol before"
                            " resuming its run)")

@@ -193,6 +193,28 @@ def test_host_state_refuses_unknown_classes_versions_and_object_arrays():
     host_state.decode({**host_state.encode(1), "version": 99}, "x")
 
 
+def test_host_state_written_before_the_protocols_moved_reads_them_where_they_are_now():
+  """A checkpoint from before each scheme had a package names its protocol (and CASP's
+  actor-critic, the protocols' messages) in ``sync.protocols.*``: it reads them from their
+  packages, by name; an old name of a class that is not there is still refused."""
+  protocol = sync.GSSPProtocol(4, np.array([0, 0, 1, 1]), 2)
+  tree = {"protocol": protocol, "message": sync.Message("forward", 1),
+          "casp": sync.CASPProtocol(4, max_communities=2)}
+  document = json.loads(json.dumps(host_state.encode(tree)).replace(
+      "gssp_jax.sync.schemes.gssp.protocol:", "gssp_jax.sync.protocols.gssp:").replace(
+          "gssp_jax.sync.schemes.casp.protocol:", "gssp_jax.sync.protocols.casp:").replace(
+              "gssp_jax.sync.protocol:", "gssp_jax.sync.protocols.base:"))
+  assert "gssp_jax.sync.protocols.gssp:GSSPProtocol" in json.dumps(document)
+  back = host_state.decode(document)
+  assert type(back["protocol"]) is sync.GSSPProtocol and _same(back, tree)
+  assert type(back["casp"].agent) is sync.ActorCritic
+  forged = {**document, "state": {"__obj__": ["gssp_jax.sync.protocols.gssp:Popen",
+                                              {"__dict__": []}]}}
+  with pytest.raises(host_state.HostStateError,
+                     match="names class gssp_jax.sync.protocols.gssp:Popen"):
+    host_state.decode(forged)
+
+
 def test_a_simulator_checkpoint_holds_no_pickle_and_an_old_one_is_refused(tmp_path, data_dir):
   config = helpers.cluster_config("gssp", data_dir, **{"train.stop_after_updates": 5})
   loop.train_and_evaluate(config, str(tmp_path / "run"), progress=False)

@@ -643,7 +643,7 @@ _metric_lines = helpers.metric_lines
 def test_auto_picks_levels_but_rounds_for_a_barrier_or_local_update_scheme_on_a_cpu():
   from gssp_jax import executors  # pylint: disable=g-import-not-at-top
   from gssp_jax.sync import registry  # pylint: disable=g-import-not-at-top
-  from gssp_jax.sync.protocols import ssp as ssp_protocols  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.schemes.ssp import protocol as ssp_protocols  # pylint: disable=g-import-not-at-top
   ssp = config_lib.override(config_lib.default_config(), {"sync.scheme": "ssp"})
   for backend in ("cpu", "gpu", "tpu"):
     assert executors.executor_name(ssp, backend=backend) == "levels"

@@ -300,7 +300,7 @@ def test_casp_communities_uploading_at_once_share_the_servers_link(shared, appli
                                 server_bandwidth=MB, server_latency=0.0)
   protocol = sync.CASPProtocol(4, max_communities=2, initial_communities=2,
                                reconfigure_every=10_000)
-  links = traffic.Traffic(sync.legs.CommunityLegs, cluster, lambda w, k: MB, MB, MB,
+  links = traffic.Traffic(sync.schemes.casp.legs.CommunityLegs, cluster, lambda w, k: MB, MB, MB,
                           shared=shared)
   engine = links.engine(protocol, cluster.compute_time, record=True)
   rounds = []

@@ -224,7 +224,7 @@ def test_the_real_runtime_runs_every_local_update_scheme():
 
 
 def test_halos_drops_and_takes_back_a_worker_without_holding_anyone():
-  from gssp_jax.sync.protocols.halos import HALoSProtocol  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.schemes.halos.protocol import HALoSProtocol  # pylint: disable=g-import-not-at-top
   p = HALoSProtocol(4, [0, 0, 1, 1], forward_every=2)
   p.on_push(1, 1.0)
   dropped = p.drop(1, 2.0)
@@ -243,7 +243,7 @@ def test_halos_drops_and_takes_back_a_worker_without_holding_anyone():
 
 
 def test_halos_protocol_never_blocks_and_merges_after_k_updates():
-  from gssp_jax.sync.protocols.halos import HALoSProtocol  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.schemes.halos.protocol import HALoSProtocol  # pylint: disable=g-import-not-at-top
   p = HALoSProtocol(4, [0, 0, 1, 1], forward_every=2, merge_weight=0.25)
   assert (p.num_replicas, p.global_replica, p.reply_slot(1)) == (5, 2, 4)
   first = p.on_push(0, 1.0)
@@ -304,9 +304,9 @@ def _halos_reference(rounds, grad, theta0, *, W, G, route, lr_local, beta_local,
 
 def test_halos_transform_follows_the_reference_algorithm():
   from gssp_jax import sync  # pylint: disable=g-import-not-at-top
-  from gssp_jax.sync import halos as halos_lib  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.schemes.halos import transform as halos_lib  # pylint: disable=g-import-not-at-top
   from gssp_jax.sync import replay  # pylint: disable=g-import-not-at-top
-  from gssp_jax.sync.protocols.halos import HALoSProtocol  # pylint: disable=g-import-not-at-top
+  from gssp_jax.sync.schemes.halos.protocol import HALoSProtocol  # pylint: disable=g-import-not-at-top
   W, G = 6, 2
   route = np.array([0, 0, 0, 1, 1, 1])
   speeds = [1.0, 1.3, 1.7, 2.0, 2.9, 3.1]

@@ -215,7 +215,7 @@ def test_casp_with_two_communities_pushes_two_payloads_per_round_of_both():
   config = _config(**{"num_workers": 8, "cluster.profile": "tiers", "cluster.base_time": 0.1,
                       "cluster.speeds": tuple(speeds), "cluster.bandwidth": 1e8})
   cluster = cluster_lib.cluster_from_config(config)
-  links = traffic.Traffic(sync.legs.CommunityLegs, cluster, lambda w, k: 1_000_000, 1_000_000,
+  links = traffic.Traffic(sync.schemes.casp.legs.CommunityLegs, cluster, lambda w, k: 1_000_000, 1_000_000,
                           1_000_000)
   protocol = sync.CASPProtocol(8, max_communities=2, initial_communities=2,
                                reconfigure_every=10_000)

@@ -886,8 +886,10 @@ def test_protocols_are_deterministic():
 def test_protocols_use_no_jax():
   """The host half imports no JAX (the real runtime's coordinator runs it without devices)."""
   root = pathlib.Path(sync.__file__).parent
-  for path in list((root / "protocols").glob("*.py")) + [root / "timeline.py",
-                                                         root / "grouping.py"]:
+  paths = sorted((root / "schemes").glob("*/protocol.py"))
+  assert len(paths) == 6, paths   # ssp, gssp, inhad, casp, dssync, halos
+  for path in paths + [root / "protocol.py", root / "arguments.py", root / "timeline.py",
+                       root / "grouping.py"]:
     tree = ast.parse(path.read_text())
     mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]

@@ -18,6 +18,9 @@ from gssp_jax.sim import cluster as cluster_lib
 from gssp_jax.sim import records
 from gssp_jax.sim import traffic
 from gssp_jax.sync import legs as legs_lib
+from gssp_jax.sync.schemes.casp import legs as casp_legs
+from gssp_jax.sync.schemes.inhad import legs as inhad_legs
+from gssp_jax.sync.schemes.ssp import legs as ring
 from gssp_jax.train import loop
 from gssp_jax.train import trained
 
@@ -165,8 +168,8 @@ def test_an_unknown_traffic_class_is_refused_naming_it():
 
 def test_a_checkpoints_counters_from_before_the_classes_are_upgraded():
   cluster = _cluster()
-  for legs, local in ((legs_lib.NodeLegs, "worker_to_node"),
-                      (legs_lib.CommunityLegs, "member_leader")):
+  for legs, local in ((inhad_legs.NodeLegs, "worker_to_node"),
+                      (casp_legs.CommunityLegs, "member_leader")):
     links = traffic.Traffic(legs, cluster, lambda w, k: P, D, Q)
     old = {**records.new_counters(2), "local_bytes": 5, "node_push_bytes": 7}
     del old["class_bytes"]
@@ -204,7 +207,7 @@ def test_ring_allreduce_bytes_and_time_on_a_hand_computed_case():
   model = 4_000_000
   cluster = cluster_lib.Cluster(speeds=np.ones([4]), base_time=1.0, latency=1e-3,
                                 bandwidth=np.array([100e6, 100e6, 50e6, 100e6]))
-  assert legs_lib.ring_time(cluster, model) == pytest.approx(0.126, abs=1e-12)
+  assert ring.ring_time(cluster, model) == pytest.approx(0.126, abs=1e-12)
   scheme = sync.build_scheme("bsp_allreduce", 4)
   links = traffic.Traffic(scheme.legs, cluster, lambda w, k: model, model, model, shared=True)
   engine = links.engine(scheme.make_protocol(), cluster.compute_time)
@@ -221,7 +224,7 @@ def test_ring_allreduce_bytes_and_time_on_a_hand_computed_case():
   assert _classes(fields) == {"ring_allreduce": 3 * 4 * 6 * 1_000_000}
   assert fields["bytes_pushed"] == fields["bytes_pulled"] == 0
   one = cluster_lib.Cluster(speeds=np.ones([1]), base_time=1.0)
-  assert legs_lib.ring_time(one, model) == 0.0   # one worker: nothing to reduce
+  assert ring.ring_time(one, model) == 0.0   # one worker: nothing to reduce
 
 
 def _ring_config(scheme, data_dir, **changes):

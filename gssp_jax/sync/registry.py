@@ -10,60 +10,33 @@ import optax
 
 from gssp_jax import checks
 from gssp_jax import defaults
-from gssp_jax.sync import grouping
-from gssp_jax.sync import halos as halos_lib
+from gssp_jax.sync import arguments
 from gssp_jax.sync import legs as legs_lib
 from gssp_jax.sync import local as local_lib
 from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.casp import CASPProtocol
-from gssp_jax.sync.protocols.dssync import DSSyncProtocol
-from gssp_jax.sync.protocols.gssp import GSSPProtocol
-from gssp_jax.sync.protocols.halos import HALoSProtocol
-from gssp_jax.sync.protocols.inhad import InHADProtocol
-from gssp_jax.sync.protocols.ssp import ASPProtocol
-from gssp_jax.sync.protocols.ssp import BSPProtocol
-from gssp_jax.sync.protocols.ssp import DSSPProtocol
-from gssp_jax.sync.protocols.ssp import SSPProtocol
+from gssp_jax.sync.protocol import Protocol
 
-# The ``config.sync.*`` keys each built-in scheme reads (besides ``scheme``), registered with it.
-_BUILT_IN_KEYS = {
-    "bsp": (),
-    "bsp_allreduce": (),
-    "asp": (),
-    "ssp": ("staleness",),
-    "dssp": ("staleness_range",),
-    "gssp": ("staleness", "num_groups", "grouping", "regroup_every_epoch", "inter_group",
-             "forward_every"),
-    "inhad": ("num_nodes", "inhad_threshold", "grouping"),
-    "dssync": ("group_size",),
-    "casp": ("casp.max_communities", "casp.reconfigure_every", "casp.traffic_penalty"),
-    # The local-update schemes read config.local.* (gssp_jax/sync/local.py), no sync key.
-    "local_sgd": (),
-    "diloco": (),
-    "async_local_sgd": (),
-    "halos": ("num_groups", "grouping", "forward_every"),
-}
-# How each built-in local-update scheme uses config.local (sync/local.py's LocalUpdate),
-# registered with it as a researcher's would be.
-_BUILT_IN_LOCAL = {
-    "local_sgd": local_lib.LocalUpdate(workers="optimizer"),
-    "diloco": local_lib.LocalUpdate(),
-    "async_local_sgd": local_lib.LocalUpdate(reads=("dylu", "delayed_nesterov")),
-    "halos": local_lib.LocalUpdate(reads=("dylu", "halos"), delayed_nesterov_server=True),
-}
-# What only a built-in has, asked about here rather than by name elsewhere: BSP without a cluster
-# trains in the fused data-parallel loop (executors.FusedBSP, BSP's own math); GDTopK's ratios are
-# per GSSP group.
-_FUSED_LOOP = ("bsp",)
-_GROUP_RATIOS = ("gssp",)
-# Every scheme, the built-ins first (registered at the end of this module): name ->
-# builder(config, worker_times) -> Scheme.
+# Every scheme, the built-ins first (each registered by its package under ``sync/schemes/``,
+# which ``sync`` imports after this module): name -> builder(config, worker_times) -> Scheme.
 _REGISTERED: dict[str, Callable[..., "Scheme"]] = {}
 # The ``config.sync.*`` keys each scheme reads, as it was registered (a scheme registered without
 # them may read any): a key changed from its default under a scheme that does not read it is
 # rejected by :func:`validate`; the keys it reads are its builder's to check.
 SYNC_KEYS: dict[str, tuple[str, ...]] = {}
+# What a built-in registers besides (sync/schemes/*/__init__.py, :func:`register_built_in`):
+# its keyword builder (W, **settings) -> Scheme, for :func:`build_scheme`.
+_KEYWORD_BUILDERS: dict[str, Callable[..., "Scheme"]] = {}
+# Name -> sync_config -> the run log's words on its settings (:func:`settings_line`).
+_SETTINGS_LINES: dict[str, Callable[[Any], str]] = {}
+# What only a built-in has, asked about here rather than by name elsewhere: BSP without a cluster
+# trains in the fused data-parallel loop (executors.FusedBSP, BSP's own math); GDTopK's ratios are
+# per GSSP group.
+_FUSED_LOOP: set[str] = set()
+_GROUP_RATIOS: set[str] = set()
+# The built-ins' names, fixed once every built-in registered (:func:`fix_built_ins`): a
+# researcher's scheme may not take them.
+_FIXED: tuple[str, ...] = ()
+SCHEMES: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +108,11 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
     ValueError: an unknown name or an invalid argument, naming the value and
       what is allowed.
   """
-  if name not in _BUILT_IN:
-    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(_BUILT_IN)} "
+  if name not in _KEYWORD_BUILDERS:
+    raise ValueError(f"sync scheme={name!r} is invalid; allowed: {', '.join(_KEYWORD_BUILDERS)} "
                      "(register others with register_scheme)")
-  W = transforms.check_int(name, "num_workers", num_workers, 1)
-  return _BUILT_IN[name](
+  W = arguments.check_int(name, "num_workers", num_workers, 1)
+  return _KEYWORD_BUILDERS[name](
       W, staleness=staleness, staleness_range=staleness_range, num_groups=num_groups,
       grouping_method=grouping_method, inter_group=inter_group, forward_every=forward_every,
       num_nodes=num_nodes, inhad_threshold=inhad_threshold, group_size=group_size,
@@ -148,93 +121,9 @@ def build_scheme(name: str, num_workers: int, *, staleness: int = 3,
       worker_times=worker_times, seed=seed, scale=scale, halos=halos)
 
 
-# -- the built-in schemes: (W, **settings) -> Scheme, each reading the settings it has ------------
-
-
-def _zeros(W: int) -> np.ndarray:
+def zeros(W: int) -> np.ndarray:
+  """``[W]`` zeros: the groups of a scheme without groups."""
   return np.zeros([W], np.int32)
-
-
-def _bsp(name):   # bsp, and local_sgd and diloco: they push pseudo-gradients
-  def build(W, *, scale, **_):
-    return Scheme(name, transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1, _zeros(W))
-  return build
-
-
-def _bsp_allreduce(W, *, scale, **_):
-  """BSP's transform and protocol (the same parameters, bit for bit) with its gradients averaged
-  by a ring all-reduce instead of a server (``legs.RingLegs``). A scheme of its own rather than a
-  key such as ``sync.collective``: a scheme already ties together what runs on the device, who
-  waits, and which legs the bytes take; a key would apply to one scheme and be an error for all
-  others, and every recorded config would need it."""
-  return Scheme("bsp_allreduce", transforms.bsp(W, scale=scale), lambda: BSPProtocol(W), W, 1,
-                _zeros(W), legs=legs_lib.RingLegs)
-
-
-def _asp(name):   # asp, and async_local_sgd
-  def build(W, *, scale, **_):
-    return Scheme(name, transforms.asp(W, scale=scale), lambda: ASPProtocol(W), W, 1, _zeros(W))
-  return build
-
-
-def _ssp(W, *, staleness, scale, **_):
-  s = transforms.check_int("ssp", "staleness", staleness, 0)
-  return Scheme("ssp", transforms.ssp(W, s, scale=scale), lambda: SSPProtocol(W, s), W, 1,
-                _zeros(W))
-
-
-def _dssp(W, *, staleness_range, scale, **_):
-  rng = transforms.check_staleness_range("dssp", staleness_range)
-  return Scheme("dssp", transforms.dssp(W, rng, scale=scale), lambda: DSSPProtocol(W, rng), W, 1,
-                _zeros(W))
-
-
-def _gssp(W, *, grouping_method, num_groups, worker_times, staleness, inter_group,
-          forward_every, scale, **_):
-  groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
-  s = transforms.check_int("gssp", "staleness", staleness, 0)
-  tx = transforms.gssp(W, num_groups, inter_group=inter_group, assignment=groups, scale=scale)
-  make = lambda: GSSPProtocol(W, groups, s, inter_group=inter_group, forward_every=forward_every)
-  return Scheme("gssp", tx, make, W, make().num_replicas, groups, legs=legs_lib.GroupLegs)
-
-
-def _halos(W, *, grouping_method, num_groups, worker_times, forward_every, halos, **_):
-  groups = grouping.make_groups(grouping_method, W, num_groups, worker_times)
-  settings = dict(halos or {})
-  merge = settings.pop("merge_weight", 0.25)
-  make = lambda: HALoSProtocol(W, groups, forward_every=forward_every, merge_weight=merge)
-  probe = make()   # validates
-  tx = halos_lib.halos(W, num_groups, assignment=groups, **{**halos_lib.DEFAULTS, **settings})
-  return Scheme("halos", tx, make, W, probe.num_replicas, groups, own_optimizer=True,
-                legs=legs_lib.GroupLegs)
-
-
-def _inhad(W, *, grouping_method, num_nodes, worker_times, inhad_threshold, scale, **_):
-  nodes = grouping.make_groups(grouping_method, W, num_nodes, worker_times)
-  tx = transforms.inhad(W, num_nodes, assignment=nodes, scale=scale)
-  InHADProtocol(W, nodes, inhad_threshold)   # validates
-  return Scheme("inhad", tx, lambda: InHADProtocol(W, nodes, inhad_threshold), W, 1, nodes,
-                legs=legs_lib.NodeLegs)
-
-
-def _dssync(W, *, group_size, seed, **_):
-  DSSyncProtocol(W, group_size, seed)      # validates
-  return Scheme("dssync", transforms.dssync(W), lambda: DSSyncProtocol(W, group_size, seed), W,
-                W, _zeros(W), legs=legs_lib.PeerLegs)
-
-
-def _casp(W, *, casp, scale, **_):
-  CASPProtocol(W, **casp)                  # validates
-  return Scheme("casp", transforms.casp(W, scale=scale), lambda: CASPProtocol(W, **casp), W, 1,
-                _zeros(W), legs=legs_lib.CommunityLegs)
-
-
-# Name -> (W, **settings) -> Scheme, in the order the papers' table lists them.
-_BUILT_IN: dict[str, Callable[..., Scheme]] = {
-    "bsp": _bsp("bsp"), "asp": _asp("asp"), "ssp": _ssp, "dssp": _dssp, "gssp": _gssp,
-    "inhad": _inhad, "dssync": _dssync, "casp": _casp, "local_sgd": _bsp("local_sgd"),
-    "diloco": _bsp("diloco"), "async_local_sgd": _asp("async_local_sgd"), "halos": _halos,
-    "bsp_allreduce": _bsp_allreduce}
 
 
 def register_scheme(name: str, builder: Callable[..., Scheme],
@@ -242,7 +131,7 @@ def register_scheme(name: str, builder: Callable[..., Scheme],
                     local: local_lib.LocalUpdate | None = None) -> None:
   """Adds a scheme so that ``config.sync.scheme=name`` trains with it (simulator, sweeps).
 
-  The built-in schemes are registered through it too, when this module is imported.
+  The built-in schemes are registered through it too (:func:`register_built_in`).
 
   Args:
     name: a new name (not a built-in one); registering it again replaces the builder.
@@ -266,7 +155,7 @@ def register_scheme(name: str, builder: Callable[..., Scheme],
   if not callable(builder):
     raise ValueError(f"register_scheme({name!r}): builder={builder!r} is invalid; allowed: a "
                      "callable (config, worker_times) -> Scheme")
-  if sync_keys is not None and name not in _BUILT_IN:   # a researcher's: each must exist
+  if sync_keys is not None and name not in _KEYWORD_BUILDERS:   # a researcher's: each must exist
     known = defaults.default_config().sync
     for key in sync_keys:
       node = known
@@ -300,20 +189,18 @@ def settings_line(name: str, sync_config) -> str:
   ahead"``), '' for others. The bound counts clocks ahead of the slowest worker; the progress
   lines' measured staleness counts updates of the gradient's server (docs/USAGE.md,
   "Staleness: the bound and the measured figure")."""
-  s = sync_config
-  bound = lambda: f"staleness bound {s.staleness} clocks ahead"
-  lines = {
-      "ssp": lambda: f", {bound()}",
-      "bsp_allreduce": lambda: ", gradients averaged by a ring all-reduce (the replica: every "
-                               "worker's copy)",
-      "dssp": lambda: f", staleness bound range {tuple(s.staleness_range)} clocks ahead",
-      "gssp": lambda: f", {bound()} (in its group), inter-group {s.inter_group}"}
-  return lines[name]() if name in lines else ""
+  line = _SETTINGS_LINES.get(name)
+  return line(sync_config) if line is not None else ""
 
 
 def has_fused_loop(name: str) -> bool:
   """Whether scheme ``name`` trains in the fused data-parallel loop when no cluster is set."""
   return name in _FUSED_LOOP
+
+
+def has_group_ratios(name: str) -> bool:
+  """Whether scheme ``name``'s groups take GDTopK's per-group ratios."""
+  return name in _GROUP_RATIOS
 
 
 def scheme_names() -> tuple[str, ...]:
@@ -334,8 +221,9 @@ def scheme_from_config(config, worker_times=None) -> Scheme:
   return scheme
 
 
-def _settings_from_config(config, worker_times) -> dict[str, Any]:
-  """:func:`build_scheme`'s keyword settings from ``config.sync.*`` (the built-ins' builders)."""
+def settings_from_config(config, worker_times) -> dict[str, Any]:
+  """:func:`build_scheme`'s keyword settings from ``config.sync.*`` (the built-ins' builders;
+  a built-in that reads more adds its own, :func:`register_built_in`'s ``more_settings``)."""
   s = config.sync
   opt = lambda key, default: s.get(key, default)
   casp = opt("casp", None)
@@ -348,25 +236,51 @@ def _settings_from_config(config, worker_times) -> dict[str, Any]:
       casp_max_communities=casp.max_communities if casp else 4,
       casp_reconfigure_every=casp.reconfigure_every if casp else 64,
       casp_traffic_penalty=casp.traffic_penalty if casp else 0.01,
-      worker_times=worker_times, seed=config.get("seed", 0),
-      halos=halos_lib.settings_from_config(config) if s.scheme == "halos" else None)
+      worker_times=worker_times, seed=config.get("seed", 0))
 
 
-def _built_in_builder(name: str) -> Callable[..., Scheme]:
-  """Built-in scheme ``name``'s builder, of the signature a researcher's has."""
-  return lambda config, worker_times: build_scheme(
-      name, config.num_workers, **_settings_from_config(config, worker_times))
+def register_built_in(name: str, build: Callable[..., Scheme], sync_keys: Sequence[str], *,
+                      local: local_lib.LocalUpdate | None = None,
+                      settings_line: Callable[[Any], str] | None = None,
+                      more_settings: Callable[[Any], dict] | None = None,
+                      fused_loop: bool = False, group_ratios: bool = False) -> None:
+  """Registers built-in scheme ``name`` (its package under ``sync/schemes/`` calls it) with
+  :func:`register_scheme`, exactly as a researcher's, and what only a built-in has besides.
+
+  Args:
+    name: the scheme's name.
+    build: ``(W, **settings) -> Scheme``, reading the settings it has (:func:`build_scheme`).
+    sync_keys, local: :func:`register_scheme`'s.
+    settings_line: ``sync_config -> str``, the run log's words (:func:`settings_line`).
+    more_settings: ``config -> dict``, keyword settings it reads beyond
+      :func:`settings_from_config`'s (HALoS's ``halos``).
+    fused_loop: it trains in the fused data-parallel loop when no cluster is set (BSP).
+    group_ratios: its groups take GDTopK's per-group ratios (GSSP).
+  """
+  if _FIXED:
+    raise ValueError(f"register_built_in({name!r}): the built-ins are fixed; use "
+                     "register_scheme")
+  _KEYWORD_BUILDERS[name] = build
+
+  def from_config(config, worker_times):
+    settings = settings_from_config(config, worker_times)
+    if more_settings is not None:
+      settings.update(more_settings(config))
+    return build_scheme(name, config.num_workers, **settings)
+  register_scheme(name, from_config, tuple(sync_keys), local)
+  if settings_line is not None:
+    _SETTINGS_LINES[name] = settings_line
+  if fused_loop:
+    _FUSED_LOOP.add(name)
+  if group_ratios:
+    _GROUP_RATIOS.add(name)
 
 
-# The built-in schemes register themselves, exactly as a researcher's scheme does; then their
-# names are fixed (a researcher's may not take them).
-_FIXED: tuple[str, ...] = ()
-for _name in _BUILT_IN:
-  register_scheme(_name, _built_in_builder(_name), _BUILT_IN_KEYS[_name],
-                  _BUILT_IN_LOCAL.get(_name))
-SCHEMES = _FIXED = tuple(_BUILT_IN)
-del _name
-
+def fix_built_ins() -> None:
+  """Fixes the built-ins' names (``sync/schemes/__init__.py`` calls it once every built-in
+  registered): a researcher's scheme may not take one."""
+  global _FIXED, SCHEMES
+  SCHEMES = _FIXED = tuple(_KEYWORD_BUILDERS)
 
 
 def check_name(config) -> None:
@@ -387,17 +301,21 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
     ValueError: one line naming the ``config.sync`` key, its value and what is allowed.
   """
   check_name(config)
-  if config.sync.regroup_every_epoch and config.sync.scheme != "gssp":
+  reads = SYNC_KEYS.get(config.sync.scheme)
+  if config.sync.regroup_every_epoch and reads is not None and "regroup_every_epoch" not in reads:
+    # Not left to allow_unread: the simulator regroups whenever it is set.
+    readers = [repr(n) for n, keys in SYNC_KEYS.items() if "regroup_every_epoch" in keys]
     checks.fail("sync.regroup_every_epoch", True,
-                "True only with sync.scheme='gssp' (False otherwise)")
+                f"True only with sync.scheme={' or '.join(readers)} (False otherwise)")
   check_unread_sync_keys(config, allow_unread)
   try:
     scheme = scheme_from_config(config)
   except ValueError as e:
     raise ValueError(f"config.sync (scheme {config.sync.scheme!r}): {e}") from None
   if config.compress.name == "gdtopk" and config.sync.scheme not in _GROUP_RATIOS:
-    checks.fail("compress.name", "gdtopk", "gdtopk only with sync.scheme='gssp' (its ratios are "
-                "per GSSP group); use topk or dgc otherwise")
+    allowed = ", ".join(repr(n) for n in sorted(_GROUP_RATIOS))
+    checks.fail("compress.name", "gdtopk", f"gdtopk only with sync.scheme={allowed} (its ratios "
+                "are per group); use topk or dgc otherwise")
   if scheme.legs.dense_only and config.compress.name != "none":
     checks.fail("compress.name", config.compress.name,
                 f"'none' with sync.scheme={config.sync.scheme!r} (its legs move dense gradients "

@@ -21,8 +21,8 @@ from typing import Callable
 import numpy as np
 
 from gssp_jax.sync import links as links_lib
-from gssp_jax.sync.protocols.base import Message
-from gssp_jax.sync.protocols.base import Protocol
+from gssp_jax.sync.protocol import Message
+from gssp_jax.sync.protocol import Protocol
 
 
 @dataclasses.dataclass

@@ -7,15 +7,15 @@ import math
 
 import numpy as np
 
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import all_of
-from gssp_jax.sync.protocols.base import alive_min
-from gssp_jax.sync.protocols.base import any_of
-from gssp_jax.sync.protocols.base import greatest
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
-from gssp_jax.sync.protocols.base import release_ids
-from gssp_jax.sync.protocols.base import release_where
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import all_of
+from gssp_jax.sync.protocol import alive_min
+from gssp_jax.sync.protocol import any_of
+from gssp_jax.sync.protocol import greatest
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
+from gssp_jax.sync.protocol import release_ids
+from gssp_jax.sync.protocol import release_where
 
 
 class BSPProtocol(Protocol):
@@ -35,7 +35,7 @@ class BSPProtocol(Protocol):
   supports_membership = True
 
   def __init__(self, num_workers: int):
-    super().__init__(transforms.check_int("bsp", "num_workers", num_workers, 1))
+    super().__init__(arguments.check_int("bsp", "num_workers", num_workers, 1))
 
   def _membership_defaults(self):
     # orphans: ``[W]`` bool, pushes of dropped workers waiting for the barrier.
@@ -92,10 +92,10 @@ class SSPProtocol(Protocol):
   supports_membership = True
 
   def __init__(self, num_workers: int, staleness: int | None = 3):
-    num_workers = transforms.check_int(self.name, "num_workers", num_workers, 1)
+    num_workers = arguments.check_int(self.name, "num_workers", num_workers, 1)
     super().__init__(num_workers)
     self.staleness = (None if staleness is None
-                      else transforms.check_int(self.name, "staleness", staleness, 0))
+                      else arguments.check_int(self.name, "staleness", staleness, 0))
 
   def round_bounds(self):
     return 1, 1   # one push per round, at the one server
@@ -211,7 +211,7 @@ class DSSPProtocol(SSPProtocol):
   name = "dssp"
 
   def __init__(self, num_workers: int, staleness_range=(3, 15)):
-    low, high = transforms.check_staleness_range("dssp", staleness_range)
+    low, high = arguments.check_staleness_range("dssp", staleness_range)
     super().__init__(num_workers, staleness=low)
     self.low, self.high = low, high
     self.last = np.full([self.num_workers], np.nan)   # last push time

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import all_of
-from gssp_jax.sync.protocols.base import any_of
-from gssp_jax.sync.protocols.base import least
-from gssp_jax.sync.protocols.base import Message
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
-from gssp_jax.sync.protocols.base import release_ids
-from gssp_jax.sync.protocols.base import release_where
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import all_of
+from gssp_jax.sync.protocol import any_of
+from gssp_jax.sync.protocol import least
+from gssp_jax.sync.protocol import Message
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
+from gssp_jax.sync.protocol import release_ids
+from gssp_jax.sync.protocol import release_where
 
 
 # Groups of at most this many workers are released in plain Python (``_free_of_few``).
@@ -75,24 +75,24 @@ class GSSPProtocol(Protocol):
 
   def __init__(self, num_workers: int, groups, staleness: int = 3, *,
                inter_group: str = "peer", forward_every: int | None = None):
-    num_workers = transforms.check_int("gssp", "num_workers", num_workers, 1)
+    num_workers = arguments.check_int("gssp", "num_workers", num_workers, 1)
     ids = np.asarray(groups)
     num_groups = int(ids.max()) + 1 if ids.size else 0
-    route = transforms.check_assignment("gssp", "groups", groups, num_workers, max(num_groups, 1))
+    route = arguments.check_assignment("gssp", "groups", groups, num_workers, max(num_groups, 1))
     if sorted(set(route.tolist())) != list(range(num_groups)):
       raise ValueError(f"gssp groups={route.tolist()!r} is invalid; allowed: every id in "
                        f"0..{num_groups - 1} used by at least one worker")
-    if inter_group not in transforms.INTER_GROUP:
+    if inter_group not in arguments.INTER_GROUP:
       raise ValueError(f"gssp inter_group={inter_group!r} is invalid; allowed: "
-                       f"{', '.join(transforms.INTER_GROUP)}")
+                       f"{', '.join(arguments.INTER_GROUP)}")
     is_global = inter_group == "global"
     # global: the group servers, the global server, one reply slot per group.
     super().__init__(num_workers, num_groups + is_global * (num_groups + 1), num_groups, route)
-    self.staleness = transforms.check_int("gssp", "staleness", staleness, 0)
+    self.staleness = arguments.check_int("gssp", "staleness", staleness, 0)
     self.inter_group = inter_group
     sizes = np.bincount(route, minlength=num_groups)
     self.forward_every = (sizes.astype(np.int64) if forward_every is None else np.full(
-        [num_groups], transforms.check_int("gssp", "forward_every", forward_every, 1), np.int64))
+        [num_groups], arguments.check_int("gssp", "forward_every", forward_every, 1), np.int64))
     self.since_forward = np.zeros([num_groups], np.int64)
     self.in_flight = np.zeros([num_groups], bool)
     self.held: list[list[int]] = [[] for _ in range(num_groups)]   # global: pushes in arrival order
@@ -118,7 +118,7 @@ class GSSPProtocol(Protocol):
     forwards in flight are unaffected. SSP clocks restart: a worker is bounded
     by the pushes its new mates make from then on, not by those made elsewhere.
     """
-    route = transforms.check_assignment("gssp", "groups", groups, self.num_workers,
+    route = arguments.check_assignment("gssp", "groups", groups, self.num_workers,
                                         self.num_groups)
     if sorted(set(route.tolist())) != list(range(self.num_groups)):
       raise ValueError(f"gssp groups={route.tolist()!r} is invalid; allowed: every id in "

@@ -71,7 +71,7 @@ class Protocol:
   # stay read-only (writing one raises) and the simulator never copies or stacks them.
   round_fields: tuple = rounds_lib.OPTIONAL_FIELDS
   # At most one group forwards or delivers in a round, and it is the same group when both do:
-  # GSSP's level-executor rounds update that group's exchange rows only (transforms.gssp's
+  # GSSP's level-executor rounds update that group's exchange rows only (GSSP's transform's
   # no_branches path); the level planner checks it on every round.
   one_exchange_per_round = False
   # Every round waits for every alive worker (a barrier: BSP, Local SGD, DiLoCo): a round is
@@ -321,3 +321,9 @@ def release_ids(protocol: Protocol, rnd: rounds_lib.Round, free, reaction: React
 # A protocol object (a user's subclass included) and its messages in flight are host state.
 host_state.allow(Message)
 host_state.allow_subclasses(Protocol)
+# Where the protocols were before each scheme had a package of its own (2026-12-07): a
+# checkpoint written then names them there.
+host_state.moved("gssp_jax.sync.protocols.base", __name__)
+for _scheme in ("ssp", "gssp", "inhad", "casp", "dssync", "halos"):
+  host_state.moved(f"gssp_jax.sync.protocols.{_scheme}", f"gssp_jax.sync.schemes.{_scheme}.protocol")
+del _scheme

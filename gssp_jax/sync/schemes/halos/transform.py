@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from gssp_jax.sync import local as local_lib
+from gssp_jax.sync import arguments
 from gssp_jax.sync import transforms
 
 
@@ -125,19 +126,19 @@ def halos(num_workers: int, num_groups: int, *, assignment=None, local_learning_
 
 def _checked_groups(num_workers, num_groups, assignment):
   """:func:`halos`'s ``(W, G, [W] static groups)``, checked."""
-  W = transforms.check_int("halos", "num_workers", num_workers, 1)
-  G = transforms.check_int("halos", "num_groups", num_groups, 1)
+  W = arguments.check_int("halos", "num_workers", num_workers, 1)
+  G = arguments.check_int("halos", "num_groups", num_groups, 1)
   if G > W:
     raise ValueError(f"halos num_groups={G} is invalid; allowed: at most num_workers={W}")
-  static_route = (transforms.equal_groups("halos", W, G) if assignment is None
-                  else transforms.check_assignment("halos", "assignment", assignment, W, G))
+  static_route = (arguments.equal_groups("halos", W, G) if assignment is None
+                  else arguments.check_assignment("halos", "assignment", assignment, W, G))
   return W, G, static_route
 
 
 def _global_step(global_opt, state: HALoSState, deliver, lr, no_branches: bool):
   """The global server's step on the delivered progress, only in rounds that deliver.
 
-  ``no_branches``: masks (as ``transforms.gssp``), the step kept only where a
+  ``no_branches``: masks (as GSSP's transform), the step kept only where a
   sum arrives; otherwise a ``cond`` skips it. Returns ``(update, its state)``.
   """
   any_deliver = jnp.any(deliver)

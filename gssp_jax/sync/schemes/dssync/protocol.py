@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import all_of
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import all_of
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
 
 
 def dssync_partition(num_workers: int, group_size: int, iteration: int, seed: int) -> np.ndarray:
@@ -51,8 +51,8 @@ class DSSyncProtocol(Protocol):
       "agreed on by workers that are at different iterations")
 
   def __init__(self, num_workers: int, group_size: int = 2, seed: int = 0):
-    num_workers = transforms.check_int("dssync", "num_workers", num_workers, 1)
-    group_size = transforms.check_int("dssync", "group_size", group_size, 1)
+    num_workers = arguments.check_int("dssync", "num_workers", num_workers, 1)
+    group_size = arguments.check_int("dssync", "group_size", group_size, 1)
     if num_workers % group_size or (group_size < 2 and num_workers > 1):
       raise ValueError(f"dssync group_size={group_size} is invalid for num_workers="
                        f"{num_workers}; allowed: a divisor of {num_workers} that is >= 2 "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import Message
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
-from gssp_jax.sync.protocols.base import release_where
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import Message
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
+from gssp_jax.sync.protocol import release_where
 
 
 class HALoSProtocol(Protocol):
@@ -52,10 +52,10 @@ class HALoSProtocol(Protocol):
 
   def __init__(self, num_workers: int, groups, *, forward_every: int | None = None,
                merge_weight: float = 0.25):
-    num_workers = transforms.check_int("halos", "num_workers", num_workers, 1)
+    num_workers = arguments.check_int("halos", "num_workers", num_workers, 1)
     ids = np.asarray(groups)
     num_groups = int(ids.max()) + 1 if ids.size else 0
-    route = transforms.check_assignment("halos", "groups", groups, num_workers,
+    route = arguments.check_assignment("halos", "groups", groups, num_workers,
                                         max(num_groups, 1))
     if sorted(set(route.tolist())) != list(range(num_groups)):
       raise ValueError(f"halos groups={route.tolist()!r} is invalid; allowed: every id in "
@@ -67,7 +67,7 @@ class HALoSProtocol(Protocol):
     super().__init__(num_workers, 2 * num_groups + 1, num_groups, route)
     sizes = np.bincount(route, minlength=num_groups)
     self.forward_every = (sizes.astype(np.int64) if forward_every is None else np.full(
-        [num_groups], transforms.check_int("halos", "forward_every", forward_every, 1), np.int64))
+        [num_groups], arguments.check_int("halos", "forward_every", forward_every, 1), np.int64))
     self.merge_weight = float(merge_weight)
     self.since_merge = np.zeros([num_groups], np.int64)   # local updates since the last merge
     self.in_flight = np.zeros([num_groups], bool)

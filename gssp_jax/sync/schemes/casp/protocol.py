@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from gssp_jax import host_state
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import Message
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import Message
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
 
 
 def contiguous_partition(order: np.ndarray, num_communities: int) -> np.ndarray:
@@ -105,15 +105,15 @@ class CASPProtocol(Protocol):
 
   def __init__(self, num_workers: int, *, max_communities: int = 4, reconfigure_every: int = 64,
                traffic_penalty: float = 0.01, seed: int = 0, initial_communities: int = 1):
-    num_workers = transforms.check_int("casp", "num_workers", num_workers, 1)
+    num_workers = arguments.check_int("casp", "num_workers", num_workers, 1)
     super().__init__(num_workers)
-    self.max_communities = transforms.check_int("casp", "max_communities", max_communities, 1)
+    self.max_communities = arguments.check_int("casp", "max_communities", max_communities, 1)
     if self.max_communities > num_workers:
       raise ValueError(f"casp max_communities={max_communities} is invalid; allowed: 1.."
                        f"{num_workers} (num_workers)")
-    self.reconfigure_every = transforms.check_int("casp", "reconfigure_every",
+    self.reconfigure_every = arguments.check_int("casp", "reconfigure_every",
                                                   reconfigure_every, 1)
-    k0 = transforms.check_int("casp", "initial_communities", initial_communities, 1)
+    k0 = arguments.check_int("casp", "initial_communities", initial_communities, 1)
     if k0 > self.max_communities:
       raise ValueError(f"casp initial_communities={k0} is invalid; allowed: 1.."
                        f"{self.max_communities} (max_communities)")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gssp_jax.sync import transforms
-from gssp_jax.sync.protocols.base import Message
-from gssp_jax.sync.protocols.base import Protocol
-from gssp_jax.sync.protocols.base import Reaction
+from gssp_jax.sync import arguments
+from gssp_jax.sync.protocol import Message
+from gssp_jax.sync.protocol import Protocol
+from gssp_jax.sync.protocol import Reaction
 
 
 class InHADProtocol(Protocol):
@@ -41,14 +41,14 @@ class InHADProtocol(Protocol):
   supports_membership = True
 
   def __init__(self, num_workers: int, nodes, threshold: int | None = None):
-    num_workers = transforms.check_int("inhad", "num_workers", num_workers, 1)
+    num_workers = arguments.check_int("inhad", "num_workers", num_workers, 1)
     ids = np.asarray(nodes)
     num_nodes = int(ids.max()) + 1 if ids.size else 1
-    route = transforms.check_assignment("inhad", "nodes", nodes, num_workers, num_nodes)
+    route = arguments.check_assignment("inhad", "nodes", nodes, num_workers, num_nodes)
     super().__init__(num_workers, 1, 1, route)
     self.num_nodes = num_nodes
     self.threshold = (num_workers if threshold is None
-                      else transforms.check_int("inhad", "threshold", threshold, 1))
+                      else arguments.check_int("inhad", "threshold", threshold, 1))
     self.count = 0
     self.in_flight = False
 
