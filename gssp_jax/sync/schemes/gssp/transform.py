@@ -36,18 +36,16 @@ def gssp(num_workers: int, num_groups: int = 4, *, inter_group: str = "peer",
          assignment=None, scale: float | None = None) -> optax.GradientTransformationExtraArgs:
   """GSSP: SSP inside groups at group servers, asynchronous exchange between groups.
 
-  Replicas: the ``G`` group servers, plus, when ``inter_group="global"``, a
-  global server at index ``G`` and ``G`` reply slots ``G+1..2G`` (the global
-  weights as sent back to each group; they never apply anything). A worker's
-  scaled gradient is applied at once by its group server and added to the
-  group's ``pending`` sum. ``forward[g]``
-  moves that sum to ``outbox[g]``; ``deliver[g]`` applies it (peer: at every
-  other group server; global: at the global server) and empties the outbox.
-  Delivery happens before a forward of the same round, so a protocol delivers
-  a zero-delay forward in the next round. ``adopt[r] = a`` makes replica ``r``
-  copy replica ``a`` (global: slot ``G+1+g`` copies the global server when
-  ``g``'s sum is delivered, group ``g`` copies the slot when the reply lands;
-  done by ``rounds.apply_round``, here it only advances the version).
+  Replicas: the ``G`` group servers, plus, when ``inter_group="global"``, a global server at
+  index ``G`` and ``G`` reply slots ``G+1..2G`` (the global weights as sent back to each
+  group; they never apply anything). A worker's scaled gradient is applied at once by its
+  group server and added to the group's ``pending`` sum. ``forward[g]`` moves that sum to
+  ``outbox[g]``; ``deliver[g]`` applies it (peer: at every other group server; global: at the
+  global server) and empties the outbox. Delivery happens before a forward of the same round,
+  so a protocol delivers a zero-delay forward in the next round. ``adopt[r] = a`` makes
+  replica ``r`` copy replica ``a`` (global: slot ``G+1+g`` copies the global server when
+  ``g``'s sum is delivered, group ``g`` copies the slot when the reply lands; done by
+  ``rounds.apply_round``, here it only advances the version).
 
   Args:
     num_workers: W.

@@ -49,10 +49,9 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
           scale: float | None = None) -> optax.GradientTransformationExtraArgs:
   """InHAD: workers add gradients to their node's aggregate; the server pulls them on ``aggregate``.
 
-  Each arrived worker's scaled gradient joins its node's aggregate (nothing is
-  applied). When the protocol's iteration-number count passes its threshold it
-  sets ``aggregate``: the server applies the sum of every node aggregate as one
-  update and the aggregates empty.
+  Each arrived worker's scaled gradient joins its node's aggregate (nothing is applied). When
+  the protocol's iteration-number count passes its threshold it sets ``aggregate``: the server
+  applies the sum of every node aggregate as one update and the aggregates empty.
 
   Args:
     num_workers: W.
@@ -69,9 +68,9 @@ def inhad(num_workers: int, num_nodes: int = 4, *, assignment=None,
 
   def init(params):
     zeros = lambda: jnp.zeros([num_workers], jnp.int32)   # distinct buffers (donated)
-    return InHADState(**transforms.init_clocks(num_workers, 1),
-                      node_acc=transforms.zeros_like_stacked(params, num_nodes),
-                      waiting=zeros(), pending_staleness=zeros(), pending_staleness_sum=zeros(),
+    acc = transforms.zeros_like_stacked(params, num_nodes)
+    return InHADState(**transforms.init_clocks(num_workers, 1), node_acc=acc, waiting=zeros(),
+                      pending_staleness=zeros(), pending_staleness_sum=zeros(),
                       staleness_total=zeros(), count=jnp.zeros([], jnp.int32))
 
   def update(updates, state, params=None, *, arrived=None, groups=None, pulls=None, applies=None,
