@@ -569,7 +569,8 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   tx = optim.make_sync_chain(config_lib.default_config().optimizer, scheme.transform,
                              scheme.num_replicas)
   arrivals, replicas = scheme.make_protocol().round_bounds()
-  shape = chunk.Shape(pieces=8, jobs=num_workers, rounds=16, arrivals=arrivals,
+  # 8 pieces in a scan; 2 unrolled (each piece its own 16 job traces: the program's size).
+  shape = chunk.Shape(pieces=2 if unroll else 8, jobs=num_workers, rounds=16, arrivals=arrivals,
                       pulls=min(2, num_workers) if arrivals < num_workers else num_workers,
                       replicas=min(replicas, scheme.num_replicas))
   state, run, layout = helpers.level_runner(loss_fn, None, tx, 4, 4, scheme, params, ms,
