@@ -1,7 +1,7 @@
 """HALoS's device half: local servers with Delayed Nesterov, a global server with its own.
 
 The transform of ``sync.scheme='halos'`` (its host half is
-``protocols/halos.HALoSProtocol``; the workers' jobs are the local-update jobs
+``protocol.HALoSProtocol`` beside it; the workers' jobs are the local-update jobs
 of ``sync/local.py``). Replicas as GSSP's global layout: ``G`` local servers,
 the global server ``G``, ``G`` reply slots. Per round:
 
