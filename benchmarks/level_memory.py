@@ -25,7 +25,8 @@ are XLA:CPU's.
 
 ``--devices``: ``config.devices`` per run (``sim/devices.py``; on a CPU, several devices need
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``). The figures are per device: a piece's
-job slots are split over the devices, and the state is replicated on each.
+job slots are split over the devices, and so are the per-worker buffers that only the jobs read,
+by owner (``sim/devices.py``); the rest of the state is on each.
 """
 
 from __future__ import annotations

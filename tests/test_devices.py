@@ -28,10 +28,17 @@ _CHILD = textwrap.dedent(r"""
     data_dir, out = sys.argv[1], sys.argv[2]
     assert jax.local_device_count() == 4, jax.local_devices()
     result = {}
-    for name, changes in (("one", {"devices": 1}), ("four", {"devices": 0})):   # 0: all four
+    collective = r"(?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+    # 0: all four; "resumed": stopped after 12 updates, then resumed from its checkpoint.
+    for name, changes in (("one", {"devices": 1}), ("four", {"devices": 0}),
+                          ("resumed", {"devices": 0, "train.stop_after_updates": 12})):
       config = helpers.cluster_config("gssp", data_dir, executor="levels", model="helpers:TinyCNN",
                                       **{"compress.name": "gdtopk"}, **changes)
       summary = loop.train_and_evaluate(config, f"{out}/{name}", progress=False)
+      if name == "resumed":
+        assert summary["status"] == "stopped", summary["status"]
+        config.train.stop_after_updates = 0
+        summary = loop.train_and_evaluate(config, f"{out}/{name}", progress=False)
       weights = trained.load_trained(f"{out}/{name}").params
       result[name] = {"status": summary["status"],
                       "metrics": helpers.metric_lines(f"{out}/{name}"),
@@ -44,10 +51,15 @@ _CHILD = textwrap.dedent(r"""
                                      devices.place(plan, runner.mesh)).compile().as_text()
         bodies = set(re.findall(r" while\(.*?body=(%[\w.-]+)", text))
         blocks = {b.split(" ", 1)[0]: b for b in re.split(r"\n(?=\S)", text)}
-        result["hlo"] = {"all_gathers": len(re.findall(r" all-gather(?:-start)?\(", text)),
-                         "in_loops": sum(len(re.findall(r"all-gather", blocks.get(b, "")))
+        rows = lambda x: {s.data.shape[0] for s in x.addressable_shards}
+        result["hlo"] = {"collectives": len(re.findall(rf" {collective}(?:-start)?\(", text)),
+                         "in_loops": sum(len(re.findall(collective, blocks.get(b, "")))
                                          for b in bodies),
-                         "loops": len(bodies), "pieces": runner.shape.pieces}
+                         "loops": len(bodies), "pieces": runner.shape.pieces,
+                         # rows per device: the pulled weights and GDTopK's residuals by owner
+                         "worker_rows": sorted(rows(sim.state.worker_params)),
+                         "residual_rows": sorted(rows(jax.tree.leaves(sim.state.comp_state.residual)[0])),
+                         "gradient_rows": sorted(rows(sim.state.grad_buf))}
     json.dump(result, open(f"{out}/result.json", "w"))
     """)
 
@@ -68,18 +80,24 @@ def test_four_devices_give_one_devices_metrics_and_weights_bit_for_bit(tmp_path,
   subprocess.run([sys.executable, str(script), data_dir, str(tmp_path)], env=env, check=True,
                  timeout=600)
   result = json.loads((tmp_path / "result.json").read_text())
-  assert result["one"]["status"] == result["four"]["status"] == "done"
-  assert result["four"]["weights"] == result["one"]["weights"]
+  assert result["one"]["status"] == result["four"]["status"] == result["resumed"]["status"] == "done"
+  assert result["four"]["weights"] == result["one"]["weights"] == result["resumed"]["weights"]
   assert len(result["four"]["metrics"]) == len(result["one"]["metrics"]) == 2
-  for many, one in zip(result["four"]["metrics"], result["one"]["metrics"]):
-    # The training loss is a report, not an input to training: each job's batch mean is a
-    # reduction XLA schedules differently in the two programs (measured: the last bit or two).
-    assert many.pop("train_loss") == pytest.approx(one.pop("train_loss"), rel=1e-6)
-    assert many == one
-  # One all_gather per job output per piece, none inside a loop (the rounds' scans).
+  for run in ("four", "resumed"):
+    for many, one in zip(result[run]["metrics"], result["one"]["metrics"]):
+      # The training loss is a report, not an input to training: each job's batch mean is a
+      # reduction XLA schedules differently in the two programs (measured: the last bit or two).
+      many, one = dict(many), dict(one)
+      assert many.pop("train_loss") == pytest.approx(one.pop("train_loss"), rel=1e-6)
+      assert many == one
+  # A fixed number of collectives per piece (the jobs' results gathered, the owned rows they
+  # read exchanged), none inside a loop (the rounds' scans).
   hlo = result["hlo"]
-  assert hlo["all_gathers"] > 0 and hlo["all_gathers"] % hlo["pieces"] == 0, hlo
+  assert hlo["collectives"] > 0 and hlo["collectives"] % hlo["pieces"] == 0, hlo
   assert hlo["loops"] > 0 and hlo["in_loops"] == 0, hlo
+  # Memory by owner: each device holds one worker's row of the pulled weights and of GDTopK's
+  # residuals (4 workers, 4 devices); the outstanding gradients, which rounds read, all 4.
+  assert hlo["worker_rows"] == hlo["residual_rows"] == [1] and hlo["gradient_rows"] == [4], hlo
 
 
 @pytest.mark.parametrize("value,executor,error", [

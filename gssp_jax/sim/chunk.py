@@ -312,7 +312,8 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   num_workers: int, num_replicas: int, shape: Shape, *, grad_clip: float = 0.0,
                   local: executor.LocalJob | None = None,
                   on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
-                  job_batch: int = 0, unroll_pieces: bool = False, mesh=None):
+                  job_batch: int = 0, unroll_pieces: bool = False, mesh=None,
+                  state_sharding=None):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
@@ -323,8 +324,9 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   :func:`jobs_body`'s. ``unroll_pieces``: the ``L`` pieces traced one after another instead
   of a ``lax.scan`` over them (the CPU's choice: :func:`map_jobs`); the same function, a
   program ``L`` times the size. ``mesh``: the devices a piece's jobs are split over
-  (:func:`jobs_body`); the state, the arrays and the plan are replicated on all of them, and so
-  is every round.
+  (:func:`jobs_body`); the arrays and the plan are replicated on all of them, and so is every
+  round; the state is as ``state_sharding`` places it (``devices.state_shardings``: the
+  workers' own buffers split by owner; None: replicated).
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
                    grad_clip=grad_clip, local=local, job_batch=job_batch, mesh=mesh)
@@ -353,7 +355,9 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
     return state, state.loss_count + 0
   if mesh is None:
     return jax.jit(chunk, donate_argnums=(0,))
-  return jax.jit(chunk, donate_argnums=(0,), out_shardings=devices_lib.replicated(mesh))
+  whole = devices_lib.replicated(mesh)
+  return jax.jit(chunk, donate_argnums=(0,),
+                 out_shardings=(whole if state_sharding is None else state_sharding, whole))
 
 
 def padded_ids(count: int, num: int) -> np.ndarray:

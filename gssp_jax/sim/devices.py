@@ -1,11 +1,19 @@
 """One simulation over several local devices (``config.devices``): a piece's job slots split.
 
-With ``D`` devices the level executor's state, training arrays and chunk plans are
-replicated on all of them; each piece's ``J`` job slots are split ``J / D`` per device
-(``chunk.map_jobs`` under ``jax.shard_map``), computed exactly as on one device, and their
-results gathered, one ``all_gather`` per job output per piece; every round then runs on
-every device on the same values. So the plan, and the results, are those of one device.
-Each device holds the whole state: memory is not split yet.
+With ``D`` devices the level executor's training arrays and chunk plans are replicated on all
+of them; each piece's ``J`` job slots are split ``J / D`` per device (``chunk.map_jobs`` under
+``jax.shard_map``), computed exactly as on one device, and their results gathered, one
+``all_gather`` per job output per piece; every round then runs on every device on the same
+values. So the plan, and the results, are those of one device.
+
+Memory, by owner (:func:`state_shardings`): the per-worker buffers that only the jobs read
+(:data:`OWNED`: the weights each worker pulled, its compressor's and its inner optimizer's
+state) are split over the devices by rows, worker ``w`` on device ``w // (W / D)``. XLA's
+partitioner turns a piece's reads of its jobs' rows into a fixed number of exchanges per
+piece, and a round's write of a pulled row (``rounds.pull_rows`` reads no row) into a write on
+its owner alone: no collective inside the round loop. The outstanding gradients and the
+workers' statistics (which rounds read), the replicas and the rest stay on every device. A
+worker count that ``D`` does not divide, or a mesh across processes, keeps every buffer whole.
 
 Across processes (``sim/hosts.py``) the mesh is every process's devices, all of them: a
 process with none in the mesh could not take part in its programs.
@@ -13,6 +21,7 @@ process with none in the mesh could not take part in its programs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -62,6 +71,52 @@ def mesh_for(devices: int) -> jax.sharding.Mesh | None:
 
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+# The level state's per-worker fields split by owner over the devices (``executor.SimState``).
+OWNED = ("worker_params", "comp_state", "inner_state")
+
+
+def state_shardings(state: Any, mesh: jax.sharding.Mesh, num_workers: int) -> Any:
+  """A prefix of ``state`` (an ``executor.SimState``) with each field's sharding on ``mesh``:
+  :data:`OWNED` split by rows (``[W, ...]`` leaves, ``W`` a multiple of the devices), the
+  rest replicated; every field replicated where the devices do not divide ``num_workers``, and
+  across processes (``sim/hosts.py``: each process then holds the whole state, as its
+  checkpoint and its evaluation read it)."""
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+  whole = replicated(mesh)
+  split = splits_owned(mesh, num_workers)
+  return state.replace(**{f.name: rows if split and f.name in OWNED else whole
+                          for f in dataclasses.fields(state)})
+
+
+def splits_owned(mesh: jax.sharding.Mesh | None, num_workers: int) -> bool:
+  """Whether :data:`OWNED` is split over ``mesh`` by owner (:func:`state_shardings`)."""
+  return (mesh is not None and mesh.size > 1 and num_workers % mesh.size == 0
+          and jax.process_count() == 1)
+
+
+def place_state(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -> Any:
+  """The level state on ``mesh`` (:func:`state_shardings`; None: :func:`place`'s one device)."""
+  if mesh is None:
+    return place(state, mesh)
+  shardings = state_shardings(state, mesh, num_workers)
+  if not replicated(mesh).is_fully_addressable:
+    state = jax.device_get(state)
+  return jax.device_put(state, shardings)
+
+
+def shaped_state(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -> Any:
+  """An abstract level state (``jax.ShapeDtypeStruct`` leaves) with the shardings
+  :func:`place_state` would give it, so that a program compiled for it is the run's."""
+  if mesh is None:
+    return state
+  shardings = state_shardings(state, mesh, num_workers)
+  is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
+  return jax.tree.map(
+      lambda sharding, sub: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub),
+      shardings, state, is_leaf=is_sharding)
 
 
 def place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:

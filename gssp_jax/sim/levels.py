@@ -67,7 +67,9 @@ class LevelRunner:
     job_batch: job slots one ``vmap`` computes together (``chunk.jobs_body``; 0: all).
     unroll_pieces: the chunk's pieces unrolled (``chunk.make_chunk_fn``; :func:`unrolled_for`).
     mesh: the devices a piece's jobs are split over (``sim/devices.py``), or None for one; the
-      state and arrays passed in must be replicated on it (``devices.place``).
+      arrays passed in must be replicated on it (``devices.place``), the state placed as
+      ``state_sharding`` says (``devices.state_shardings``; None: replicated).
+    state_sharding: the state's shardings on ``mesh`` (``devices.place_state``).
   """
 
   def __init__(self, *, layout: flat_lib.Layout, loss_fn: Callable, compressor,
@@ -76,7 +78,8 @@ class LevelRunner:
                job_shape: tuple, route: np.ndarray, grad_clip: float = 0.0,
                local: executor.LocalJob | None = None, make_jobs=None,
                round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False,
-               job_batch: int = 0, unroll_pieces: bool = False, mesh=None):
+               job_batch: int = 0, unroll_pieces: bool = False, mesh=None,
+               state_sharding=None):
     self.shape, self.job_batch, self.unroll_pieces = shape, int(job_batch), unroll_pieces
     self.mesh = mesh
     self.traces = 0
@@ -94,7 +97,8 @@ class LevelRunner:
                                             stats_bytes, num_workers, num_replicas, shape,
                                             grad_clip=grad_clip, local=local, on_trace=count,
                                             packing=self.packing, job_batch=job_batch,
-                                            unroll_pieces=unroll_pieces, mesh=mesh)
+                                            unroll_pieces=unroll_pieces, mesh=mesh,
+                                            state_sharding=state_sharding)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 

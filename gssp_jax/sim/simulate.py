@@ -385,11 +385,12 @@ class Simulation:
                                        local=self.local)
     self.calibrated = None
     if self.abstract:
-      self.state = jax.eval_shape(init, self.params, self.model_state, self.train_rng)
+      self.state = devices_lib.shaped_state(
+          jax.eval_shape(init, self.params, self.model_state, self.train_rng), self.mesh, W)
       self.arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), task.train)
       return
-    self.state = devices_lib.place(jax.jit(init)(self.params, self.model_state, self.train_rng),
-                                   self.mesh)
+    self.state = devices_lib.place_state(
+        jax.jit(init)(self.params, self.model_state, self.train_rng), self.mesh, W)
     self.arrays = devices_lib.place(task.train, self.mesh)
     if config.cluster.calibrate:
       # The per-round runner's state and arrays; on one device (the levels runner's are flat,
@@ -474,8 +475,16 @@ class Simulation:
         job_shape=job_shape, route=protocol.route, grad_clip=config.optimizer.grad_clip,
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
         one_exchange=protocol.one_exchange_per_round, job_batch=job_batch,
-        unroll_pieces=unroll, mesh=self.mesh)
+        unroll_pieces=unroll, mesh=self.mesh,
+        state_sharding=(None if self.mesh is None
+                        else devices_lib.state_shardings(self.state, self.mesh, self.W)))
     logging.info("levels executor: %s", levels.describe(shape, job_batch, unroll))
+    if self.mesh is not None:
+      logging.info("devices: %d; the workers' own buffers %s", self.mesh.size,
+                   f"split by owner, {self.W // self.mesh.size} workers a device"
+                   if devices_lib.splits_owned(self.mesh, self.W) else
+                   f"whole on every device ({self.W} workers: not a multiple of "
+                   f"{self.mesh.size}, or several processes)")
 
   def _resume_shape(self, feed_state: dict) -> None:
     """Keeps the slots a checkpoint's pieces were planned with (its noted jobs and rounds fill
@@ -567,7 +576,7 @@ class Simulation:
     if found is not None:
       latest, saved, state = found
       layout = saved["host"].get("layout", "tree")
-      self.state = devices_lib.place(state, self.mesh)
+      self.state = devices_lib.place_state(state, self.mesh, self.W)
       self.engine.load_state_dict(saved["engine"])
       self.book.load(records.upgrade_counters({"iterations": 0, **saved["host"]}, self.links),
                      saved["acct"])

@@ -335,20 +335,23 @@ def replica_route(groups: jax.Array, num_replicas: int) -> jax.Array:
 def pull_rows(workers, replicas, groups: jax.Array, pulls: jax.Array, worker_ids=None):
   """Workers in ``pulls`` take their replica's (``groups[w]``) values; only ``worker_ids`` rows.
 
-  Without ``worker_ids`` every row is selected in place (one pass over ``[W, ...]``).
+  Without ``worker_ids`` every row is selected in place (one pass over ``[W, ...]``). With
+  them, a listed worker that does not pull is written nowhere (its id moved past the padding,
+  ``mode="drop"``): no row of ``workers`` is read, so where its rows are split over devices by
+  owner (``sim/devices.py``) a round's pull is a write on the owner alone, with no exchange.
   """
+  num = groups.shape[0]
   if worker_ids is None:
     return jax.tree.map(lambda w, r: jnp.where(transforms.rows(pulls, w), r[groups], w),
                         workers, replicas)
-  ids, safe, valid = transforms.ids_or_all(worker_ids, groups.shape[0])
+  ids, safe, valid = transforms.ids_or_all(worker_ids, num)
   take = pulls[safe] & valid
   src = groups[safe]
-
-  def one(w, r):
-    old = w[safe]
-    return w.at[ids].set(jnp.where(transforms.rows(take, old), r[src], old), mode="drop",
-                         unique_indices=True)
-  return jax.tree.map(one, workers, replicas)
+  # Distinct ids past the padding's (num .. num + K - 1) for the slots that do not pull.
+  k = ids.shape[0]
+  target = jnp.where(take, ids, num + k + jnp.arange(k, dtype=ids.dtype))
+  return jax.tree.map(lambda w, r: w.at[target].set(r[src].astype(w.dtype), mode="drop",
+                                                    unique_indices=True), workers, replicas)
 
 
 def arrived_mean(replica_model_state, worker_model_state, groups, arrived, num_replicas: int,
