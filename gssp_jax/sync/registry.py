@@ -198,11 +198,6 @@ def has_fused_loop(name: str) -> bool:
   return name in _FUSED_LOOP
 
 
-def has_group_ratios(name: str) -> bool:
-  """Whether scheme ``name``'s groups take GDTopK's per-group ratios."""
-  return name in _GROUP_RATIOS
-
-
 def scheme_names() -> tuple[str, ...]:
   """Every name ``config.sync.scheme`` accepts: the built-ins, then the registered ones."""
   return tuple(_REGISTERED)
