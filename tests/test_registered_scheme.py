@@ -7,9 +7,11 @@ virtual time, the staleness accounting, every traffic class, the blocked time an
 row. Anything that keyed off a built-in's name (and not what a scheme declares) would differ.
 """
 
+import ast
 import dataclasses
 import json
 import os
+import pathlib
 
 import pytest
 
@@ -114,3 +116,40 @@ def test_a_registered_local_update_scheme_is_checked_by_what_it_declares():
   with pytest.raises(ValueError, match=r"local=.* is invalid; allowed: None or a "
                                        r"sync.local.LocalUpdate"):
     sync.register_scheme("bad", lambda c, t: None, local={"workers": "optimizer"})
+
+
+def _name_tests(tree) -> list[int]:
+  """Lines of ``tree`` that compare something named like a scheme with a built-in's name
+  (``scheme == "gssp"``, ``config.sync.scheme in ("bsp", "ssp")``)."""
+  names = set(sync.SCHEMES)
+  mentions = lambda node: "scheme" in ast.unparse(node).lower()
+  is_name = lambda node: isinstance(node, ast.Constant) and node.value in names
+  hits = []
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.Compare):
+      continue
+    sides = [node.left, *node.comparators]
+    listed = [e for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set)) for e in s.elts]
+    if any(mentions(s) for s in sides) and any(map(is_name, sides + listed)):
+      hits.append(node.lineno)
+  return hits
+
+
+def test_no_code_outside_the_registry_and_the_schemes_tests_a_schemes_name():
+  """What a scheme has is registered with it (its keys, its LocalUpdate, its legs, its protocol's
+  barrier), so nothing else asks for it by name; the studies' reports compare against BSP, a
+  declared baseline, and may."""
+  root = pathlib.Path(sync.__file__).parent.parent
+  allowed = ("sync/registry.py", "sync/schemes/", "studies/")
+  found = {}
+  for path in sorted(root.rglob("*.py")):
+    rel = path.relative_to(root).as_posix()
+    if not rel.startswith(allowed):
+      lines = _name_tests(ast.parse(path.read_text()))
+      if lines:
+        found[rel] = lines
+  assert found == {}, found
+  # The check's own reading, on code that does it.
+  assert _name_tests(ast.parse("if config.sync.scheme == 'gssp': pass\n"
+                               "ok = scheme_name in ('bsp', 'ssp')\n"
+                               "fine = topology == 'halos'\n")) == [1, 2]
