@@ -77,12 +77,14 @@ def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
 OWNED = ("worker_params", "comp_state", "inner_state")
 
 
-def state_shardings(state: Any, mesh: jax.sharding.Mesh, num_workers: int) -> Any:
+def state_shardings(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -> Any:
   """A prefix of ``state`` (an ``executor.SimState``) with each field's sharding on ``mesh``:
   :data:`OWNED` split by rows (``[W, ...]`` leaves, ``W`` a multiple of the devices), the
   rest replicated; every field replicated where the devices do not divide ``num_workers``, and
   across processes (``sim/hosts.py``: each process then holds the whole state, as its
-  checkpoint and its evaluation read it)."""
+  checkpoint and its evaluation read it). None for no mesh (one device)."""
+  if mesh is None:
+    return None
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
   whole = replicated(mesh)
   split = splits_owned(mesh, num_workers)
@@ -97,21 +99,16 @@ def splits_owned(mesh: jax.sharding.Mesh | None, num_workers: int) -> bool:
 
 
 def place_state(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -> Any:
-  """The level state on ``mesh`` (:func:`state_shardings`; None: :func:`place`'s one device)."""
-  if mesh is None:
-    return place(state, mesh)
-  shardings = state_shardings(state, mesh, num_workers)
-  if not replicated(mesh).is_fully_addressable:
-    state = jax.device_get(state)
-  return jax.device_put(state, shardings)
+  """The level state on ``mesh`` (:func:`place` with :func:`state_shardings`)."""
+  return place(state, mesh, state_shardings(state, mesh, num_workers))
 
 
 def shaped_state(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -> Any:
   """An abstract level state (``jax.ShapeDtypeStruct`` leaves) with the shardings
   :func:`place_state` would give it, so that a program compiled for it is the run's."""
-  if mesh is None:
-    return state
   shardings = state_shardings(state, mesh, num_workers)
+  if shardings is None:
+    return state
   is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)
   return jax.tree.map(
       lambda sharding, sub: jax.tree.map(
@@ -119,16 +116,16 @@ def shaped_state(state: Any, mesh: jax.sharding.Mesh | None, num_workers: int) -
       shardings, state, is_leaf=is_sharding)
 
 
-def place(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
-  """``tree`` (host or device values) on the device, replicated on every device of ``mesh``
-  (None: ``jax.device_put``'s default device; a device value stays where it is). A mesh across
+def place(tree: Any, mesh: jax.sharding.Mesh | None, shardings: Any = None) -> Any:
+  """``tree`` (host or device values) on the device: as ``shardings`` (a prefix of ``tree``,
+  e.g. :func:`state_shardings`) says, else replicated on every device of ``mesh`` (None:
+  ``jax.device_put``'s default device; a device value stays where it is). A mesh across
   processes takes host values (each process passes the same)."""
   if mesh is None:
     return jax.device_put(tree)
-  sharding = replicated(mesh)
-  if not sharding.is_fully_addressable:
+  if not replicated(mesh).is_fully_addressable:
     tree = jax.device_get(tree)
-  return jax.device_put(tree, sharding)
+  return jax.device_put(tree, replicated(mesh) if shardings is None else shardings)
 
 
 def local(tree: Any) -> Any:

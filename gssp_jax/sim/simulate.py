@@ -476,8 +476,7 @@ class Simulation:
         local=self.local, make_jobs=self._make_jobs, round_fields=protocol.round_fields,
         one_exchange=protocol.one_exchange_per_round, job_batch=job_batch,
         unroll_pieces=unroll, mesh=self.mesh,
-        state_sharding=(None if self.mesh is None
-                        else devices_lib.state_shardings(self.state, self.mesh, self.W)))
+        state_sharding=devices_lib.state_shardings(self.state, self.mesh, self.W))
     logging.info("levels executor: %s", levels.describe(shape, job_batch, unroll))
     if self.mesh is not None:
       logging.info("devices: %d; the workers' own buffers %s", self.mesh.size,
