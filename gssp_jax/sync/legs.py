@@ -26,7 +26,7 @@ The legs:
 * Each other scheme's, in its package (``sync/schemes/<name>/legs.py``, each saying what
   goes where): ``PeerLegs`` (DS-Sync), ``GroupLegs`` (GSSP, and HALoS), ``NodeLegs``
   (InHAD), ``CommunityLegs`` (CASP), ``RingLegs`` (``bsp_allreduce``, with
-  :func:`ring_time`).
+  ``ring_time``).
 
 With ``cluster.shared_server_links`` a push or pull crosses the shared link
 that :meth:`ServerLegs.route` names: the server's interface by default, the
@@ -34,7 +34,7 @@ node's local link for InHAD's pushes, the leader's link (in for pushes, out
 for the reply's forward) for a CASP member; and a message the one that
 :meth:`ServerLegs.message_route` names: a CASP community's upload, the
 server's interface; a group server's exchange with a global server
-(:class:`GroupLegs`: GSSP ``global``, HALoS), the global server's interface to
+(GSSP's ``GroupLegs``: GSSP ``global``, HALoS), the global server's interface to
 the other servers. GSSP ``peer`` deliveries, InHAD's pull of the aggregates and
 the server's reply to a CASP leader keep their fixed delays
 (:meth:`ServerLegs.message_delay`).

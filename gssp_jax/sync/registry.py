@@ -299,9 +299,9 @@ def validate(config, *, allow_unread: Collection[str] = ()) -> None:
   reads = SYNC_KEYS.get(config.sync.scheme)
   if config.sync.regroup_every_epoch and reads is not None and "regroup_every_epoch" not in reads:
     # Not left to allow_unread: the simulator regroups whenever it is set.
-    readers = [repr(n) for n, keys in SYNC_KEYS.items() if "regroup_every_epoch" in keys]
+    readers = " or ".join(map(repr, _readers("regroup_every_epoch")))
     checks.fail("sync.regroup_every_epoch", True,
-                f"True only with sync.scheme={' or '.join(readers)} (False otherwise)")
+                f"True only with sync.scheme={readers} (False otherwise)")
   check_unread_sync_keys(config, allow_unread)
   try:
     scheme = scheme_from_config(config)
@@ -382,10 +382,14 @@ def check_unread_sync_keys(config, allow_unread: Collection[str] = ()) -> None:
     _SYNC_CHECKS[key](f"sync.{key}", value)
     if (reads is not None and f"sync.{key}" not in allow_unread
         and defaults.comparable(value) != defaults.comparable(default)):
-      readers = [name for name, keys in SYNC_KEYS.items() if key in keys]
       raise ValueError(
           f"config.sync.{key}={value!r} cannot apply: sync.scheme={scheme!r} does not read it"
-          f" (read only by {', '.join(readers)}); leave it at its default {default!r}")
+          f" (read only by {', '.join(_readers(key))}); leave it at its default {default!r}")
+
+
+def _readers(key: str) -> list[str]:
+  """The schemes registered as reading ``config.sync.<key>``."""
+  return [name for name, keys in SYNC_KEYS.items() if key in keys]
 
 
 def changed_sync_keys(config) -> tuple[str, ...]:
