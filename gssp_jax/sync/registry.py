@@ -216,7 +216,7 @@ def scheme_from_config(config, worker_times=None) -> Scheme:
   return scheme
 
 
-def settings_from_config(config, worker_times) -> dict[str, Any]:
+def _settings_from_config(config, worker_times) -> dict[str, Any]:
   """:func:`build_scheme`'s keyword settings from ``config.sync.*`` (the built-ins' builders;
   a built-in that reads more adds its own, :func:`register_built_in`'s ``more_settings``)."""
   s = config.sync
@@ -248,7 +248,7 @@ def register_built_in(name: str, build: Callable[..., Scheme], sync_keys: Sequen
     sync_keys, local: :func:`register_scheme`'s.
     settings_line: ``sync_config -> str``, the run log's words (:func:`settings_line`).
     more_settings: ``config -> dict``, keyword settings it reads beyond
-      :func:`settings_from_config`'s (HALoS's ``halos``).
+      :func:`_settings_from_config`'s (HALoS's ``halos``).
     fused_loop: it trains in the fused data-parallel loop when no cluster is set (BSP).
     group_ratios: its groups take GDTopK's per-group ratios (GSSP).
   """
@@ -258,7 +258,7 @@ def register_built_in(name: str, build: Callable[..., Scheme], sync_keys: Sequen
   _KEYWORD_BUILDERS[name] = build
 
   def from_config(config, worker_times):
-    settings = settings_from_config(config, worker_times)
+    settings = _settings_from_config(config, worker_times)
     if more_settings is not None:
       settings.update(more_settings(config))
     return build_scheme(name, config.num_workers, **settings)
