@@ -51,9 +51,7 @@ from jax import lax
 import numpy as np
 import optax
 
-from gssp_jax.sync.arguments import check_assignment
-from gssp_jax.sync.arguments import check_int
-from gssp_jax.sync.arguments import check_scale
+from gssp_jax.sync import arguments
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -165,11 +163,12 @@ def server_sync(num_workers: int, *, num_replicas: int = 1, assignment=None, sca
       W pushes then moves as far as one BSP step).
     name: the scheme's name, for error messages.
   """
-  num_workers = check_int(name, "num_workers", num_workers, 1)
-  num_replicas = check_int(name, "num_replicas", num_replicas, 1)
-  scale = check_scale(name, 1.0 / num_workers if scale is None else scale)
+  num_workers = arguments.check_int(name, "num_workers", num_workers, 1)
+  num_replicas = arguments.check_int(name, "num_replicas", num_replicas, 1)
+  scale = arguments.check_scale(name, 1.0 / num_workers if scale is None else scale)
   static_route = (np.zeros([num_workers], np.int32) if assignment is None
-                  else check_assignment(name, "assignment", assignment, num_workers, num_replicas))
+                  else arguments.check_assignment(name, "assignment", assignment, num_workers,
+                                                  num_replicas))
 
   def init(params):
     del params
@@ -251,7 +250,7 @@ def replicated(inner: optax.GradientTransformation,
   steps rather than one that stops at the listed count: no data-dependent
   loop, which on a GPU would return to the host every step.
   """
-  num_replicas = check_int("replicated", "num_replicas", num_replicas, 1)
+  num_replicas = arguments.check_int("replicated", "num_replicas", num_replicas, 1)
 
   def init(params):
     # Like every transform of a sync chain, init takes ONE replica's parameters
