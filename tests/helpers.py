@@ -142,7 +142,8 @@ def level_runner(loss_fn, compressor, tx, dense_bytes, stats_bytes, scheme, para
   run = levels.make_step_runner(layout, loss_fn, compressor, tx, dense_bytes, stats_bytes, W, R,
                                 protocol.num_groups, shape, job_shape, protocol.route,
                                 grad_clip=grad_clip, local=local, job_batch=job_batch,
-                                unroll_pieces=unroll_pieces)
+                                unroll_pieces=unroll_pieces, round_fields=protocol.round_fields,
+                                one_exchange=protocol.one_exchange_per_round)
   return state, run, layout
 
 

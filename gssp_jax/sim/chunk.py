@@ -34,6 +34,7 @@ import optax
 from gssp_jax.sim import devices as devices_lib
 from gssp_jax.sim import executor
 from gssp_jax.sim import flat as flat_lib
+from gssp_jax.sync import rounds as rounds_lib
 
 
 class Shape(NamedTuple):
@@ -206,19 +207,24 @@ def map_jobs(one_job: Callable, xs: tuple, job_batch: int, mesh=None):
 
 
 def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,
-               row: dict) -> dict[str, Any]:
+               row: dict, empty: dict | None = None) -> dict[str, Any]:
   """One round slot's fields as ``rounds.apply_round``'s args (traced, pure).
 
   The dense ``arrived``/``pulls`` masks are built from the slots' ids; a slot
   count below ``W`` (``R``) also passes the ids, so the round touches those
-  rows only.
+  rows only. ``empty``: the optional fields the protocol never sets
+  (``Protocol.round_fields``), as their empty host values (``rounds.empty_fields``): they are
+  passed as those constants, not read from ``row``, so the passes they would drive (averaging,
+  adoption, an exchange) are left out of the program (``rounds.apply_round``).
   """
+  empty = empty or {}
   mask = lambda ids: jnp.zeros([num_workers], bool).at[ids].set(True, mode="drop",
                                                                 unique_indices=True)
   args = {"arrived": mask(row["arrive_ids"]), "pulls": mask(row["pull_ids"]),
           "groups": routes[row["route"]],
-          **{k: row[k] for k in ("applies", "forward", "deliver", "aggregate", "adopt",
-                                 "average", "stats_mean", "adopt_weight", "learning_rate")}}
+          **{k: empty[k] if k in empty else row[k]
+             for k in ("applies", "forward", "deliver", "aggregate", "adopt",
+                       "average", "stats_mean", "adopt_weight", "learning_rate")}}
   if shape.arrivals < num_workers:
     args["worker_ids"] = row["arrive_ids"]
   args["pull_ids"] = row["pull_ids"] if shape.pulls < num_workers else None
@@ -226,6 +232,13 @@ def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Ar
     args["replica_ids"] = row["replica_ids"]
   args["no_branches"] = True   # masks and fixed trip counts in the transforms (no host trips)
   return args
+
+
+def never_set(round_fields, num_workers: int, num_replicas: int, num_groups: int) -> dict:
+  """``{field: its empty value}`` for the optional round fields a protocol never sets (those
+  not in its ``round_fields``): :func:`round_args`'s ``empty``."""
+  empty = rounds_lib.empty_fields(num_workers, num_replicas, num_groups)
+  return {name: empty[name] for name in rounds_lib.OPTIONAL_FIELDS if name not in round_fields}
 
 
 class Packing(NamedTuple):
@@ -313,7 +326,8 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   local: executor.LocalJob | None = None,
                   on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
                   job_batch: int = 0, unroll_pieces: bool = False, mesh=None,
-                  state_sharding=None):
+                  state_sharding=None, round_fields=rounds_lib.OPTIONAL_FIELDS,
+                  num_groups: int = 1):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
@@ -326,11 +340,14 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   program ``L`` times the size. ``mesh``: the devices a piece's jobs are split over
   (:func:`jobs_body`); the arrays and the plan are replicated on all of them, and so is every
   round; the state is as ``state_sharding`` places it (``devices.state_shardings``: the
-  workers' own buffers split by owner; None: replicated).
+  workers' own buffers split by owner; None: replicated). ``round_fields``: the protocol's
+  (``Protocol.round_fields``); the fields it never sets are constants of the program
+  (:func:`never_set`), ``num_groups`` their ``[G]`` fields' size.
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
                    grad_clip=grad_clip, local=local, job_batch=job_batch, mesh=mesh)
   one_round = executor.round_body(tx)
+  empty = never_set(round_fields, num_workers, num_replicas, num_groups)
 
   def chunk(state: executor.SimState, arrays, plan):
     on_trace()
@@ -339,7 +356,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
     routes = plan["routes"]
 
     def round_step(s, row):
-      return one_round(s, round_args(shape, num_workers, num_replicas, routes, row)), None
+      return one_round(s, round_args(shape, num_workers, num_replicas, routes, row, empty)), None
 
     def piece(s, xs):
       job, rows = xs

@@ -98,7 +98,8 @@ class LevelRunner:
                                             grad_clip=grad_clip, local=local, on_trace=count,
                                             packing=self.packing, job_batch=job_batch,
                                             unroll_pieces=unroll_pieces, mesh=mesh,
-                                            state_sharding=state_sharding)
+                                            state_sharding=state_sharding,
+                                            round_fields=round_fields, num_groups=num_groups)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
@@ -164,19 +165,22 @@ def make_step_runner(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                      stats_bytes: int, num_workers: int, num_replicas: int, num_groups: int,
                      shape: chunk_lib.Shape, job_shape: tuple, route: np.ndarray, *,
                      grad_clip: float = 0.0, local: executor.LocalJob | None = None,
-                     job_batch: int = 0, unroll_pieces: bool = False):
+                     job_batch: int = 0, unroll_pieces: bool = False,
+                     round_fields=rounds_lib.OPTIONAL_FIELDS, one_exchange: bool = False):
   """``(state, arrays, steps) -> state`` over a flat state: ``executor.make_round_runner``'s contract.
 
   The jobs still pending after the last step run before it returns, so its
   state is comparable with the per-round runner's after the same steps (the
-  equivalence tests). ``run.runner`` is the :class:`LevelRunner`.
+  equivalence tests). ``run.runner`` is the :class:`LevelRunner`; ``round_fields`` and
+  ``one_exchange`` are its (the steps' protocol's).
   """
   runner = LevelRunner(layout=layout, loss_fn=loss_fn, compressor=compressor, tx=tx,
                        dense_bytes=dense_bytes, stats_bytes=stats_bytes,
                        num_workers=num_workers, num_replicas=num_replicas,
                        num_groups=num_groups, shape=shape, job_shape=job_shape, route=route,
                        grad_clip=grad_clip, local=local, job_batch=job_batch,
-                       unroll_pieces=unroll_pieces)
+                       unroll_pieces=unroll_pieces, round_fields=round_fields,
+                       one_exchange=one_exchange)
 
   def run(state: executor.SimState, arrays, steps: Sequence[executor.Step]):
     for step in steps:

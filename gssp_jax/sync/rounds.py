@@ -378,6 +378,13 @@ def arrived_mean(replica_model_state, worker_model_state, groups, arrived, num_r
   return jax.tree.map(take_mean, replica_model_state, worker_model_state)
 
 
+def never(field) -> bool:
+  """Whether a replica field (``average``, ``adopt``, ``stats_mean``: -1 for none) is known, on
+  the host, to name no replica: a host array of -1s (the level executor passes a field its
+  protocol never sets as its empty value, ``chunk.never_set``). A traced field is never known."""
+  return isinstance(field, np.ndarray) and not (field >= 0).any()
+
+
 def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_state,
                 worker_params, worker_grads, args: dict, replica_model_state=None,
                 worker_model_state=None):
@@ -389,7 +396,8 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   work over the ``R`` replicas' weights; never ``W x params``.
 
   Model state, in order: arrived workers' statistics, ``stats_mean``,
-  averaging, adoption, pulls.
+  averaging, adoption, pulls. A replica field known on the host to name no replica
+  (:func:`never`) leaves its pass out (it would change nothing).
 
   Args:
     tx: ``optax.chain(<compressor>, <sync transform>, replicated(<optimizer>, R))``.
@@ -415,13 +423,18 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   """
   updates, tx_state = tx.update(worker_grads, tx_state, replica_params, **args)
   replica_params = optax.apply_updates(replica_params, updates)
-  average = jnp.asarray(args["average"], jnp.int32)
-  adopt = jnp.asarray(args["adopt"], jnp.int32)
+  average, adopt = args["average"], args["adopt"]
   worker_ids, replica_ids = args.get("worker_ids"), args.get("replica_ids")
   pull_ids = args.get("pull_ids", worker_ids)
   weight = args.get("adopt_weight")   # absent from the real runtime's shards' args: copies
-  replica_params = adopt_replicas(average_replicas(replica_params, average, replica_ids), adopt,
-                                  weight, replica_ids)
+
+  def exchange(tree):   # averaging, then adoption; a pass whose field is never set is left out
+    if not never(average):
+      tree = average_replicas(tree, jnp.asarray(average, jnp.int32), replica_ids)
+    if not never(adopt):
+      tree = adopt_replicas(tree, jnp.asarray(adopt, jnp.int32), weight, replica_ids)
+    return tree
+  replica_params = exchange(replica_params)
   arrived = jnp.asarray(args["arrived"], bool)
   num_replicas = jnp.asarray(args["applies"]).shape[0]
   groups = replica_route(jnp.asarray(args["groups"], jnp.int32), num_replicas)
@@ -430,11 +443,11 @@ def apply_round(tx: optax.GradientTransformationExtraArgs, replica_params, tx_st
   if replica_model_state is not None and jax.tree.leaves(replica_model_state):
     replica_model_state = arrived_mean(replica_model_state, worker_model_state, groups, arrived,
                                        num_replicas, worker_ids)
-    if "stats_mean" in args:   # absent from args built before the field existed
+    stats_mean = args.get("stats_mean")   # absent from args built before the field existed
+    if stats_mean is not None and not never(stats_mean):
       replica_model_state = mean_of_first(replica_model_state,
-                                          jnp.asarray(args["stats_mean"], jnp.int32))
-    replica_model_state = adopt_replicas(
-        average_replicas(replica_model_state, average, replica_ids), adopt, weight, replica_ids)
+                                          jnp.asarray(stats_mean, jnp.int32))
+    replica_model_state = exchange(replica_model_state)
     worker_model_state = pull_rows(worker_model_state, replica_model_state, groups, pulls,
                                    pull_ids)
   return replica_params, tx_state, worker_params, replica_model_state, worker_model_state

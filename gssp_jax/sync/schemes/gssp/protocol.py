@@ -68,7 +68,6 @@ class GSSPProtocol(Protocol):
   """
 
   name = "gssp"
-  round_fields = ("forward", "deliver", "adopt", "stats_mean")
   # Every round is one push, one message or a regrouping, each about one group (or none).
   one_exchange_per_round = True
   supports_membership = True
@@ -99,6 +98,12 @@ class GSSPProtocol(Protocol):
     self.baseline = np.zeros([num_workers], np.int64)   # clocks at the last regrouping
     self.next_route = None   # a regrouping waiting for its barrier
     self.regroups: list[tuple[float, list]] = []
+
+  @property
+  def round_fields(self) -> tuple:
+    """``peer`` rounds forward and deliver; ``global`` ones also adopt and average statistics."""
+    peer = ("forward", "deliver")
+    return peer if self.inter_group == "peer" else peer + ("adopt", "stats_mean")
 
   @property
   def global_replica(self) -> int | None:
