@@ -206,25 +206,31 @@ def map_jobs(one_job: Callable, xs: tuple, job_batch: int, mesh=None):
   return jax.tree.map(lambda *ys: jnp.concatenate(ys), *outs)
 
 
-def round_args(shape: Shape, num_workers: int, num_replicas: int, routes: jax.Array,
-               row: dict, empty: dict | None = None) -> dict[str, Any]:
+def piece_rows(num_workers: int, routes: jax.Array, rows: dict) -> dict:
+  """A piece's round rows plus, for all its ``Rr`` slots at once, the ``[Rr, W]`` ``arrived``
+  and ``pulls`` masks (from the slots' ids; padding past ``W`` marks nothing) and ``groups``
+  (the slot's route): a few operations a piece instead of a scatter and a gather a round."""
+  workers = jnp.arange(num_workers, dtype=jnp.int32)
+  mask = lambda ids: jnp.any(ids[:, :, None] == workers, axis=1)
+  return {**rows, "arrived": mask(rows["arrive_ids"]), "pulls": mask(rows["pull_ids"]),
+          "groups": routes[rows["route"]]}
+
+
+def round_args(shape: Shape, num_workers: int, num_replicas: int, row: dict,
+               empty: dict | None = None) -> dict[str, Any]:
   """One round slot's fields as ``rounds.apply_round``'s args (traced, pure).
 
-  The dense ``arrived``/``pulls`` masks are built from the slots' ids; a slot
-  count below ``W`` (``R``) also passes the ids, so the round touches those
-  rows only. ``empty``: the optional fields the protocol never sets
-  (``Protocol.round_fields``), as their empty host values (``rounds.empty_fields``): they are
-  passed as those constants, not read from ``row``, so the passes they would drive (averaging,
-  adoption, an exchange) are left out of the program (``rounds.apply_round``).
+  ``row``: one slot of :func:`piece_rows`. A slot count below ``W`` (``R``) also passes the
+  ids, so the round touches those rows only. ``empty``: the optional fields the protocol never
+  sets (``Protocol.round_fields``), as their empty host values (``rounds.empty_fields``): they
+  are passed as those constants, not read from ``row``, so the passes they would drive
+  (averaging, adoption, an exchange) are left out of the program (``rounds.apply_round``).
   """
   empty = empty or {}
-  mask = lambda ids: jnp.zeros([num_workers], bool).at[ids].set(True, mode="drop",
-                                                                unique_indices=True)
-  args = {"arrived": mask(row["arrive_ids"]), "pulls": mask(row["pull_ids"]),
-          "groups": routes[row["route"]],
-          **{k: empty[k] if k in empty else row[k]
-             for k in ("applies", "forward", "deliver", "aggregate", "adopt",
-                       "average", "stats_mean", "adopt_weight", "learning_rate")}}
+  args = {k: row[k] for k in ("arrived", "pulls", "groups")}
+  args.update({k: empty[k] if k in empty else row[k]
+               for k in ("applies", "forward", "deliver", "aggregate", "adopt", "average",
+                         "stats_mean", "adopt_weight", "learning_rate")})
   if shape.arrivals < num_workers:
     args["worker_ids"] = row["arrive_ids"]
   args["pull_ids"] = row["pull_ids"] if shape.pulls < num_workers else None
@@ -346,7 +352,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
                    grad_clip=grad_clip, local=local, job_batch=job_batch, mesh=mesh)
-  one_round = executor.round_body(tx)
+  one_round = executor.round_body(tx, count_arrivals=False)
   empty = never_set(round_fields, num_workers, num_replicas, num_groups)
 
   def chunk(state: executor.SimState, arrays, plan):
@@ -356,13 +362,15 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
     routes = plan["routes"]
 
     def round_step(s, row):
-      return one_round(s, round_args(shape, num_workers, num_replicas, routes, row, empty)), None
+      return one_round(s, round_args(shape, num_workers, num_replicas, row, empty)), None
 
     def piece(s, xs):
       job, rows = xs
       s = jobs(s, arrays, job)
+      rows = piece_rows(num_workers, routes, rows)
       s, _ = jax.lax.scan(round_step, s, rows)
-      return s, None
+      # A worker arrives at most once a piece (its one job), so its counters move once a piece.
+      return executor.count_arrivals_of(s, rows["arrived"]), None
     xs = (plan["jobs"], plan["rounds"])
     if unroll_pieces:   # no piece's jobs inside a loop body (see map_jobs)
       for i in range(shape.pieces):

@@ -319,26 +319,43 @@ def make_job_fn(loss_fn: Callable, compressor, dense_bytes: int, stats_bytes: in
   return jax.jit(jobs, donate_argnums=(0,))
 
 
-def round_body(tx: optax.GradientTransformationExtraArgs):
+def round_body(tx: optax.GradientTransformationExtraArgs, count_arrivals: bool = True):
   """``(state, args) -> state``: one round (``rounds.apply_round``), pure.
 
   Shared by ``make_round_fn`` (one jitted call per round) and the level
   runner's ``lax.scan`` of rounds (``sim/levels.py``), so the two cannot drift.
+  ``count_arrivals``: the round adds its arrivals' losses and bytes to the counters
+  (:func:`count_arrivals`); the level runner counts a piece's at once instead.
   """
 
   def one_round(state: SimState, args):
     rp, txs, wp, rms, wms = rounds_lib.apply_round(
         tx, state.replica_params, state.tx_state, state.worker_params, state.grad_buf, args,
         state.replica_model_state, state.worker_model_state)
-    # A gradient's loss and bytes count once it reaches its server, not when computed.
-    arrived = jnp.asarray(args["arrived"], bool)
-    return state.replace(replica_params=rp, tx_state=txs, worker_params=wp,
-                         replica_model_state=rms, worker_model_state=wms,
-                         loss_sum=state.loss_sum + jnp.sum(jnp.where(arrived, state.job_loss, 0.0)),
-                         loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
-                         push_bytes=add_push_bytes(state.push_bytes,
-                                                   jnp.where(arrived, state.job_bytes, 0)))
+    state = state.replace(replica_params=rp, tx_state=txs, worker_params=wp,
+                          replica_model_state=rms, worker_model_state=wms)
+    if not count_arrivals:
+      return state
+    return count_arrivals_of(state, jnp.asarray(args["arrived"], bool)[None])
   return one_round
+
+
+def count_arrivals_of(state: SimState, arrived: jax.Array) -> SimState:
+  """The loss and byte counters after the arrivals ``arrived`` (``[n, W]``: ``n`` rounds' masks).
+
+  A gradient's loss and bytes count once it reaches its server, not when computed. The
+  rounds' loss sums are added one after another, as ``n`` rounds would add them. Bytes add
+  exactly while a worker arrives at most once in the ``n`` rounds (one round; a level piece,
+  where each worker has at most one job: ``planner.Cutter``).
+  """
+  losses = jnp.sum(jnp.where(arrived, state.job_loss[None], 0.0), axis=1)   # [n]
+  loss_sum = state.loss_sum
+  for i in range(arrived.shape[0]):
+    loss_sum = loss_sum + losses[i]
+  nbytes = jnp.sum(jnp.where(arrived, state.job_bytes[None], 0), axis=0, dtype=jnp.int32)
+  return state.replace(loss_sum=loss_sum,
+                       loss_count=state.loss_count + jnp.sum(arrived, dtype=jnp.int32),
+                       push_bytes=add_push_bytes(state.push_bytes, nbytes))
 
 
 def make_round_fn(tx: optax.GradientTransformationExtraArgs,
