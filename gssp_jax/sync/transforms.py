@@ -132,12 +132,27 @@ def _account(state, *, arrived, route, pulls, applies, bumps=None):
   Replicas in ``applies`` (and ``bumps``, e.g. adopted weights) advance their
   version; then ``pulls`` workers read the new version of their replica.
   """
-  staleness = jnp.where(arrived, state.version[route] - state.read, state.staleness)
+  staleness = jnp.where(arrived, pick(state.version, route) - state.read, state.staleness)
   clock = _saturating_add(state.clock, arrived)
   inc = applies.astype(jnp.int32) + (0 if bumps is None else bumps.astype(jnp.int32))
   version = _saturating_add(state.version, inc)
-  read = jnp.where(pulls, version[route], state.read)
+  read = jnp.where(pulls, pick(version, route), state.read)
   return dict(clock=clock, read=read, staleness=staleness.astype(jnp.int32), version=version)
+
+
+def pick(values: jax.Array, index: jax.Array) -> jax.Array:
+  """``values[index]`` for a short ``[N]`` integer vector (``index`` in range), as a sum over a
+  one-hot comparison: elementwise work XLA fuses with what reads it, where a gather is a kernel
+  of its own (a round's clocks: several fewer kernels a round on a CPU). Exact for integers."""
+  onehot = index[..., None] == jnp.arange(values.shape[0], dtype=index.dtype)
+  return jnp.sum(jnp.where(onehot, values, jnp.zeros((), values.dtype)), axis=-1)
+
+
+def count_into(num: int, index: jax.Array, weights: jax.Array) -> jax.Array:
+  """``zeros[num].at[index].add(weights)`` for integer ``weights`` (``index`` in range), as a
+  sum over a one-hot comparison (fused, where a scatter is a kernel of its own). Exact."""
+  onehot = index[:, None] == jnp.arange(num, dtype=index.dtype)
+  return jnp.sum(jnp.where(onehot, weights[:, None], jnp.zeros((), weights.dtype)), axis=0)
 
 
 # Shared with the schemes' transforms (sync/schemes/*/transform.py).

@@ -125,7 +125,7 @@ def _gssp_applies(arrived, route, deliver, applies, num_groups: int, num_replica
 def _gssp_state(state, arrived, route, pulls, forward, applies, adopt, pending, outbox,
                 num_groups: int) -> GSSPState:
   """GSSP's new state: the clocks of the round, the exchange buffers, pushes since forward."""
-  arrivals = jnp.zeros([num_groups], jnp.int32).at[route].add(arrived.astype(jnp.int32))
+  arrivals = transforms.count_into(num_groups, route, arrived.astype(jnp.int32))
   since = jnp.where(forward, 0, transforms.saturating_add(state.since_forward, arrivals))
   clocks = transforms.account(state, arrived=arrived, route=route, pulls=pulls, applies=applies,
                     bumps=adopt >= 0)
