@@ -596,6 +596,20 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   assert round_scans == (shape.pieces if unroll else 1), loops
 
 
+@pytest.mark.parametrize("name", ["ssp", "gssp"])
+def test_a_round_leaves_out_the_passes_of_fields_its_protocol_never_sets(name):
+  """``benchmarks.round_ops``' count of a compiled round: with the protocol's own round fields
+  (SSP: none; GSSP peer: forward and deliver) a round has fewer kernels than when every field
+  travels as data, since averaging and adoption drop out (``rounds.never``); no round holds a
+  matmul of the averaging or a scatter of the arrival masks, which a piece makes at once."""
+  from benchmarks import round_ops
+  own, every = (round_ops.round_and_piece(
+      round_ops.compiled_chunk(name, 8, 6, 2, every_field=flag), 6) for flag in (False, True))
+  assert sum(own[0].values()) < sum(every[0].values()), (own[0], every[0])
+  assert not any("dot(" in line or "ynn_fusion" in line for line in own[2]), own[2]
+  assert not any(re.match(r"%\S*scatter\S* = pred\[8\]", line) for line in own[2]), own[2]
+
+
 def test_a_chunk_crosses_as_one_int32_buffer_and_unpacks_to_its_rows_exactly():
   """pack -> one int32 buffer (float bits, bools as 0/1) -> unpack (traced) gives every row,
   dtype and value back, negative zeros, NaNs and the largest ids included."""
