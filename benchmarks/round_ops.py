@@ -42,11 +42,16 @@ from gssp_jax.sim import levels
 
 from benchmarks import common
 
-_SCHEMES = flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp"], "schemes")
-_WORKERS = flags.DEFINE_integer("workers", 16, "simulated workers")
-_ROUNDS = flags.DEFINE_integer("rounds", 11, "round slots per piece")
-_JOBS = flags.DEFINE_integer("jobs", 4, "job slots per piece")
-_LIST = flags.DEFINE_bool("list", False, "print the round body's instructions")
+
+
+def _define_flags() -> None:
+  """Flags of its own, defined only when run as a program (the tests import this module, beside
+  other benchmarks whose flags share names)."""
+  flags.DEFINE_list("schemes", ["bsp", "ssp", "gssp"], "schemes")
+  flags.DEFINE_integer("workers", 16, "simulated workers")
+  flags.DEFINE_integer("rounds", 11, "round slots per piece")
+  flags.DEFINE_integer("jobs", 4, "job slots per piece")
+  flags.DEFINE_bool("list", False, "print the round body's instructions")
 
 _NOT_KERNELS = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
@@ -137,19 +142,20 @@ def round_and_piece(text: str, rounds: int) -> tuple[collections.Counter, collec
 
 def main(argv):
   del argv
+  f = flags.FLAGS
   print(common.describe_backend())
-  print(f"{_WORKERS.value} workers, one piece of {_JOBS.value} job slots (one at a time) and "
-        f"{_ROUNDS.value} round slots, benchmarks/tiny_model.py's near-free model\n")
+  print(f"{f.workers} workers, one piece of {f.jobs} job slots (one at a time) and "
+        f"{f.rounds} round slots, benchmarks/tiny_model.py's near-free model\n")
   print("| scheme | per round | per round, by kind | per piece, outside the rounds |")
   print("|---|---|---|---|")
   listings = {}
-  for name in _SCHEMES.value:
-    text = compiled_chunk(name, _WORKERS.value, _ROUNDS.value, _JOBS.value)
-    per_round, per_piece, listed = round_and_piece(text, _ROUNDS.value)
+  for name in f.schemes:
+    text = compiled_chunk(name, f.workers, f.rounds, f.jobs)
+    per_round, per_piece, listed = round_and_piece(text, f.rounds)
     kinds = ", ".join(f"{k} {n}" for k, n in per_round.most_common())
     print(f"| {name} | {sum(per_round.values())} | {kinds} | {sum(per_piece.values())} |")
     listings[name] = listed
-  if _LIST.value:
+  if f.list:
     for name, listed in listings.items():
       print(f"\n{name}: the round body")
       for line in listed:
@@ -157,4 +163,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

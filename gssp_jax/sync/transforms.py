@@ -140,17 +140,31 @@ def _account(state, *, arrived, route, pulls, applies, bumps=None):
   return dict(clock=clock, read=read, staleness=staleness.astype(jnp.int32), version=version)
 
 
+# Up to this many replicas (groups) a round's clocks index them by one-hot sums, above it by a
+# gather or a scatter: a one-hot comparison is ``[W, N]`` elementwise work, cheap for a few
+# group servers, quadratic where every worker has a replica of its own (DS-Sync).
+ONE_HOT_MAX = 16
+
+
 def pick(values: jax.Array, index: jax.Array) -> jax.Array:
-  """``values[index]`` for a short ``[N]`` integer vector (``index`` in range), as a sum over a
-  one-hot comparison: elementwise work XLA fuses with what reads it, where a gather is a kernel
-  of its own (a round's clocks: several fewer kernels a round on a CPU). Exact for integers."""
+  """``values[index]`` for a short ``[N]`` integer vector (``index`` in range).
+
+  For ``N <= ONE_HOT_MAX`` a sum over a one-hot comparison: elementwise work XLA fuses with
+  what reads it, where a gather is a kernel of its own (a GSSP round's clocks: several fewer
+  kernels a round on a CPU); else the gather. Exact for integers either way.
+  """
+  if values.shape[0] > ONE_HOT_MAX:
+    return values[index]
   onehot = index[..., None] == jnp.arange(values.shape[0], dtype=index.dtype)
   return jnp.sum(jnp.where(onehot, values, jnp.zeros((), values.dtype)), axis=-1)
 
 
 def count_into(num: int, index: jax.Array, weights: jax.Array) -> jax.Array:
-  """``zeros[num].at[index].add(weights)`` for integer ``weights`` (``index`` in range), as a
-  sum over a one-hot comparison (fused, where a scatter is a kernel of its own). Exact."""
+  """``zeros[num].at[index].add(weights)`` for integer ``weights`` (``index`` in range): for
+  ``num <= ONE_HOT_MAX`` a sum over a one-hot comparison (fused, where a scatter is a kernel of
+  its own), else the scatter. Exact either way."""
+  if num > ONE_HOT_MAX:
+    return jnp.zeros([num], weights.dtype).at[index].add(weights)
   onehot = index[:, None] == jnp.arange(num, dtype=index.dtype)
   return jnp.sum(jnp.where(onehot, weights[:, None], jnp.zeros((), weights.dtype)), axis=0)
 
