@@ -325,7 +325,7 @@ def round_body(tx: optax.GradientTransformationExtraArgs, count_arrivals: bool =
   Shared by ``make_round_fn`` (one jitted call per round) and the level
   runner's ``lax.scan`` of rounds (``sim/levels.py``), so the two cannot drift.
   ``count_arrivals``: the round adds its arrivals' losses and bytes to the counters
-  (:func:`count_arrivals`); the level runner counts a piece's at once instead.
+  (:func:`count_arrivals_of`); the level runner counts a piece's at once instead.
   """
 
   def one_round(state: SimState, args):
