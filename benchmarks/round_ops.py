@@ -126,10 +126,11 @@ def kernels(lines: list[str]) -> collections.Counter:
 def round_and_piece(text: str, rounds: int) -> tuple[collections.Counter, collections.Counter,
                                                      list[str]]:
   """``(per round, per piece, the round body's kernel lines)`` of a one-piece chunk."""
-  loops = [line for line in text.splitlines()
-           if " while(" in line and f'"known_trip_count":{{"n":"{rounds}"}}' in line]
+  # A scan over all the slots, or (the CPU's form) a loop to the piece's last used slot.
+  loops = [line for line in text.splitlines() if " while(" in line and (
+      f'"known_trip_count":{{"n":"{rounds}"}}' in line or '"known_trip_count"' not in line)]
   if len(loops) != 1:
-    raise ValueError(f"expected one round loop of {rounds} trips, found {len(loops)}")
+    raise ValueError(f"expected one round loop of {rounds} slots, found {len(loops)}")
   body = re.search(r"body=%?([\w.\-]+)", loops[0]).group(1)
   entry = re.search(r"\nENTRY %?([\w.\-]+) ", text).group(1)
   round_lines = _computation(text, body)

@@ -371,6 +371,31 @@ def test_planner_pads_with_distinct_out_of_range_ids_and_empty_rounds():
   assert not c.rounds["applies"][1].any()                        # the padded piece
 
 
+def test_a_piece_runs_its_round_slots_up_to_the_last_used_one():
+  """``chunk.rounds_used``: one past a piece's last slot holding anything but padding (a
+  pull-only slot too), 0 for a piece of jobs only; a row with no padding value is refused."""
+  p = _planner(chunk.Shape(pieces=2, jobs=3, rounds=3, arrivals=1, pulls=2, replicas=1))
+  _add_jobs(p, [0, 1, 2])
+  p.add_round(_round([0], [0]), 0.1)
+  _add_jobs(p, [0])
+  p.add_round(_round([1], []), 0.0)            # a learning rate of 0: still a round
+  p.add_round(_round([0], [0]), 0.1)           # cut: 0's job is fresh
+  _add_jobs(p, [0])
+  p.add_round(_round([], [1, 2, 0]), 0.1)      # cut; 3 pulls in 2 slots, the second pull-only
+  _add_jobs(p, [1, 2, 0])
+  p.flush(jobs=True)
+  used = [int(chunk.rounds_used(3, 1, {k: v[i] for k, v in c.rounds.items()}))
+          for c in p.take() for i in range(c.pieces)]
+  assert used == [2, 1, 2, 0]
+  rows = {k: v[0] for k, v in p.empty_chunk().rounds.items()}
+  assert int(chunk.rounds_used(3, 1, rows)) == 0
+  rows["pull_ids"] = rows["pull_ids"].copy()
+  rows["pull_ids"][2, 1] = 2                   # the last slot pulls worker 2
+  assert int(chunk.rounds_used(3, 1, rows)) == 3
+  with pytest.raises(ValueError, match="round row 'extra' has no padding value"):
+    chunk.rounds_used(3, 1, {**rows, "extra": np.zeros([3], np.int32)})
+
+
 def test_planner_refuses_a_round_over_the_declared_bounds():
   p = _planner(chunk.Shape(pieces=1, jobs=2, rounds=2, arrivals=1, pulls=2, replicas=1))
   with pytest.raises(ValueError, match="has 2 arrivals; allowed: at most 1"):
@@ -586,14 +611,17 @@ def test_chunk_program_has_no_conditional_and_copies_no_worker_buffer(name, inte
   ops = _hlo_ops(text)
   assert ops["conditional"] == 0, "a conditional in the chunk program"
   loops = [line for line in text.splitlines() if " while(" in line]
-  assert loops and all('"known_trip_count"' in line for line in loops), loops
+  # Unrolled (the CPU's form), each piece's round loop stops after its last used slot: a trip
+  # count that is data. Every other loop has a known trip count (no host trips on a GPU).
+  data_loops = [line for line in loops if '"known_trip_count"' not in line]
+  assert loops and len(data_loops) == (shape.pieces if unroll else 0), loops
   assert not _copies_at_least(text, num_workers * layout.num_params)
   if name == "gssp":   # nor of a group buffer (pending, outbox: [G, P], G = 4) in a round
     assert not _copies_at_least(text, 4 * layout.num_params), _copies_at_least(
         text, 4 * layout.num_params)
   round_scans = sum(f'"known_trip_count":{{"n":"{shape.rounds}"}}' in line for line in loops)
-  # Unrolled: no loop over pieces, each piece's round scan a loop of its own; else one, nested.
-  assert round_scans == (shape.pieces if unroll else 1), loops
+  # Unrolled: no loop over pieces, each piece's round loop its own; else one scan, nested.
+  assert round_scans == (0 if unroll else 1), loops
 
 
 @pytest.mark.parametrize("name", ["ssp", "gssp"])

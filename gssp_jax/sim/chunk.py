@@ -216,6 +216,37 @@ def piece_rows(num_workers: int, routes: jax.Array, rows: dict) -> dict:
           "groups": routes[rows["route"]]}
 
 
+# What each field of an empty round slot holds (the planner's padding; ids past the end,
+# ``W + i`` and ``R + i``, are padding too). A slot holding nothing else is an empty round:
+# nobody arrives or pulls, no replica applies, averages or adopts, no exchange; it changes
+# nothing.
+REPLICA_PADDING = {"applies": False, "adopt": -1, "average": -1, "stats_mean": -1,
+                   "adopt_weight": 1.0}
+GROUP_PADDING = {"forward": False, "deliver": False}
+SLOT_PADDING = {"route": 0, "aggregate": False, "learning_rate": 0.0}
+
+
+def rounds_used(num_workers: int, num_replicas: int, rows: dict) -> jax.Array:
+  """How many of a piece's round slots hold a round: one past the last slot with a field that
+  is not its padding (traced ``int32``; ``rows``: the piece's ``[Rr, ...]`` rows as the plan
+  carries them). The planner fills a piece's slots in order, so the slots past it are padding,
+  empty rounds that would change nothing; a loop to this count leaves them out."""
+  bounds = {"arrive_ids": num_workers, "pull_ids": num_workers, "replica_ids": num_replicas}
+  padding = {**REPLICA_PADDING, **GROUP_PADDING, **SLOT_PADDING}
+  busy = []
+  for name, value in sorted(rows.items()):
+    if name in bounds:
+      held = value < bounds[name]
+    elif name in padding:
+      held = value != padding[name]
+    else:
+      raise ValueError(f"round row {name!r} has no padding value; known: "
+                       f"{sorted([*bounds, *padding])}")
+    busy.append(held.reshape(held.shape[0], -1).any(axis=1))
+  busy = jnp.stack(busy).any(axis=0)
+  return jnp.max(jnp.where(busy, jnp.arange(1, busy.shape[0] + 1, dtype=jnp.int32), 0))
+
+
 def round_args(shape: Shape, num_workers: int, num_replicas: int, row: dict,
                empty: dict | None = None) -> dict[str, Any]:
   """One round slot's fields as ``rounds.apply_round``'s args (traced, pure).
@@ -333,7 +364,7 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
                   on_trace: Callable[[], None] = lambda: None, packing: Packing | None = None,
                   job_batch: int = 0, unroll_pieces: bool = False, mesh=None,
                   state_sharding=None, round_fields=rounds_lib.OPTIONAL_FIELDS,
-                  num_groups: int = 1):
+                  num_groups: int = 1, used_rounds_only: bool = False):
   """``(state, arrays, plan) -> (state, done)``: one chunk, jitted, the state donated.
 
   ``plan`` is ``planner.Chunk``'s device arrays: ``jobs`` (each ``[L, J, ...]``),
@@ -348,7 +379,10 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
   round; the state is as ``state_sharding`` places it (``devices.state_shardings``: the
   workers' own buffers split by owner; None: replicated). ``round_fields``: the protocol's
   (``Protocol.round_fields``); the fields it never sets are constants of the program
-  (:func:`never_set`), ``num_groups`` their ``[G]`` fields' size.
+  (:func:`never_set`), ``num_groups`` their ``[G]`` fields' size. ``used_rounds_only``: a
+  piece's round loop stops after its last used slot (:func:`rounds_used`), the CPU's choice;
+  else it runs all ``Rr`` (a loop whose trip count is data costs an accelerator a return to
+  the host per trip). Either way the same rounds change the state.
   """
   jobs = jobs_body(layout, loss_fn, compressor, dense_bytes, stats_bytes, num_workers,
                    grad_clip=grad_clip, local=local, job_batch=job_batch, mesh=mesh)
@@ -367,8 +401,13 @@ def make_chunk_fn(layout: flat_lib.Layout, loss_fn: Callable, compressor,
     def piece(s, xs):
       job, rows = xs
       s = jobs(s, arrays, job)
+      used = rounds_used(num_workers, num_replicas, rows) if used_rounds_only else None
       rows = piece_rows(num_workers, routes, rows)
-      s, _ = jax.lax.scan(round_step, s, rows)
+      if used is None:
+        s, _ = jax.lax.scan(round_step, s, rows)
+      else:
+        slot = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), rows)
+        s = jax.lax.fori_loop(0, used, lambda i, s: round_step(s, slot(i))[0], s)
       # A worker arrives at most once a piece (its one job), so its counters move once a piece.
       return executor.count_arrivals_of(s, rows["arrived"]), None
     xs = (plan["jobs"], plan["rounds"])

@@ -65,7 +65,8 @@ class LevelRunner:
     round_fields: the protocol's ``Protocol.round_fields`` (``Planner``'s).
     one_exchange: the protocol's ``Protocol.one_exchange_per_round`` (``Planner``'s).
     job_batch: job slots one ``vmap`` computes together (``chunk.jobs_body``; 0: all).
-    unroll_pieces: the chunk's pieces unrolled (``chunk.make_chunk_fn``; :func:`unrolled_for`).
+    unroll_pieces: the chunk's pieces unrolled (``chunk.make_chunk_fn``; :func:`unrolled_for`),
+      and each piece's round loop stopped after its last used slot (``used_rounds_only``).
     mesh: the devices a piece's jobs are split over (``sim/devices.py``), or None for one; the
       arrays passed in must be replicated on it (``devices.place``), the state placed as
       ``state_sharding`` says (``devices.state_shardings``; None: replicated).
@@ -99,7 +100,8 @@ class LevelRunner:
                                             packing=self.packing, job_batch=job_batch,
                                             unroll_pieces=unroll_pieces, mesh=mesh,
                                             state_sharding=state_sharding,
-                                            round_fields=round_fields, num_groups=num_groups)
+                                            round_fields=round_fields, num_groups=num_groups,
+                                            used_rounds_only=unroll_pieces)
     self._previous = None   # the done-token of the chunk before the one in flight
     self.chunks = 0
 
@@ -366,7 +368,10 @@ def job_batch_for(job_batch: int, backend: str) -> int:
 def unrolled_for(backend: str) -> bool:
   """Whether a chunk's pieces are unrolled (``chunk.make_chunk_fn``'s ``unroll_pieces``): on a
   CPU, where a convolution in a loop body takes a slow path (``chunk.map_jobs``); an
-  accelerator keeps the ``lax.scan`` over pieces (a program ``L`` times smaller)."""
+  accelerator keeps the ``lax.scan`` over pieces (a program ``L`` times smaller). The CPU's
+  pieces also stop their round loops after their last used slot (``used_rounds_only``), where
+  an accelerator runs every slot (a trip count that is data costs it a return to the host per
+  trip)."""
   return backend == "cpu"
 
 

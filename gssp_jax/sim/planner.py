@@ -41,11 +41,10 @@ from gssp_jax.sim import chunk as chunk_lib
 from gssp_jax.sync import rounds as rounds_lib
 
 # The round fields a slot carries besides its ids, with their padding value (an empty round).
-_REPLICA_FIELDS = {"applies": False, "adopt": -1, "average": -1, "stats_mean": -1,
-                   "adopt_weight": 1.0}
-_GROUP_FIELDS = {"forward": False, "deliver": False}
+_REPLICA_FIELDS, _GROUP_FIELDS = chunk_lib.REPLICA_PADDING, chunk_lib.GROUP_PADDING
 _DTYPES = {"applies": bool, "adopt": np.int32, "average": np.int32, "stats_mean": np.int32,
-           "adopt_weight": np.float32, "forward": bool, "deliver": bool}
+           "adopt_weight": np.float32, "forward": bool, "deliver": bool, "route": np.int32,
+           "aggregate": bool, "learning_rate": np.float32}
 _JOB_FIELDS = ("workers", "idx", "iters", "ratios", "flushes", "steps")
 _PIECE = operator.itemgetter(0)   # a noted round's or job's piece
 
@@ -331,9 +330,8 @@ class Planner:
     out_rounds = {"arrive_ids": _padded(L, Rr, s.arrivals, W),
                   "pull_ids": _padded(L, Rr, s.pulls, W),
                   "replica_ids": _padded(L, Rr, s.replicas, R),
-                  "route": np.zeros((L, Rr), np.int32),
-                  "aggregate": np.zeros((L, Rr), bool),
-                  "learning_rate": np.zeros((L, Rr), np.float32)}
+                  **{name: np.full((L, Rr), fill, _DTYPES[name])
+                     for name, fill in chunk_lib.SLOT_PADDING.items()}}
     for fields, width in ((_REPLICA_FIELDS, R), (_GROUP_FIELDS, G)):
       for name, fill in fields.items():
         out_rounds[name] = np.full((L, Rr, width), fill, _DTYPES[name])
