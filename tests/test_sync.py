@@ -962,3 +962,32 @@ def test_every_round_keeps_to_its_protocols_declared_bounds_and_fields(name, int
       assert not any(getattr(r, field).flags.writeable for r in rounds), field
   with pytest.raises(ValueError, match="read-only"):
     sync.SSPProtocol(4).new_round(0.0).adopt[0] = 1   # SSP declares no optional field
+
+
+@pytest.mark.parametrize("num_replicas", [4, 17])
+def test_replicated_listed_replicas_equal_every_replica_bit_for_bit(num_replicas):
+  """``transforms.replicated`` with ``replica_ids``: the loop that stops at the listed count
+  and, in a device program of many rounds (``no_branches``), the fixed-trip form (up to
+  ``ONE_HOT_MAX`` replicas the updates one select, above it the write-back loop) give every
+  replica's step bit for bit; a listed replica that does not apply keeps its momentum and gets
+  a zero update."""
+  R, P = num_replicas, 7
+  tx = sync.transforms.replicated(optax.sgd(0.1, momentum=0.9), R)
+  rng = np.random.default_rng(0)
+  params = jnp.asarray(rng.standard_normal((R, P)), jnp.float32)
+  state = {form: tx.init(params[0]) for form in ("dense", "listed", "fixed")}
+  for step in range(3):
+    updates = jnp.asarray(rng.standard_normal((R, P)), jnp.float32)
+    applies = np.zeros([R], bool)
+    applies[[1, R - 1]] = True
+    ids = np.array([1, 2, R - 1, R, R + 1], np.int32)     # 2 is listed (averaged) but not applying
+    out = {"dense": tx.update(updates, state["dense"], params, applies=applies),
+           "listed": tx.update(updates, state["listed"], params, applies=applies,
+                               replica_ids=ids),
+           "fixed": tx.update(updates, state["fixed"], params, applies=applies,
+                              replica_ids=ids, no_branches=True)}
+    for form in ("listed", "fixed"):
+      for a, b in zip(jax.tree.leaves(out["dense"]), jax.tree.leaves(out[form])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{form} {step}")
+    state = {form: new for form, (_, new) in out.items()}
+    assert not np.asarray(out["fixed"][0])[~applies].any()
