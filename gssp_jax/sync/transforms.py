@@ -344,16 +344,19 @@ def _listed_update(inner, num_replicas: int, updates, state: ReplicatedState, pa
   # Listed ids come first, ascending: the loop stops before the padding, or repeats the last.
   count = jnp.sum(valid, dtype=jnp.int32)
   target = ids
+  select = static_trips and num_replicas <= ONE_HOT_MAX   # the updates as one select, below
   if static_trips:
     src = jnp.where(valid, jnp.arange(ids.shape[0]), jnp.maximum(count - 1, 0))
     target, count = safe[src], ids.shape[0]
-    new_inner, new_updates = (jax.tree.map(lambda x: x[src], t) for t in (new_inner, new_updates))
+    new_inner = jax.tree.map(lambda x: x[src], new_inner)
+    if not select:
+      new_updates = jax.tree.map(lambda x: x[src], new_updates)
   row = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=False),
                                      tree)
   put = lambda tree, r, new: jax.tree.map(
       lambda x, y: lax.dynamic_update_index_in_dim(x, y, r, 0), tree, new)
 
-  if static_trips and num_replicas <= ONE_HOT_MAX:
+  if select:
     # The updates as one select over the few replicas (fused, exact: no sums), not a zero
     # [R, ...] tree written row by row; the optimizer state still written back in place.
     at = (ids[:, None] == jnp.arange(num_replicas)) & valid[:, None]             # [Kr, R]
